@@ -1,0 +1,250 @@
+"""Exact values of every loss, estimator and aggregation on hand-checkable inputs."""
+
+import math
+
+import pytest
+import torch
+
+from posttrain.losses import (AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate,
+                              bradley_terry_loss, clipped_surrogate_loss, distillation_advantage,
+                              dpo_loss, entropy_from_logits, exact_kl_from_logits,
+                              explained_variance, importance_sampled_pg_loss, kl_penalized_rewards,
+                              kl_penalty_in_loss, pairwise_accuracy, ratio_stats,
+                              reverse_kl_from_logits, sampled_reverse_kl, sequence_logprob,
+                              sft_loss, token_logprobs, vanilla_pg_loss, value_loss)
+
+close = torch.testing.assert_close
+
+
+def t(*rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+# ----- log-probs and entropy -------------------------------------------------------------------
+
+def test_token_logprobs_exact_and_matches_log_softmax():
+    logits = torch.log(t([0.5, 0.25, 0.25]))  # probabilities 1/2, 1/4, 1/4
+    close(token_logprobs(logits, torch.tensor([1])), t(math.log(0.25)))
+    torch.manual_seed(0)
+    z = torch.randn(2, 5, 11)
+    tok = torch.randint(0, 11, (2, 5))
+    ref = torch.log_softmax(z, -1).gather(-1, tok[..., None]).squeeze(-1)
+    close(token_logprobs(z, tok), ref)
+    close(token_logprobs(z, tok, temperature=0.7),
+          torch.log_softmax(z / 0.7, -1).gather(-1, tok[..., None]).squeeze(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_token_logprobs_half_precision_inputs_are_chunked_in_float32(dtype, monkeypatch):
+    import posttrain.losses as L
+    monkeypatch.setattr(L, "_CHUNK", 3)  # force several chunks
+    torch.manual_seed(1)
+    z = torch.randn(2, 5, 7).to(dtype)
+    tok = torch.randint(0, 7, (2, 5))
+    out = token_logprobs(z, tok)
+    assert out.dtype == torch.float32
+    close(out, torch.log_softmax(z.float(), -1).gather(-1, tok[..., None]).squeeze(-1))
+    close(entropy_from_logits(z), -(torch.softmax(z.float(), -1) * torch.log_softmax(z.float(), -1)).sum(-1))
+
+
+def test_entropy_uniform_and_one_hot():
+    close(entropy_from_logits(torch.zeros(4)), torch.tensor(math.log(4)))
+    assert entropy_from_logits(t([100.0, 0.0, 0.0])).item() < 1e-6
+
+
+def test_sequence_logprob_sums_response_tokens_only():
+    close(sequence_logprob(t([-1.0, -2.0, -5.0]), t([1.0, 1.0, 0.0])), t(-3.0))
+
+
+# ----- policy losses ---------------------------------------------------------------------------
+
+def test_vanilla_and_importance_sampled_values():
+    logp, old, adv = t(math.log(0.5)), t(math.log(0.25)), t(2.0)
+    close(vanilla_pg_loss(logp, old, adv), -2.0 * logp)
+    close(importance_sampled_pg_loss(logp, old, adv), t(-4.0))  # rho = 2
+
+
+def test_clipped_surrogate_exact_values_symmetric_and_asymmetric():
+    old = torch.zeros(4)
+    ratio = t(0.5, 0.9, 1.1, 1.5)
+    logp = ratio.log()
+    pos, neg = torch.ones(4), -torch.ones(4)
+    # A > 0: min(rho A, clip(rho) A) -> clip only bites above 1+eps
+    close(clipped_surrogate_loss(logp, old, pos, clip_low=0.2, clip_high=0.2), -t(0.5, 0.9, 1.1, 1.2))
+    # A < 0: clip only bites below 1-eps
+    close(clipped_surrogate_loss(logp, old, neg, clip_low=0.2, clip_high=0.2), t(0.8, 0.9, 1.1, 1.5))
+    # Clip-Higher: the high side allows 1.28
+    close(clipped_surrogate_loss(logp, old, pos, clip_low=0.2, clip_high=0.28), -t(0.5, 0.9, 1.1, 1.28))
+
+
+def test_dual_clip_bounds_negative_advantage_loss():
+    logp, old, adv = t(math.log(5.0)), t(0.0), t(-1.0)
+    close(clipped_surrogate_loss(logp, old, adv), t(5.0))
+    close(clipped_surrogate_loss(logp, old, adv, dual_clip=3.0), t(3.0))
+    close(clipped_surrogate_loss(logp, old, -adv, dual_clip=3.0), t(-1.2))  # A > 0 untouched
+
+
+def test_clip_zero_gradient_outside_range_in_direction_of_advantage():
+    """§5: once rho left [1-eps_low, 1+eps_high] in the direction A pushes, the gradient is 0."""
+    def grad(ratio, adv, lo=0.2, hi=0.28):
+        logp = torch.tensor(math.log(ratio), requires_grad=True)
+        clipped_surrogate_loss(logp, torch.tensor(0.0), torch.tensor(adv),
+                               clip_low=lo, clip_high=hi).backward()
+        return logp.grad.item()
+    assert grad(1.3, +1.0) == 0.0          # A > 0, above 1 + 0.28
+    assert grad(1.25, +1.0) != 0.0         # A > 0, inside the higher range
+    assert grad(0.7, -1.0) == 0.0          # A < 0, below 1 - 0.2
+    assert grad(0.7, +1.0) != 0.0          # A > 0 below the range: still pushed up
+    assert grad(1.3, -1.0) != 0.0          # A < 0 above the range: still pushed down
+    # asymmetric: 1.25 is clipped with symmetric 0.2 but not with clip_high 0.28
+    assert grad(1.25, +1.0, hi=0.2) == 0.0
+    # and the low side is not widened: 0.75 is clipped with clip_low 0.2 whatever clip_high is
+    assert grad(0.75, -1.0, hi=0.28) == 0.0
+
+
+def test_ratio_stats_counts_clipped_tokens_and_kl():
+    old = torch.zeros(1, 4)
+    logp = t([0.5, 1.0, 1.5, 1.0]).log()
+    adv = t([-1.0, 1.0, 1.0, 1.0])
+    mask = t([1.0, 1.0, 1.0, 0.0])
+    s = ratio_stats(logp, old, adv, mask, 0.2, 0.2)
+    close(s.clip_frac_low, torch.tensor(1 / 3))
+    close(s.clip_frac_high, torch.tensor(1 / 3))
+    close(s.approx_kl_old, torch.tensor(((0.5 - 1 - math.log(0.5)) + (1.5 - 1 - math.log(1.5))) / 3))
+    close(s.ratio_max, torch.tensor(1.5))
+    close(s.ratio_min, torch.tensor(0.5))
+
+
+def test_one_update_clipped_equals_vanilla_gradient_at_ratio_one():
+    torch.manual_seed(0)
+    logp = torch.randn(3, 4, requires_grad=True)
+    adv = torch.randn(3, 4)
+    g1, = torch.autograd.grad(POLICY_LOSSES["clipped"](logp, logp.detach(), adv).sum(), logp)
+    g2, = torch.autograd.grad(POLICY_LOSSES["vanilla"](logp, logp.detach(), adv).sum(), logp)
+    close(g1, g2)
+
+
+# ----- aggregation -----------------------------------------------------------------------------
+
+def test_aggregation_weights_match_length_bias_analysis():
+    """§7: one long (4 tokens) and one short (1 token) response, both with advantage A."""
+    mask = t([1, 1, 1, 1], [1, 0, 0, 0])
+    w = {name: AGGREGATIONS[name](mask, 8.0) for name in AGGREGATIONS}
+    # GRPO: 1/G * 1/|o_i| -> a long response's token weighs 1/8, the short one's 1/2
+    close(w["seq_mean_token_mean"], t([1 / 8] * 4, [1 / 2, 0, 0, 0]))
+    # DAPO: every token 1/5
+    close(w["token_mean"], mask / 5)
+    # Dr. GRPO: 1/(G L_max) = 1/16 for every token
+    close(w["seq_mean_token_sum_norm"], mask / 16)
+    # REINFORCE: 1/G per token
+    close(w["seq_mean_token_sum"], mask / 2)
+    # The length bias: under GRPO both responses carry the same total weight (1/2), so per token a
+    # long wrong answer is punished 4x less than a short one; DAPO and Dr. GRPO weigh tokens equally.
+    close(w["seq_mean_token_mean"].sum(-1), t(0.5, 0.5))
+    assert (w["token_mean"].sum(-1) == t(0.8, 0.2)).all()
+    loss = torch.ones(2, 4)
+    for name in AGGREGATIONS:
+        assert aggregate(loss, w[name]).isfinite()
+
+
+def test_aggregation_split_into_microbatches_sums_to_full_batch():
+    torch.manual_seed(0)
+    mask = (torch.rand(6, 5) > 0.3).float()
+    loss = torch.randn(6, 5)
+    for name in AGGREGATIONS:
+        w = AGGREGATIONS[name](mask, 5.0)
+        whole = aggregate(loss, w)
+        parts = aggregate(loss[:2], w[:2]) + aggregate(loss[2:], w[2:])
+        close(whole, parts)
+
+
+def test_token_mean_is_invariant_to_padding():
+    loss = t([2.0, 4.0])
+    mask = t([1.0, 1.0])
+    padded_loss, padded_mask = t([2.0, 4.0, 99.0, 99.0]), t([1.0, 1.0, 0.0, 0.0])
+    close(aggregate(loss, AGGREGATIONS["token_mean"](mask, 4.0)),
+          aggregate(padded_loss, AGGREGATIONS["token_mean"](padded_mask, 4.0)))
+
+
+# ----- KL --------------------------------------------------------------------------------------
+
+def test_kl_estimators_hand_values():
+    logp, ref = t(math.log(0.5)), t(math.log(0.25))
+    close(KL_ESTIMATORS["k1"](logp, ref), t(math.log(2)))
+    close(KL_ESTIMATORS["k2"](logp, ref), t(0.5 * math.log(2) ** 2))
+    close(KL_ESTIMATORS["k3"](logp, ref), t(0.5 + math.log(2) - 1))
+    close(KL_ESTIMATORS["k3"](logp, logp), t(0.0))
+
+
+def test_k3_expectation_is_exact_kl_over_vocabulary():
+    torch.manual_seed(0)
+    logp_V = torch.randn(7).log_softmax(-1)
+    ref_logp_V = torch.randn(7).log_softmax(-1)
+    k3_V = KL_ESTIMATORS["k3"](logp_V, ref_logp_V)
+    exact_kl = (logp_V.exp() * (logp_V - ref_logp_V)).sum()
+    close((logp_V.exp() * k3_V).sum(), exact_kl)
+    close(exact_kl_from_logits(logp_V, ref_logp_V), exact_kl)
+
+
+def test_exact_kl_both_directions_hand_value():
+    p, q = torch.log(t(0.5, 0.5)), torch.log(t(0.25, 0.75))
+    close(exact_kl_from_logits(p, q), torch.tensor(0.5 * math.log(2) + 0.5 * math.log(2 / 3)))
+    close(exact_kl_from_logits(q, p), torch.tensor(0.25 * math.log(0.5) + 0.75 * math.log(1.5)))
+    close(reverse_kl_from_logits(p, q), exact_kl_from_logits(p, q))
+    bf = exact_kl_from_logits(p.bfloat16(), q.bfloat16())
+    assert bf.dtype == torch.float32
+
+
+def test_kl_in_loss_and_in_reward():
+    close(kl_penalty_in_loss(t(1.0, 2.0), t(0.5, 1.0), 0.1), t(1.05, 2.1))
+    kl = t([0.1, 0.2, 0.3, 9.0], [0.5, 0.5, 0.0, 0.0])
+    mask = t([1, 1, 1, 0], [1, 1, 0, 0])
+    r = kl_penalized_rewards(t(1.0, -1.0), kl, mask, kl_coef=0.5)
+    close(r, t([-0.05, -0.1, -0.15 + 1.0, 0.0], [-0.25, -0.25 - 1.0, 0.0, 0.0]))
+    empty = kl_penalized_rewards(t(1.0), t([0.0, 0.0]), t([0.0, 0.0]), 0.5)
+    close(empty, t([0.0, 0.0]))
+
+
+# ----- value, distillation, preferences, SFT ----------------------------------------------------
+
+def test_value_loss_plain_and_clipped():
+    v, old, ret = t(1.0, 0.0), t(0.0, 0.0), t(2.0, 1.0)
+    loss, clipped = value_loss(v, old, ret)
+    close(loss, t(0.5, 0.5))
+    assert not clipped.any()
+    # clip 0.2 around old: first prediction becomes 0.2, error 1.8 > 1.0 -> clipped branch taken
+    loss, clipped = value_loss(v, old, ret, clip_range=0.2)
+    close(loss, t(0.5 * 1.8 ** 2, 0.5))
+    assert clipped.tolist() == [True, False]
+
+
+def test_explained_variance():
+    ret, mask = t([1.0, 2.0, 3.0, 4.0]), torch.ones(1, 4)
+    close(explained_variance(ret, ret, mask), torch.tensor(1.0))
+    close(explained_variance(torch.zeros(1, 4) + 2.5, ret, mask), torch.tensor(0.0))
+
+
+def test_distillation_terms():
+    logp, tlogp, mask = t([-1.0, -2.0]), t([-0.5, -3.0]), t([1.0, 0.0])
+    close(sampled_reverse_kl(logp, tlogp), t([-0.5, 1.0]))
+    close(distillation_advantage(logp, tlogp, mask, coef=2.0), t([1.0, 0.0]))
+
+
+def test_bradley_terry_and_accuracy():
+    close(bradley_terry_loss(t(0.0), t(0.0)), t(math.log(2)))
+    close(bradley_terry_loss(t(2.0), t(1.0)), t(-math.log(torch.sigmoid(torch.tensor(1.0)).item())))
+    assert bradley_terry_loss(t(1000.0), t(-1000.0)).isfinite()
+    close(pairwise_accuracy(t(1.0, 0.0, 3.0), t(0.0, 1.0, 2.0)), torch.tensor(2 / 3))
+
+
+def test_dpo_loss_and_implicit_rewards():
+    out = dpo_loss(t(-1.0), t(-3.0), t(-2.0), t(-2.0), beta=0.5)
+    close(out.chosen_rewards, t(0.5))
+    close(out.rejected_rewards, t(-0.5))
+    close(out.loss, t(-math.log(torch.sigmoid(torch.tensor(1.0)).item())))
+    same = dpo_loss(t(-1.0), t(-1.0), t(-1.0), t(-1.0), beta=0.1)
+    close(same.loss, t(math.log(2)))
+
+
+def test_sft_loss_ignores_masked_tokens():
+    close(sft_loss(t([-1.0, -3.0, -100.0]), t([1.0, 1.0, 0.0])), torch.tensor(2.0))
