@@ -1,0 +1,177 @@
+"""The `posttrain` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from dataclasses import fields
+from importlib import resources
+from pathlib import Path
+
+from posttrain.config import PRESETS, AlgorithmConfig, ConfigError, TrainConfig, load_config
+
+DEFAULT_RECIPE = "addition_grpo.yaml"
+
+EPILOG = f"""
+Configuration: every field of the config can be set in a YAML file (--config) and overridden on the
+command line as --section.field VALUE, e.g. --optim.lr 2e-5 --rollout.group_size 8
+--algorithm.clip_high 0.28. Without --config, `train` uses the packaged recipe {DEFAULT_RECIPE}
+(GRPO on 2-digit addition with the embedded SmolLM2-135M-Instruct).
+
+Presets (algorithm.*): {', '.join(PRESETS)}.
+Sections and fields:
+""" + "\n".join(
+    f"  {f.name}: " + ", ".join(g.name for g in fields(f.type))  # type: ignore[arg-type]
+    if hasattr(f.type, "__dataclass_fields__") else f"  {f.name}"
+    for f in fields(TrainConfig) if f.name != "algorithm"
+) + "\n  algorithm: " + ", ".join(f.name for f in fields(AlgorithmConfig))
+
+
+def recipe_path(name: str) -> Path:
+    return Path(str(resources.files("posttrain.recipes").joinpath(name)))
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("posttrain").setLevel(logging.INFO)
+    for noisy in ("transformers", "datasets", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")       # nothing is ever downloaded at run time
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from posttrain.trainer import train
+
+    config_file = args.config
+    if config_file is None and args.resume is None:
+        config_file = recipe_path(DEFAULT_RECIPE)
+    if args.resume is not None:
+        saved = Path(args.resume) / "config.json"
+        if not saved.is_file():
+            raise ConfigError(f"--resume {args.resume}: {saved} not found")
+        base = json.loads(saved.read_text())
+        cfg = load_config(config_file, overrides, base=base)
+    else:
+        cfg = load_config(config_file, overrides)
+    summary = train(cfg, resume=args.resume, show_progress=not args.no_progress)
+    print_summary(summary)
+    return 0
+
+
+def print_summary(summary: dict) -> None:
+    before = summary.get("eval_before", {}).get("eval/accuracy")
+    after = summary.get("eval_after", {}).get("eval/accuracy")
+    print(f"\nrun folder: {summary['run_dir']}")
+    if before is not None or after is not None:
+        fmt = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+        print(f"held-out accuracy: {fmt(before)} -> {fmt(after)} "
+              f"after {summary['steps']} steps, {summary['train_minutes']:.1f} min of training")
+    for key, value in sorted(summary.get("eval_after", {}).items()):
+        if key.startswith("eval/accuracy_"):
+            print(f"  {key[5:]}: {100 * value:.1f}%")
+    print(f"final model: {summary['final_model']}")
+    if "plot" in summary:
+        print(f"curves: {summary['plot']}")
+    samples = Path(summary["run_dir"]) / "eval_samples.jsonl"
+    if samples.is_file():
+        last = json.loads(samples.read_text().strip().splitlines()[-1])
+        print("sample completions (held-out, greedy):")
+        for s in last["samples"][:3]:
+            print(f"  {s['prompt']!r} -> {s['completion']!r} ({'correct' if s['correct'] else 'wrong'})")
+
+
+def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    import torch
+
+    from posttrain.models import load_policy, load_tokenizer, resolve_model_path
+    from posttrain.rewards import Scorer
+    from posttrain.rollout import make_engine
+    from posttrain.trainer import build_task, evaluate
+
+    overrides = [*overrides, "--model.path", args.model]
+    if args.task:
+        overrides += ["--data.task", args.task]
+    cfg = load_config(args.config, overrides)
+    task = build_task(cfg)
+    scorer = Scorer(cfg.reward, task.verifier)
+    path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    tokenizer, model = load_tokenizer(path), load_policy(path, cfg.model.dtype)
+    engine = make_engine(cfg.rollout.backend, model, tokenizer)
+    res = evaluate(model, tokenizer, engine, task.eval_problems, scorer, cfg)
+    samples = res.pop("_samples")
+    if args.k > 1:
+        n = max(args.samples, args.k)
+        res_k = evaluate(model, tokenizer, engine, task.eval_problems, scorer, cfg, samples=n,
+                         k=args.k, temperature=args.temperature,
+                         generator=torch.Generator().manual_seed(cfg.seed))
+        res[f"eval/pass@{args.k}"] = res_k[f"eval/pass@{args.k}"]
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}, indent=2))
+    for s in samples[:3]:
+        print(f"  {s['prompt']!r} -> {s['completion']!r} ({'correct' if s['correct'] else 'wrong'})")
+    return 0
+
+
+def cmd_prepare_model(args: argparse.Namespace, overrides: list[str]) -> int:
+    from posttrain.models import prepare_embedded
+    print(prepare_embedded(args.cache_dir))
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace, overrides: list[str]) -> int:
+    from posttrain.logging import plot_run
+    print(plot_run(Path(args.run_dir)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="posttrain", description="Post-train language models with RL (REINFORCE, RLOO, GRPO, "
+        "DAPO, Dr. GRPO) on verifiable rewards.", epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every step")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="policy-gradient training (default: GRPO on addition)",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, help="YAML config file (default: packaged recipe)")
+    p.add_argument("--resume", help="run folder to resume from its latest checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar; a log line per step")
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("eval", help="held-out greedy accuracy and pass@k of a model")
+    p.add_argument("--model", required=True, help="model folder, or 'smollm2-135m-instruct'")
+    p.add_argument("--task", help="built-in task (addition, arithmetic, countdown) or 'file'")
+    p.add_argument("--config", type=Path, help="YAML config for data/reward/rollout settings")
+    p.add_argument("--k", type=int, default=1, help="also report pass@k (sampled)")
+    p.add_argument("--samples", type=int, default=0, help="samples per problem for pass@k (>= k)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for pass@k")
+    p.set_defaults(fn=cmd_eval)
+
+    p = sub.add_parser("prepare-model", help="convert the embedded SmolLM2 GGUF once into the cache")
+    p.add_argument("--cache-dir", help="cache folder (default: $POSTTRAIN_CACHE or ~/.cache/posttrain)")
+    p.set_defaults(fn=cmd_prepare_model)
+
+    p = sub.add_parser("plot", help="(re)draw training_curves.png of a run folder")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=cmd_plot)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    _setup_logging(args.verbose or getattr(args, "no_progress", False))
+    try:
+        return args.fn(args, rest)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"posttrain: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

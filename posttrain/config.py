@@ -1,0 +1,373 @@
+"""Typed, validated configuration. Algorithms are presets: values of one `AlgorithmConfig`.
+
+A config is built from (lowest to highest precedence) the dataclass defaults, the preset named by
+`preset`, a YAML file, and `--section.field value` overrides. Every value is type-checked and every
+cross-field rule is checked here, before any model is loaded, with an error naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from posttrain.advantages import ADVANTAGES, NEEDS_GROUP, NEEDS_VALUES
+from posttrain.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the field, the value and what is accepted."""
+
+
+def _check_choice(where: str, value: Any, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{where}={value!r} is not valid; accepted: {sorted(choices)}")
+
+
+def _check_range(where: str, value: float, lo: float | None = None, hi: float | None = None,
+                 lo_open: bool = False) -> None:
+    if lo is not None and (value < lo or (lo_open and value == lo)):
+        raise ConfigError(f"{where}={value!r} must be {'>' if lo_open else '>='} {lo}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{where}={value!r} must be <= {hi}")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """How a scored batch becomes a gradient: the parts of ALGORITHMS.md §2-§8 to combine."""
+
+    advantage: str = "group"            # key of advantages.ADVANTAGES
+    scale_by_std: bool = True           # GRPO divides by the group std; Dr. GRPO does not (§7)
+    eps: float = 1e-6                   # added to the std in the GRPO advantage
+    policy_loss: str = "clipped"        # key of losses.POLICY_LOSSES
+    clip_low: float = 0.2               # ratio may fall to 1 - clip_low
+    clip_high: float = 0.2              # ratio may rise to 1 + clip_high (> clip_low: Clip-Higher)
+    dual_clip: float | None = None      # bound on the loss of negative-advantage tokens (c > 1)
+    aggregation: str = "seq_mean_token_mean"  # key of losses.AGGREGATIONS
+    kl_in: Literal["loss", "reward", "none"] = "loss"  # where the KL to pi_ref goes (§5 vs §6)
+    kl_estimator: str = "k3"            # key of losses.KL_ESTIMATORS
+    kl_coef: float = 0.04               # beta; 0 builds no reference model at all
+    dynamic_sampling: bool = False      # DAPO: refill the batch instead of training on all-equal groups
+    max_refill_rounds: int = 4          # extra generation rounds dynamic sampling may use per step
+    overlong: Literal["none", "filter", "shape"] = "none"  # DAPO truncated-response handling
+    overlong_buffer: int = 8            # 'shape': tokens before the limit where the penalty ramps up
+    overlong_penalty: float = 1.0       # 'shape': penalty reached at the limit
+    gamma: float = 1.0                  # GAE discount (§5)
+    lam: float = 0.95                   # GAE lambda (§5)
+
+    def validate(self, group_size: int) -> None:
+        _check_choice("algorithm.advantage", self.advantage, ADVANTAGES.names())
+        _check_choice("algorithm.policy_loss", self.policy_loss, POLICY_LOSSES.names())
+        _check_choice("algorithm.aggregation", self.aggregation, AGGREGATIONS.names())
+        _check_choice("algorithm.kl_estimator", self.kl_estimator, KL_ESTIMATORS.names())
+        _check_choice("algorithm.kl_in", self.kl_in, ("loss", "reward", "none"))
+        _check_choice("algorithm.overlong", self.overlong, ("none", "filter", "shape"))
+        _check_range("algorithm.clip_low", self.clip_low, 0.0, 1.0)
+        _check_range("algorithm.clip_high", self.clip_high, 0.0)
+        _check_range("algorithm.kl_coef", self.kl_coef, 0.0)
+        _check_range("algorithm.eps", self.eps, 0.0)
+        _check_range("algorithm.gamma", self.gamma, 0.0, 1.0)
+        _check_range("algorithm.lam", self.lam, 0.0, 1.0)
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ConfigError(f"algorithm.dual_clip={self.dual_clip} must be > 1 (or null)")
+        if self.advantage in NEEDS_VALUES:
+            raise ConfigError(f"algorithm.advantage={self.advantage!r} needs a value model, which "
+                              "this trainer does not build yet; use 'group', 'rloo', 'group_mean', "
+                              "'batch_mean' or 'reinforce'")
+        if self.kl_in == "reward" and self.advantage not in NEEDS_VALUES:
+            raise ConfigError("algorithm.kl_in='reward' folds the KL into per-token rewards, which "
+                              f"only a token-level estimator uses; advantage={self.advantage!r} "
+                              "sees one score per response. Use kl_in='loss' or 'none'")
+        needs_group = self.advantage in NEEDS_GROUP and (
+            self.advantage != "group" or self.scale_by_std)
+        if needs_group and group_size < 2:
+            raise ConfigError(f"algorithm.advantage={self.advantage!r} compares the answers to one "
+                              f"prompt: rollout.group_size={group_size} must be >= 2")
+        if self.dynamic_sampling and self.advantage not in NEEDS_GROUP | {"group_mean"}:
+            raise ConfigError("algorithm.dynamic_sampling drops groups whose rewards are all equal; "
+                              f"it needs a group advantage, not {self.advantage!r}")
+
+
+# ALGORITHMS.md §2, §6, §7. Each preset is a `replace` of a few fields of GRPO.
+GRPO = AlgorithmConfig()
+PRESETS: dict[str, AlgorithmConfig] = {
+    # REINFORCE with a batch-mean baseline: one on-policy update per batch, sum over the tokens.
+    "reinforce": replace(GRPO, advantage="batch_mean", policy_loss="vanilla",
+                         aggregation="seq_mean_token_sum", kl_in="none", kl_coef=0.0),
+    # RLOO (Ahmadian et al. 2024): leave-one-out baseline, PPO-style ratio clipping for reuse.
+    "rloo": replace(GRPO, advantage="rloo", kl_in="none", kl_coef=0.0),
+    # GRPO (Shao et al. 2024): group-normalised advantage, 1/|o_i| aggregation, k3 KL in the loss.
+    "grpo": GRPO,
+    # DAPO (Yu et al. 2025): token-mean, Clip-Higher, dynamic sampling, overlong shaping, no KL.
+    "dapo": replace(GRPO, clip_high=0.28, aggregation="token_mean", kl_in="none", kl_coef=0.0,
+                    dynamic_sampling=True, overlong="shape"),
+    # Dr. GRPO (Liu et al. 2025): no std, constant length normaliser, no KL.
+    "dr_grpo": replace(GRPO, scale_by_std=False, aggregation="seq_mean_token_sum_norm",
+                       kl_in="none", kl_coef=0.0),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = "smollm2-135m-instruct"  # local HF folder, or the embedded 'smollm2-135m-instruct'
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    cache_dir: str | None = None        # where the embedded GGUF is converted once; None: user cache
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    task: str = "addition"              # built-in task ('addition', 'countdown', ...) or 'file'
+    difficulty: int = 2                 # task knob: digits per operand; numbers for countdown
+    eval_size: int = 200                # held-out problems (fixed seed, disjoint from training)
+    eval_seed: int = 1234
+    train_path: str | None = None       # task 'file': JSONL / CSV / Parquet file or datasets folder
+    eval_path: str | None = None        # task 'file': held-out file; None splits eval_size off train
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    system_prompt: str | None = "Answer with the final number only."  # None: the template's default
+    chat_template: bool = True          # apply the tokenizer's chat template to prompts
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    backend: Literal["hf"] = "hf"       # in-process transformers sampling (vLLM: see issue on scale)
+    prompts_per_step: int = 8           # P prompts per generated batch
+    group_size: int = 4                 # G responses per prompt
+    max_new_tokens: int = 24
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    verifier: Literal["math", "exact", "none"] = "math"  # how an answer is compared to the truth
+    correct_reward: float = 1.0
+    format_weight: float = 0.0          # extra reward for an answer in the expected format
+    functions: tuple[str, ...] = ()     # user rewards as 'module:function' (added, weight 1 each)
+    timeout_s: float = 5.0              # a reward call running longer gets the fallback
+    fallback: float = 0.0               # reward given when a function raises, hangs or returns NaN
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    warmup_steps: int = 0
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    max_grad_norm: float = 1.0
+    epochs: int = 1                     # passes over each generated batch (>1 reuses samples, §3)
+    minibatches: int = 1                # optimizer steps per pass
+    micro_batch_size: int = 32          # responses per forward/backward (gradient accumulation)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    preset: str = "grpo"
+    algorithm: dict[str, Any] = field(default_factory=dict)  # field overrides on top of the preset
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    optim: OptimConfig = OptimConfig()
+    steps: int = 50                     # generated batches
+    max_minutes: float | None = None    # stop training after this wall time (evaluation excluded)
+    seed: int = 0
+    threads: int | None = None          # torch intra-op threads; None: torch's default
+    run_dir: str | None = None          # None: runs/<preset>-<time>
+    eval_every: int = 0                 # held-out greedy accuracy every N steps (0: before/after)
+    eval_batch_size: int = 100
+    checkpoint_every: int = 0           # 0: only the final model
+    log_samples: int = 2                # completions printed per step with --verbose
+    tensorboard: bool = True            # also write TensorBoard events when it is installed
+
+    @property
+    def algo(self) -> AlgorithmConfig:
+        return replace(PRESETS[self.preset], **self.algorithm)
+
+    @property
+    def batch_size(self) -> int:
+        return self.rollout.prompts_per_step * self.rollout.group_size
+
+    def validate(self) -> TrainConfig:
+        _check_choice("preset", self.preset, PRESETS)
+        known = {f.name for f in fields(AlgorithmConfig)}
+        for k in self.algorithm:
+            if k not in known:
+                raise ConfigError(f"algorithm.{k} is not a field; known: {sorted(known)}")
+        algo = self.algo
+        for f in fields(AlgorithmConfig):
+            _coerce(f"algorithm.{f.name}", getattr(algo, f.name), _hint(AlgorithmConfig, f.name))
+        algo.validate(self.rollout.group_size)
+        r, o = self.rollout, self.optim
+        for name in ("prompts_per_step", "group_size", "max_new_tokens"):
+            _check_range(f"rollout.{name}", getattr(r, name), 1)
+        _check_range("rollout.temperature", r.temperature, 0.0, lo_open=True)
+        _check_range("rollout.top_p", r.top_p, 0.0, 1.0, lo_open=True)
+        _check_range("optim.lr", o.lr, 0.0)
+        _check_range("optim.epochs", o.epochs, 1)
+        _check_range("optim.minibatches", o.minibatches, 1)
+        _check_range("optim.micro_batch_size", o.micro_batch_size, 1)
+        _check_range("optim.max_grad_norm", o.max_grad_norm, 0.0, lo_open=True)
+        if self.batch_size % o.minibatches or (self.batch_size // o.minibatches) % r.group_size:
+            raise ConfigError(
+                f"optim.minibatches={o.minibatches} must split the {self.batch_size} responses of a "
+                f"step (prompts_per_step x group_size) into whole groups of {r.group_size}")
+        if algo.policy_loss == "vanilla" and (o.epochs > 1 or o.minibatches > 1):
+            raise ConfigError("algorithm.policy_loss='vanilla' is on-policy only: with "
+                              f"optim.epochs={o.epochs}, optim.minibatches={o.minibatches} the later "
+                              "updates use stale samples; use 'clipped' or a single update")
+        if algo.overlong == "shape" and algo.overlong_buffer >= r.max_new_tokens:
+            raise ConfigError(f"algorithm.overlong_buffer={algo.overlong_buffer} must be below "
+                              f"rollout.max_new_tokens={r.max_new_tokens}")
+        _check_range("steps", self.steps, 0)
+        _check_range("data.eval_size", self.data.eval_size, 0)
+        if self.data.task == "file" and not self.data.train_path:
+            raise ConfigError("data.task='file' needs data.train_path")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a config from YAML and command-line overrides, with type checks
+# ---------------------------------------------------------------------------------------------
+
+def _hint(cls: type, name: str) -> Any:
+    return typing.get_type_hints(cls)[name]
+
+
+def _coerce(where: str, value: Any, hint: Any) -> Any:
+    """Check `value` against a type hint; strings from the command line are parsed."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(where, value, a)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}={value!r} is not valid")
+    if origin is Literal:
+        _check_choice(where, value, args)
+        return value
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}={value!r} must be a list")
+        return tuple(_coerce(f"{where}[{i}]", v, args[0]) for i, v in enumerate(value))
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where}={value!r} must be true or false")
+    if hint is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}={value!r} must be an integer")
+        try:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}={value!r} must be an integer") from None
+    if hint is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}={value!r} must be a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}={value!r} must be a number") from None
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}={value!r} must be a string")
+        return value
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'} must be a mapping, got {data!r}")
+    known = {f.name: f for f in fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        name = f"{where}.{key}" if where else key
+        if key not in known:
+            raise ConfigError(f"{name} is not a config field; known: {sorted(known)}")
+        hint = _hint(cls, key)
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value, name)
+        else:
+            kwargs[key] = _coerce(name, value, hint)
+    return cls(**kwargs)
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """['--optim.lr', '1e-5', '--preset=dapo'] -> {'optim': {'lr': '1e-5'}, 'preset': 'dapo'}."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(pairs):
+        arg = pairs[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.field VALUE")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+        else:
+            if i + 1 >= len(pairs):
+                raise ConfigError(f"--{key} needs a value")
+            i += 1
+            value = pairs[i]
+        node = out
+        parts = key.replace("-", "_").split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        # YAML scalars: numbers, booleans and null parse as such; everything else stays a string.
+        parsed = yaml.safe_load(value) if value else value
+        node[parts[-1]] = parsed if isinstance(parsed, (int, float, bool, type(None))) else value
+        i += 1
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults < `base` < YAML file < overrides; validated before anything expensive happens."""
+    data: dict[str, Any] = dict(base or {})
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections")
+        data = _merge(data, loaded)
+    data = _merge(data, parse_overrides(overrides or []))
+    return _build(TrainConfig, data, "").validate()

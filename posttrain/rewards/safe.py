@@ -1,0 +1,84 @@
+"""Calling reward functions that may raise, hang, or return garbage, without stopping training."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+class RewardTimeout(Exception):
+    pass
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """'package.module:function' -> the function; errors name the part that is wrong."""
+    if ":" not in spec:
+        raise ValueError(f"reward function {spec!r} must look like 'module:function'")
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r}: {e}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r}: {module_name} has no callable {attr!r}")
+    return fn
+
+
+def call_with_limits(fn: Callable[..., Any], kwargs: dict[str, Any], timeout_s: float
+                     ) -> tuple[float | None, str]:
+    """Run fn(**kwargs) -> (value, status); status is 'ok', 'error', 'timeout' or 'nonfinite'.
+
+    In the main thread a SIGALRM timer interrupts a hang in Python code (the common case: a loop
+    or a regex). Elsewhere, or on platforms without SIGALRM, the call runs in a daemon thread that
+    is abandoned on timeout: the result is discarded, but that thread cannot be killed.
+    """
+    use_signal = (hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread())
+    try:
+        if use_signal:
+            value = _call_with_alarm(fn, kwargs, timeout_s)
+        else:
+            value = _call_in_thread(fn, kwargs, timeout_s)
+    except RewardTimeout:
+        return None, "timeout"
+    except Exception:  # noqa: BLE001 - any failure of user code becomes the fallback reward
+        return None, "error"
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None, "error"
+    return (value, "ok") if math.isfinite(value) else (None, "nonfinite")
+
+
+def _call_with_alarm(fn, kwargs, timeout_s):
+    def on_alarm(signum, frame):
+        raise RewardTimeout()
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return fn(**kwargs)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _call_in_thread(fn, kwargs, timeout_s):
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["value"] = fn(**kwargs)
+        except Exception as e:  # noqa: BLE001
+            box["error"] = e
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise RewardTimeout()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

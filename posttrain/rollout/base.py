@@ -1,0 +1,86 @@
+"""The contract between generation and training.
+
+A backend (in-process transformers today; a vLLM engine or a remote server later) takes token ids
+of P prompts and returns G sampled responses for each, with the log-probability of every sampled
+token under the policy that generated it (`pi_old`, ALGORITHMS.md §3). The trainer never needs to
+know which backend produced a `Rollout`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 24
+    temperature: float = 1.0   # logp are recorded at this temperature, as the trainer computes them
+    top_p: float = 1.0         # nucleus sampling; logp stay those of the untruncated distribution
+    greedy: bool = False       # evaluation: argmax decoding
+
+
+@dataclass
+class Rollout:
+    """B = P * G responses; response i belongs to prompt i // G.
+
+    Prompts are left-padded and responses right-padded, so `cat([prompt, response], 1)` puts every
+    response's first token at the same column and the trainer can slice response positions.
+    """
+
+    prompt_ids_B_L: Tensor      # (B, L) long, left-padded with pad_token_id
+    prompt_mask_B_L: Tensor     # (B, L) 1 on real prompt tokens
+    response_ids_B_T: Tensor    # (B, T) long, right-padded
+    response_mask_B_T: Tensor   # (B, T) float, 1 on generated tokens (EOS included)
+    logp_B_T: Tensor            # (B, T) float32 log pi_old(y_t | x, y_<t) at the sampling temperature
+    truncated_B: Tensor         # (B,) bool: stopped by max_new_tokens, not by EOS
+    group_size: int
+
+    @property
+    def lengths_B(self) -> Tensor:
+        return self.response_mask_B_T.sum(-1)
+
+    def select(self, rows: Tensor) -> Rollout:
+        """Keep responses `rows` (whole groups, for dynamic sampling)."""
+        return Rollout(self.prompt_ids_B_L[rows], self.prompt_mask_B_L[rows],
+                       self.response_ids_B_T[rows], self.response_mask_B_T[rows],
+                       self.logp_B_T[rows], self.truncated_B[rows], self.group_size)
+
+
+def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """Join rollouts of different prompt and response widths (dynamic sampling refills)."""
+    if len(parts) == 1:
+        return parts[0]
+    L = max(p.prompt_ids_B_L.shape[1] for p in parts)
+    T = max(p.response_ids_B_T.shape[1] for p in parts)
+
+    def pad(x: Tensor, width: int, value, left: bool) -> Tensor:
+        extra = width - x.shape[1]
+        if extra == 0:
+            return x
+        fill = torch.full((x.shape[0], extra), value, dtype=x.dtype, device=x.device)
+        return torch.cat([fill, x] if left else [x, fill], dim=1)
+
+    return Rollout(
+        torch.cat([pad(p.prompt_ids_B_L, L, pad_id, True) for p in parts]),
+        torch.cat([pad(p.prompt_mask_B_L, L, 0, True) for p in parts]),
+        torch.cat([pad(p.response_ids_B_T, T, pad_id, False) for p in parts]),
+        torch.cat([pad(p.response_mask_B_T, T, 0, False) for p in parts]),
+        torch.cat([pad(p.logp_B_T, T, 0.0, False) for p in parts]),
+        torch.cat([p.truncated_B for p in parts]),
+        parts[0].group_size,
+    )
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], group_size: int, params: SamplingParams,
+                 generator: torch.Generator | None = None) -> Rollout:
+        """Sample `group_size` responses for each prompt (token ids, chat template applied)."""
+        ...
+
+    def sync_weights(self) -> None:
+        """Make the engine sample from the trainer's current weights (no-op when they are shared)."""
+        ...

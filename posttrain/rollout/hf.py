@@ -1,0 +1,133 @@
+"""In-process sampling with a transformers model and its KV cache.
+
+Written as a short loop instead of `model.generate` for three reasons, each measurable on a CPU:
+1. each prompt is prefilled once and its KV cache copied for its G responses (`generate` with
+   `num_return_sequences` prefills every copy);
+2. rows that emitted EOS leave the batch (their cache rows are dropped), so late steps only pay
+   for responses still being written;
+3. the log-prob of every sampled token is recorded from the same temperature-scaled distribution
+   the trainer uses, so `pi_old` needs no second forward pass (ALGORITHMS.md §3).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from posttrain.rollout.base import Rollout, SamplingParams
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """(P, L) ids and mask, padding on the left so every prompt ends at column L-1."""
+    L = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), L), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if p:
+            ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, L - len(p):] = 1
+    return ids, mask
+
+
+def sample_next(logits_B_V: Tensor, params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """Draw one token per row; return (token_B, logp_B) with logp under softmax(z / temperature)."""
+    if params.greedy:
+        tok = logits_B_V.argmax(-1)
+        logp = torch.log_softmax(logits_B_V.float(), -1).gather(-1, tok[:, None]).squeeze(-1)
+        return tok, logp
+    logp_B_V = torch.log_softmax(logits_B_V.float() / params.temperature, dim=-1)
+    probs = logp_B_V.exp()
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # drop a token when the tokens ranked above it already hold top_p of the mass
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tok, logp_B_V.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def _cache_kwarg(model: PreTrainedModel) -> str:
+    """transformers renamed `past_key_values` to `cache`; use whichever this version takes."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class HFRolloutEngine:
+    """Samples from the very model object the trainer updates: weights are always in sync."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.model = model
+        self.cache_kw = _cache_kwarg(model)
+        self.pad_id = tokenizer.pad_token_id
+        self.eos_ids = {tokenizer.eos_token_id}
+        gen_eos = getattr(model.generation_config, "eos_token_id", None)
+        if gen_eos is not None:
+            self.eos_ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+
+    def sync_weights(self) -> None:
+        pass
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], group_size: int, params: SamplingParams,
+                 generator: torch.Generator | None = None) -> Rollout:
+        model = self.model
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        ids_P_L, mask_P_L = left_pad(prompts, self.pad_id)
+        ids_P_L, mask_P_L = ids_P_L.to(device), mask_P_L.to(device)
+        pos_P_L = (mask_P_L.cumsum(-1) - 1).clamp(min=0)
+
+        cache = DynamicCache()
+        out = model(input_ids=ids_P_L, attention_mask=mask_P_L, position_ids=pos_P_L,
+                    use_cache=True, logits_to_keep=1, **{self.cache_kw: cache})
+        G = group_size
+        cache.batch_repeat_interleave(G)            # prompt KV computed once, shared by its group
+        logits = out.logits[:, -1].repeat_interleave(G, 0)  # (B, V)
+        attn = mask_P_L.repeat_interleave(G, 0)             # (B, L)
+        next_pos = pos_P_L[:, -1].repeat_interleave(G, 0) + 1   # (B,)
+        B, T = logits.shape[0], params.max_new_tokens
+
+        tokens = torch.full((B, T), self.pad_id, dtype=torch.long, device=device)
+        logps = torch.zeros((B, T), dtype=torch.float32, device=device)
+        lengths = torch.full((B,), T, dtype=torch.long, device=device)
+        eos = torch.tensor(sorted(self.eos_ids), device=device)
+        active = torch.arange(B, device=device)     # rows still writing, in cache order
+        for t in range(T):
+            tok, logp = sample_next(logits, params, generator)
+            tokens[active, t] = tok
+            logps[active, t] = logp
+            done = torch.isin(tok, eos)
+            if done.any():
+                lengths[active[done]] = t + 1
+                keep = (~done).nonzero().squeeze(-1)
+                if keep.numel() == 0:
+                    break
+                active, tok, attn, next_pos = active[keep], tok[keep], attn[keep], next_pos[keep]
+                cache.batch_select_indices(keep)
+            if t == T - 1:
+                break
+            attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
+            out = model(input_ids=tok[:, None], attention_mask=attn,
+                        position_ids=next_pos[:, None], use_cache=True, **{self.cache_kw: cache})
+            logits = out.logits[:, -1]
+            next_pos = next_pos + 1
+
+        width = int(lengths.max())
+        mask_B_T = (torch.arange(width, device=device)[None, :] < lengths[:, None]).float()
+        truncated = ~torch.isin(tokens[torch.arange(B, device=device), lengths - 1], eos)
+        model.train(was_training)
+        return Rollout(
+            prompt_ids_B_L=ids_P_L.repeat_interleave(G, 0),
+            prompt_mask_B_L=mask_P_L.repeat_interleave(G, 0),
+            response_ids_B_T=tokens[:, :width].masked_fill(mask_B_T == 0, self.pad_id),
+            response_mask_B_T=mask_B_T,
+            logp_B_T=logps[:, :width] * mask_B_T,
+            truncated_B=truncated,
+            group_size=G,
+        )

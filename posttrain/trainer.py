@@ -1,0 +1,550 @@
+"""The one policy-gradient loop. ALGORITHMS.md §2-§7.
+
+    for each step:
+        sample a group of G responses for each of P prompts      (rollout, pi_old = pi_theta)
+        score them                                               (verifier / reward functions)
+        [drop all-equal groups and refill]                       (DAPO dynamic sampling)
+        log-probs of the frozen reference                        (only when KL is used)
+        advantages                                               (ADVANTAGES[algo.advantage])
+        epochs x minibatches of clipped updates on the batch     (POLICY_LOSSES, AGGREGATIONS)
+        log, evaluate, checkpoint
+
+REINFORCE, RLOO, GRPO, DAPO and Dr. GRPO are presets of `AlgorithmConfig`: this file has no
+per-algorithm branch, only switches for optional stages (reference model, dynamic sampling,
+overlong handling) that any preset may turn on.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from posttrain.advantages import ADVANTAGES, AdvantageInputs, AdvantageParams
+from posttrain.checkpoint import (latest_checkpoint, load_trainer_state, restore_rng,
+                                  save_checkpoint)
+from posttrain.config import AlgorithmConfig, ConfigError, TrainConfig
+from posttrain.data import Problem, Task, load_problems, make_task
+from posttrain.logging import MetricsLogger, console_line, plot_run
+from posttrain.losses import (AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate,
+                              entropy_from_logits, kl_penalty_in_loss, ratio_stats, token_logprobs)
+from posttrain.models import load_policy, load_tokenizer, resolve_model_path, save_model
+from posttrain.rewards import Scorer, overlong_penalty
+from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, make_engine
+from posttrain.rollout.base import concat_rollouts
+
+log = logging.getLogger("posttrain")
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+# ---------------------------------------------------------------------------------------------
+
+def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str | None,
+                   chat_template: bool = True) -> list[list[int]]:
+    """Token ids of each prompt, with the chat template and the generation prompt applied."""
+    if not chat_template or tokenizer.chat_template is None:
+        return [tokenizer(p.prompt, add_special_tokens=True)["input_ids"] for p in problems]
+    out = []
+    for p in problems:
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+        messages.append({"role": "user", "content": p.prompt})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers: BatchEncoding
+            ids = ids["input_ids"]
+        out.append(list(ids))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward passes on (prompt + response)
+# ---------------------------------------------------------------------------------------------
+
+def response_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                    response_mask: Tensor) -> Tensor:
+    """Logits predicting each response token: (b, T, V).
+
+    Prompts are left-padded and responses right-padded, so the T predicting positions are the
+    last T+1 columns but one; the LM head runs only there (`logits_to_keep`), not on the prompt.
+    """
+    T = response_ids.shape[1]
+    ids = torch.cat([prompt_ids, response_ids], dim=1)
+    mask = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
+                logits_to_keep=T + 1)
+    return out.logits[:, :-1]
+
+
+def sequence_logprobs(model, rollout: Rollout, rows: Tensor, temperature: float,
+                      with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """log pi(y_t | x, y_<t) for the response tokens of `rows`, at the sampling temperature."""
+    logits = response_logits(model, rollout.prompt_ids_B_L[rows], rollout.prompt_mask_B_L[rows],
+                             rollout.response_ids_B_T[rows], rollout.response_mask_B_T[rows])
+    logp = token_logprobs(logits, rollout.response_ids_B_T[rows], temperature)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits.detach(), temperature)
+    return logp, entropy
+
+
+@torch.no_grad()
+def frozen_logprobs(model, rollout: Rollout, temperature: float, micro: int) -> Tensor:
+    """Log-probs under a frozen model (pi_ref, or pi_old recomputed), in micro-batches."""
+    parts = []
+    for rows in torch.arange(len(rollout.truncated_B)).split(micro):
+        logp, _ = sequence_logprobs(model, rollout, rows, temperature)
+        parts.append(logp)
+    return torch.cat(parts) * rollout.response_mask_B_T
+
+
+# ---------------------------------------------------------------------------------------------
+# One scored batch
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class ScoredBatch:
+    rollout: Rollout
+    problems: list[Problem]         # one per response (B)
+    completions: list[str]
+    rewards_B: Tensor               # total reward, shaping included
+    correct_B: Tensor
+    loss_mask_B_T: Tensor           # response tokens that enter the loss
+    ref_logp_B_T: Tensor | None = None
+
+    @property
+    def rewards_P_G(self) -> Tensor:
+        return self.rewards_B.reshape(-1, self.rollout.group_size)
+
+
+def equal_reward_groups(rewards_P_G: Tensor) -> Tensor:
+    """(P,) bool: groups whose G rewards are all equal (zero group advantage, no signal)."""
+    return (rewards_P_G == rewards_P_G[:, :1]).all(dim=1)
+
+
+class Sampler:
+    """Draws training prompts in a fixed order; the position is saved in checkpoints."""
+
+    def __init__(self, task: Task, seed: int, position: int = 0) -> None:
+        self.task, self.seed, self.position = task, seed, position
+
+    def next(self, n: int) -> list[Problem]:
+        problems = [self.task.train_problem(self.seed, self.position + i) for i in range(n)]
+        self.position += n
+        return problems
+
+
+def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, scorer: Scorer,
+                       cfg: TrainConfig, algo: AlgorithmConfig, generator: torch.Generator,
+                       timings: Counter) -> tuple[ScoredBatch, dict[str, float]]:
+    """Sample groups and score them; with dynamic sampling, refill until P informative groups."""
+    r = cfg.rollout
+    P, G = r.prompts_per_step, r.group_size
+    params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p)
+    kept: list[ScoredBatch] = []
+    n_kept, rounds, stats = 0, 0, Counter()
+    while True:
+        t0 = time.perf_counter()
+        problems = sampler.next(P)
+        rollout = engine.generate(
+            encode_prompts(tokenizer, problems, cfg.data.system_prompt, cfg.data.chat_template),
+            G, params, generator)
+        t1 = time.perf_counter()
+        completions = tokenizer.batch_decode(rollout.response_ids_B_T * rollout.response_mask_B_T.long()
+                                             + (1 - rollout.response_mask_B_T.long()) * tokenizer.pad_token_id,
+                                             skip_special_tokens=True)
+        per_response = [p for p in problems for _ in range(G)]
+        result = scorer(per_response, completions)
+        rewards = result.rewards_B
+        if algo.overlong == "shape":
+            rewards = rewards + overlong_penalty(rollout.lengths_B, r.max_new_tokens,
+                                                 algo.overlong_buffer, algo.overlong_penalty)
+        loss_mask = rollout.response_mask_B_T.clone()
+        if algo.overlong == "filter":
+            loss_mask[rollout.truncated_B] = 0.0   # truncated answers teach nothing about the end
+        timings["generate"] += t1 - t0
+        timings["reward"] += time.perf_counter() - t1
+        for k, v in result.failures.items():
+            stats[f"reward/failures_{k}"] += v
+        batch = ScoredBatch(rollout, per_response, completions, rewards, result.correct_B, loss_mask)
+        equal = equal_reward_groups(batch.rewards_P_G)
+        if rounds == 0:
+            first = batch
+            stats["rollout/equal_groups_frac"] = equal.float().mean().item()
+        rounds += 1
+        stats["rollout/generated_responses"] += P * G
+        if not algo.dynamic_sampling:
+            return batch, dict(stats)
+        keep_groups = (~equal).nonzero().squeeze(-1)
+        if keep_groups.numel():
+            rows = (keep_groups[:, None] * G + torch.arange(G)).reshape(-1)
+            kept.append(select(batch, rows))
+            n_kept += keep_groups.numel()
+        if n_kept >= P or rounds > algo.max_refill_rounds:
+            break
+    stats["rollout/dynamic_rounds"] = rounds
+    stats["rollout/kept_groups"] = min(n_kept, P)
+    if not kept:  # nothing informative after every refill: train on nothing rather than noise
+        return select(first, torch.arange(0)), dict(stats)
+    merged = merge(kept, tokenizer.pad_token_id)
+    return select(merged, torch.arange(min(n_kept, P) * G)), dict(stats)
+
+
+def select(b: ScoredBatch, rows: Tensor) -> ScoredBatch:
+    idx = rows.tolist()
+    return ScoredBatch(b.rollout.select(rows), [b.problems[i] for i in idx],
+                       [b.completions[i] for i in idx], b.rewards_B[rows], b.correct_B[rows],
+                       b.loss_mask_B_T[rows],
+                       None if b.ref_logp_B_T is None else b.ref_logp_B_T[rows])
+
+
+def merge(parts: list[ScoredBatch], pad_id: int) -> ScoredBatch:
+    rollout = concat_rollouts([p.rollout for p in parts], pad_id)
+    T = rollout.response_ids_B_T.shape[1]
+    masks = [torch.nn.functional.pad(p.loss_mask_B_T, (0, T - p.loss_mask_B_T.shape[1])) for p in parts]
+    return ScoredBatch(rollout, [x for p in parts for x in p.problems],
+                       [x for p in parts for x in p.completions],
+                       torch.cat([p.rewards_B for p in parts]),
+                       torch.cat([p.correct_B for p in parts]), torch.cat(masks))
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy update (§3, §5, §6): epochs x minibatches x micro-batches
+# ---------------------------------------------------------------------------------------------
+
+def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tensor,
+                  cfg: TrainConfig, algo: AlgorithmConfig, generator: torch.Generator) -> dict[str, float]:
+    o, temperature = cfg.optim, cfg.rollout.temperature
+    rollout, mask = batch.rollout, batch.loss_mask_B_T
+    G = rollout.group_size
+    n_groups = len(batch.rewards_B) // G
+    # With a single update the policy cannot have moved since sampling: pi_old = pi_theta exactly,
+    # the ratio is 1 and the recorded log-probs are not needed (§3).
+    single_update = o.epochs == 1 and o.minibatches == 1
+    old_logp = rollout.logp_B_T
+    policy_loss = POLICY_LOSSES[algo.policy_loss]
+    kl_fn = KL_ESTIMATORS[algo.kl_estimator] if batch.ref_logp_B_T is not None else None
+    sums: Counter = Counter()
+    n_updates = 0
+    model.train()
+    for _ in range(o.epochs):
+        group_order = torch.randperm(n_groups, generator=generator)
+        for mb_groups in group_order.chunk(o.minibatches):
+            rows_mb = (mb_groups[:, None] * G + torch.arange(G)).reshape(-1)
+            # Aggregation weights over the whole minibatch, so micro-batches sum to the same loss.
+            weights = AGGREGATIONS[algo.aggregation](mask[rows_mb], float(cfg.rollout.max_new_tokens))
+            for micro in torch.arange(len(rows_mb)).split(o.micro_batch_size):
+                rows = rows_mb[micro]
+                logp, entropy = sequence_logprobs(model, rollout, rows, temperature, with_entropy=True)
+                m = mask[rows]
+                old = logp.detach() if single_update else old_logp[rows]
+                loss_t = policy_loss(logp, old, adv_B_T[rows], clip_low=algo.clip_low,
+                                     clip_high=algo.clip_high, dual_clip=algo.dual_clip)
+                if kl_fn is not None:
+                    kl_t = kl_fn(logp, batch.ref_logp_B_T[rows])
+                    if algo.kl_in == "loss":
+                        loss_t = kl_penalty_in_loss(loss_t, kl_t, algo.kl_coef)
+                    sums["policy/kl_ref"] += _mean(kl_t.detach(), m) * len(rows)
+                loss = aggregate(loss_t, weights[micro])
+                loss.backward()
+                st = ratio_stats(logp, old, adv_B_T[rows], m, algo.clip_low, algo.clip_high)
+                for name in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio_mean"):
+                    sums[f"policy/{name}"] += getattr(st, name).item() * len(rows)
+                sums["policy/ratio_max"] = max(sums["policy/ratio_max"], st.ratio_max.item())
+                sums["policy/entropy"] += _mean(entropy, m) * len(rows)
+                sums["loss/policy"] += loss.item()
+                sums["_rows"] += len(rows)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.max_grad_norm)
+            sums["policy/grad_norm"] += grad_norm.item()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            n_updates += 1
+    rows_seen = max(sums.pop("_rows"), 1)
+    out = {k: v / rows_seen for k, v in sums.items() if k not in ("loss/policy", "policy/grad_norm",
+                                                                    "policy/ratio_max")}
+    out["loss/policy"] = sums["loss/policy"] / max(n_updates, 1)
+    out["policy/grad_norm"] = sums["policy/grad_norm"] / max(n_updates, 1)
+    out["policy/ratio_max"] = sums["policy/ratio_max"]
+    out["optim/lr"] = scheduler.get_last_lr()[0]
+    return out
+
+
+def _mean(x: Tensor, m: Tensor) -> float:
+    return ((x * m).sum() / m.sum().clamp(min=1)).item()
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def evaluate(model, tokenizer, engine: RolloutEngine, problems: list[Problem], scorer: Scorer,
+             cfg: TrainConfig, samples: int = 1, k: int = 1, temperature: float = 1.0,
+             generator: torch.Generator | None = None) -> dict[str, Any]:
+    """Greedy accuracy (samples=1), or pass@k from `samples` sampled answers per problem.
+
+    Also splits accuracy by every boolean field of the problems' meta (e.g. 'carry' for addition).
+    """
+    greedy = samples == 1
+    params = SamplingParams(cfg.rollout.max_new_tokens, temperature if not greedy else 1.0,
+                            1.0, greedy=greedy)
+    correct, texts = [], []
+    for start in range(0, len(problems), cfg.eval_batch_size):
+        chunk = problems[start:start + cfg.eval_batch_size]
+        rollout = engine.generate(encode_prompts(tokenizer, chunk, cfg.data.system_prompt,
+                                                 cfg.data.chat_template), samples, params, generator)
+        ids = rollout.response_ids_B_T.masked_fill(rollout.response_mask_B_T == 0, tokenizer.pad_token_id)
+        outs = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        res = scorer([p for p in chunk for _ in range(samples)], outs)
+        correct.append(res.correct_B.reshape(len(chunk), samples))
+        texts.extend(outs[::samples])
+    c = torch.cat(correct) if correct else torch.zeros(0, samples, dtype=torch.bool)
+    out: dict[str, Any] = {"eval/accuracy": c.float().mean().item() if len(c) else float("nan")}
+    if not greedy:
+        out[f"eval/pass@{k}"] = float(np.mean([pass_at_k(samples, int(row.sum()), k) for row in c]))
+    keys = {key for p in problems for key, v in p.meta.items() if isinstance(v, bool)}
+    for key in sorted(keys):
+        for flag in (True, False):
+            idx = [i for i, p in enumerate(problems) if p.meta.get(key) is flag]
+            if idx:
+                out[f"eval/accuracy_{key}={str(flag).lower()}"] = c[idx].float().mean().item()
+    out["_samples"] = [{"prompt": p.prompt, "answer": p.answer, "completion": t, "correct": bool(ok)}
+                       for p, t, ok in zip(problems[:5], texts[:5], c[:5, 0].tolist())]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup and the loop
+# ---------------------------------------------------------------------------------------------
+
+def build_task(cfg: TrainConfig) -> Task:
+    d = cfg.data
+    if d.task == "file":
+        pool = load_problems(d.train_path, d.prompt_field, d.answer_field)
+        if d.eval_path:
+            held_out = load_problems(d.eval_path, d.prompt_field, d.answer_field)
+        else:  # split the held-out set off the file with a fixed seed
+            order = random.Random(d.eval_seed).sample(range(len(pool)), len(pool))
+            n_eval = min(d.eval_size, len(pool) // 5)
+            held_out = [pool[i] for i in order[:n_eval]]
+            pool = [pool[i] for i in order[n_eval:]]
+        return Task("file", lambda rng: pool[0], train_pool=pool, eval_problems=held_out[:d.eval_size])
+    try:
+        task = make_task(d.task, d.difficulty)
+    except KeyError as e:
+        raise ConfigError(f"data.task={d.task!r} is not valid; {e.args[0]}") from None
+    task.build_eval(d.eval_size, d.eval_seed)
+    return task
+
+
+def make_scheduler(optimizer, cfg: TrainConfig):
+    o = cfg.optim
+    total = max(cfg.steps * o.epochs * o.minibatches, 1)
+
+    def factor(i: int) -> float:
+        if o.warmup_steps and i < o.warmup_steps:
+            return (i + 1) / o.warmup_steps
+        progress = min((i - o.warmup_steps) / max(total - o.warmup_steps, 1), 1.0)
+        if o.schedule == "linear":
+            return 1.0 - progress
+        if o.schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokenizer=None,
+          show_progress: bool = True) -> dict[str, Any]:
+    """Run `cfg`; return the summary (accuracy before/after, timings, paths). `model` and
+    `tokenizer` may be passed in (tests, notebooks) instead of being loaded from `cfg.model`."""
+    algo = cfg.algo
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    generator = seed_everything(cfg.seed)
+    scorer_task = build_task(cfg)                     # data errors surface before model loading
+    scorer = Scorer(cfg.reward, scorer_task.verifier)
+    run_dir = Path(resume) if resume else Path(
+        cfg.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if resume and ckpt is None:
+        raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir}/checkpoints")
+
+    t_setup = time.perf_counter()
+    if model is None:
+        path = ckpt / "model" if ckpt else resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        tokenizer = tokenizer or load_tokenizer(path)
+        model = load_policy(path, cfg.model.dtype)
+    elif ckpt is not None:
+        model.load_state_dict(load_policy(ckpt / "model", cfg.model.dtype).state_dict())
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    uses_ref = algo.kl_in != "none" and algo.kl_coef > 0
+    # pi_ref is the starting policy, frozen; it is not built at all when the KL is off.
+    ref_model = None
+    if uses_ref:
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if ckpt is not None:  # the reference is the *initial* model, saved with the run
+            ref_model.load_state_dict(load_policy(run_dir / "reference_model", cfg.model.dtype).state_dict())
+    if uses_ref and ckpt is None and cfg.checkpoint_every:
+        save_model(ref_model, tokenizer, run_dir / "reference_model")
+    engine = make_engine(cfg.rollout.backend, model, tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
+                                  betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                  weight_decay=cfg.optim.weight_decay)
+    scheduler = make_scheduler(optimizer, cfg)
+    sampler = Sampler(scorer_task, cfg.seed)
+    start_step, train_seconds = 0, 0.0
+    if ckpt is not None:
+        state = load_trainer_state(ckpt)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        restore_rng(state["rng"], generator)
+        start_step, sampler.position = state["step"], state["data_position"]
+        train_seconds = state["train_seconds"]
+    setup_s = time.perf_counter() - t_setup
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
+    logger = MetricsLogger(run_dir, cfg.tensorboard, resume=ckpt is not None)
+    log.info("run folder %s; algorithm %s", run_dir, algo)
+
+    eval_problems = scorer_task.eval_problems
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "setup_s": setup_s, "preset": cfg.preset}
+
+    def run_eval(step: int, label: str) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        res = evaluate(model, tokenizer, engine, eval_problems, scorer, cfg)
+        samples = res.pop("_samples")
+        res["eval/seconds"] = time.perf_counter() - t0
+        res["perf/train_minutes"] = train_seconds / 60
+        logger.log(step, res)
+        with open(run_dir / "eval_samples.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "label": label, "samples": samples}) + "\n")
+        log.info("eval %s (step %d): accuracy %.3f", label, step, res["eval/accuracy"])
+        return res
+
+    if eval_problems and ckpt is None:
+        summary["eval_before"] = run_eval(0, "before")
+
+    bar = tqdm(total=cfg.steps, initial=start_step, disable=not show_progress, desc="train",
+               dynamic_ncols=True)
+    step = start_step
+    for step in range(start_step + 1, cfg.steps + 1):
+        if cfg.max_minutes is not None and train_seconds >= cfg.max_minutes * 60:
+            log.info("max_minutes=%s reached after %d steps", cfg.max_minutes, step - 1)
+            step -= 1
+            break
+        t_step = time.perf_counter()
+        timings: Counter = Counter()
+
+        # 1. sample a group per prompt and score it (pi_old = the current policy)
+        batch, metrics = generate_and_score(engine, tokenizer, sampler, scorer, cfg, algo,
+                                            generator, timings)
+        if len(batch.rewards_B) == 0:
+            metrics["perf/step_s"] = time.perf_counter() - t_step
+            train_seconds += metrics["perf/step_s"]
+            logger.log(step, metrics)
+            bar.update(1)
+            continue
+
+        # 2. the frozen reference, for the KL penalty
+        t0 = time.perf_counter()
+        if ref_model is not None:
+            batch.ref_logp_B_T = frozen_logprobs(ref_model, batch.rollout, cfg.rollout.temperature,
+                                                 cfg.optim.micro_batch_size)
+        timings["reference"] += time.perf_counter() - t0
+
+        # 3. advantages
+        adv = ADVANTAGES[algo.advantage](
+            AdvantageInputs(batch.rewards_P_G, batch.loss_mask_B_T),
+            AdvantageParams(algo.eps, algo.scale_by_std, algo.gamma, algo.lam)).adv_B_T
+
+        # 4. several clipped updates on the batch
+        t0 = time.perf_counter()
+        metrics.update(update_policy(model, optimizer, scheduler, batch, adv, cfg, algo, generator))
+        timings["update"] += time.perf_counter() - t0
+        engine.sync_weights()
+
+        # 5. log
+        step_s = time.perf_counter() - t_step
+        train_seconds += step_s
+        metrics.update(rollout_metrics(batch, adv))
+        gen_tokens = batch.rollout.response_mask_B_T.sum().item()
+        metrics.update({f"perf/{k}_s": v for k, v in timings.items()})
+        metrics.update({"perf/step_s": step_s, "perf/train_minutes": train_seconds / 60,
+                        "perf/generated_tokens_per_s": gen_tokens / max(timings["generate"], 1e-9),
+                        "perf/samples": sampler.position})
+        logger.log(step, metrics)
+        with open(run_dir / "samples.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "samples": [
+                {"prompt": p.prompt, "completion": c, "reward": r}
+                for p, c, r in zip(batch.problems[:cfg.log_samples], batch.completions[:cfg.log_samples],
+                                   batch.rewards_B[:cfg.log_samples].tolist())]}) + "\n")
+        bar.set_postfix_str(console_line(step, cfg.steps, metrics).split(" | ", 1)[-1])
+        bar.update(1)
+        if not show_progress:
+            log.info(console_line(step, cfg.steps, metrics))
+
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and eval_problems:
+            run_eval(step, f"step {step}")
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, generator,
+                            {"data_position": sampler.position, "train_seconds": train_seconds},
+                            cfg.to_dict())
+    bar.close()
+
+    if eval_problems:
+        summary["eval_after"] = run_eval(step, "after")
+    summary["steps"] = step
+    summary["train_minutes"] = train_seconds / 60
+    t0 = time.perf_counter()
+    save_model(model, tokenizer, run_dir / "final_model")
+    summary["final_model"] = str(run_dir / "final_model")
+    summary["save_s"] = time.perf_counter() - t0
+    logger.close()
+    try:
+        summary["plot"] = str(plot_run(run_dir))
+    except Exception as e:  # noqa: BLE001 - a plotting problem must not lose a finished run
+        log.warning("could not plot the run: %s", e)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def rollout_metrics(batch: ScoredBatch, adv_B_T: Tensor) -> dict[str, float]:
+    lengths = batch.rollout.lengths_B
+    correct = batch.correct_B
+    r = batch.rewards_B
+    out = {"reward/mean": r.mean().item(), "reward/std": r.std().item() if len(r) > 1 else 0.0,
+           "reward/accuracy": correct.float().mean().item(),
+           "rollout/length_mean": lengths.mean().item(),
+           "rollout/truncated_frac": batch.rollout.truncated_B.float().mean().item(),
+           "policy/adv_abs_mean": (adv_B_T.abs().sum() / batch.loss_mask_B_T.sum().clamp(min=1)).item()}
+    out["rollout/length_correct"] = lengths[correct].mean().item() if correct.any() else None
+    out["rollout/length_incorrect"] = lengths[~correct].mean().item() if (~correct).any() else None
+    return out
