@@ -184,6 +184,8 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
         if rounds == 0:
             first = batch
             stats["rollout/equal_groups_frac"] = equal.float().mean().item()
+            # before any filtering: the honest learning curve when dynamic sampling drops groups
+            stats["reward/generated_mean"] = rewards.mean().item()
         rounds += 1
         stats["rollout/generated_responses"] += P * G
         if not algo.dynamic_sampling:

@@ -13,19 +13,57 @@ from posttrain.data.tasks import Problem, countdown_numbers_used, eval_arithmeti
 _math_cache: dict[str, object] = {}
 
 
-def math_correct(completion: str, problem: Problem) -> bool:
-    """Answer equivalence with math-verify (the last answer in the text counts: '41, no, 43' is 43).
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?")
+_OPERATOR_BETWEEN_TERMS = re.compile(r"[\w})]\s*[-+*/^×÷]\s*[\w\\({]")
 
-    math-verify parses LaTeX and plain expressions and compares them symbolically, so '42',
-    '42.0', '$42$' and '\\boxed{42}' all match the gold '42'.
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...}, braces balanced."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
+
+
+def final_answer(text: str) -> str | None:
+    """The answer a response commits to: the last \\boxed{...}, else the last number in the text."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def math_correct(completion: str, problem: Problem) -> bool:
+    """Is the response's final answer equivalent to the truth?  Compared with math-verify.
+
+    Only the final answer is compared (`final_answer`): handing math-verify the whole text lets it
+    evaluate a restated question, so "To find 45 + 81, we need..." counts as 126. That reward hack
+    appeared within 10 GRPO steps here. An answer that is itself an unevaluated expression
+    ("45+81") is refused unless the truth is an expression too.
     """
     from math_verify import parse, verify
 
+    answer = final_answer(completion)
+    if answer is None:
+        return False
+    if _OPERATOR_BETWEEN_TERMS.search(answer.replace(",", "")) and not \
+            _OPERATOR_BETWEEN_TERMS.search(problem.answer):
+        return False
     gold = _math_cache.get(problem.answer)
     if gold is None:
         gold = _math_cache[problem.answer] = parse(problem.answer)
-    pred = parse(completion)
+    pred = parse(answer if boxed_free(answer) else f"${answer}$")
     return bool(pred) and bool(verify(gold, pred))
+
+
+def boxed_free(answer: str) -> bool:
+    return "\\" not in answer and "{" not in answer
 
 
 def exact_correct(completion: str, problem: Problem) -> bool:
@@ -39,15 +77,14 @@ _EXPR = re.compile(r"[\d\s()+\-*/]+")
 def countdown_correct(completion: str, problem: Problem) -> bool:
     """The last arithmetic expression in the text uses the given numbers once each and hits the target."""
     text = completion.replace("\\times", "*").replace("×", "*").replace("÷", "/")
-    candidates = [m.group(0).strip() for m in _EXPR.finditer(text.split("=")[0] if "=" in text
-                                                               else text)]
+    text = re.sub(r"=\s*-?\d+(\.\d+)?", " ", text)     # "(3 * 4) * 2 = 24": keep the left side
+    candidates = [m.group(0).strip() for m in _EXPR.finditer(text)]
     candidates = [c for c in candidates if any(op in c for op in "+-*/") and any(ch.isdigit() for ch in c)]
     if not candidates:
         return False
-    expr = max(candidates, key=len)
     try:
-        value = eval_arithmetic(expr)
-        used = countdown_numbers_used(expr)
+        value = eval_arithmetic(candidates[-1])
+        used = countdown_numbers_used(candidates[-1])
     except (ValueError, SyntaxError, ZeroDivisionError, RecursionError):
         return False
     return used == sorted(problem.meta["numbers"]) and value == int(problem.answer)

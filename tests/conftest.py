@@ -1,0 +1,40 @@
+"""Shared fixtures: the real SmolLM2 tokenizer (from the embedded GGUF) and tiny random models."""
+
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def embedded_dir(tmp_path_factory):
+    """The embedded SmolLM2-135M-Instruct converted by the real code path, once per session."""
+    from posttrain.models import prepare_embedded
+    return prepare_embedded(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(embedded_dir):
+    from posttrain.models import load_tokenizer
+    return load_tokenizer(embedded_dir)
+
+
+def make_tiny_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 32):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=256, tie_word_embeddings=True,
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM(cfg)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+@pytest.fixture
+def tiny_model(tokenizer):
+    return make_tiny_model(tokenizer)

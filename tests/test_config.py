@@ -1,0 +1,54 @@
+"""Configs: presets, overrides, and errors that name the field before any model loads."""
+
+import pytest
+
+from posttrain.config import PRESETS, ConfigError, load_config, parse_overrides
+
+
+def test_presets_are_configurations_of_the_parts():
+    grpo, dapo, dr = PRESETS["grpo"], PRESETS["dapo"], PRESETS["dr_grpo"]
+    assert (grpo.advantage, grpo.aggregation, grpo.kl_in) == ("group", "seq_mean_token_mean", "loss")
+    assert dapo.clip_high > dapo.clip_low and dapo.aggregation == "token_mean" and dapo.dynamic_sampling
+    assert not dr.scale_by_std and dr.aggregation == "seq_mean_token_sum_norm"
+    assert PRESETS["rloo"].advantage == "rloo"
+    assert PRESETS["reinforce"].policy_loss == "vanilla"
+
+
+def test_yaml_then_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("preset: dapo\noptim:\n  lr: 2.0e-5\nalgorithm:\n  clip_high: 0.3\n")
+    cfg = load_config(f, ["--optim.lr", "3e-5", "--rollout.group_size=8", "--algorithm.kl_coef", "0"])
+    assert cfg.optim.lr == 3e-5 and cfg.rollout.group_size == 8
+    assert cfg.algo.clip_high == 0.3 and cfg.algo.dynamic_sampling
+    assert parse_overrides(["--data.system_prompt", "null"]) == {"data": {"system_prompt": None}}
+
+
+@pytest.mark.parametrize("overrides,msg", [
+    (["--preset", "ppo2"], "preset='ppo2' is not valid; accepted: \\['dapo'"),
+    (["--optim.lrr", "1"], "optim.lrr is not a config field; known: .*'lr'"),
+    (["--optim.lr", "fast"], "optim.lr='fast' must be a number"),
+    (["--rollout.group_size", "1"], "rollout.group_size=1 must be >= 2"),
+    (["--algorithm.clip_hi", "0.3"], "algorithm.clip_hi is not a field"),
+    (["--algorithm.aggregation", "mean"], "algorithm.aggregation='mean' is not valid; accepted: "
+                                          "\\['seq_mean_token_mean'"),
+    (["--algorithm.advantage", "gae"], "needs a value model"),
+    (["--algorithm.kl_in", "reward"], "kl_in='reward'"),
+    (["--rollout.temperature", "0"], "rollout.temperature=0.0 must be > 0"),
+    (["--optim.minibatches", "3"], "optim.minibatches=3 must split"),
+    (["--preset", "reinforce", "--optim.epochs", "2"], "on-policy only"),
+    (["--data.task", "file"], "data.task='file' needs data.train_path"),
+    (["--model.dtype", "fp8"], "model.dtype='fp8' is not valid"),
+    (["lr", "1"], "unexpected argument 'lr'"),
+])
+def test_invalid_configs_name_the_field(overrides, msg):
+    with pytest.raises(ConfigError, match=msg):
+        load_config(None, overrides)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)

@@ -1,0 +1,66 @@
+"""Built-in tasks (held-out split disjoint from training) and user files."""
+
+import json
+
+import pytest
+
+from posttrain.data import load_problems, make_task
+from posttrain.data.tasks import eval_arithmetic, has_carry
+
+
+def test_addition_eval_is_fixed_and_disjoint_from_training():
+    task = make_task("addition", 2)
+    task.build_eval(200, 1234)
+    again = make_task("addition", 2)
+    again.build_eval(200, 1234)
+    assert [p.prompt for p in task.eval_problems] == [p.prompt for p in again.eval_problems]
+    assert len({p.prompt for p in task.eval_problems}) == 200
+    held_out = {p.prompt for p in task.eval_problems}
+    train = [task.train_problem(0, i) for i in range(3000)]
+    assert not held_out & {p.prompt for p in train}
+    for p in train[:50]:
+        a, b = p.meta["a"], p.meta["b"]
+        assert 10 <= a <= 99 and 10 <= b <= 99 and p.answer == str(a + b)
+    assert task.train_problem(0, 17) == task.train_problem(0, 17)   # resumable by index
+
+
+def test_carry_and_arithmetic_helpers():
+    assert has_carry(45, 81) and not has_carry(23, 45) and has_carry(19, 1)
+    assert eval_arithmetic("(2 + 3) * 4 - 6 / 3") == 18
+    with pytest.raises(ValueError):
+        eval_arithmetic("__import__('os').system('x')")
+    task = make_task("arithmetic", 1)
+    p = task.train_problem(0, 0)
+    assert eval_arithmetic(p.prompt[len("What is "):-1]) == int(p.answer)
+
+
+def test_unknown_task_lists_known_ones():
+    with pytest.raises(KeyError, match="known: \\['addition', 'arithmetic', 'countdown'\\]"):
+        make_task("nope", 1)
+
+
+def test_jsonl_csv_parquet_files(tmp_path):
+    rows = [{"question": f"q{i}", "solution": str(i), "domain": "math"} for i in range(5)]
+    jl = tmp_path / "d.jsonl"
+    jl.write_text("\n".join(json.dumps(r) for r in rows))
+    probs = load_problems(jl, "question", "solution")
+    assert [p.answer for p in probs] == ["0", "1", "2", "3", "4"] and probs[0].domain == "math"
+    import pandas as pd
+    pd.DataFrame(rows).to_csv(tmp_path / "d.csv", index=False)
+    pd.DataFrame(rows).to_parquet(tmp_path / "d.parquet")
+    assert load_problems(tmp_path / "d.csv", "question", "solution")[2].prompt == "q2"
+    assert load_problems(tmp_path / "d.parquet", "question", "solution")[4].answer == "4"
+
+
+def test_bad_files_are_reported_with_row_and_field(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "", "answer": "2"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl: row 2: field 'prompt' is missing or empty"):
+        load_problems(f, "prompt", "answer")
+    with pytest.raises(ValueError, match="field 'solution'"):
+        load_problems(f, "prompt", "solution")
+    with pytest.raises(FileNotFoundError):
+        load_problems(tmp_path / "missing.jsonl", "prompt", "answer")
+    (tmp_path / "x.txt").write_text("hi")
+    with pytest.raises(ValueError, match="unknown format"):
+        load_problems(tmp_path / "x.txt", "prompt", "answer")

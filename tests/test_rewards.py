@@ -1,0 +1,102 @@
+"""Verifiers, format reward, overlong shaping and the safe calling of user reward functions."""
+
+import threading
+
+import pytest
+import torch
+
+from posttrain.config import RewardConfig
+from posttrain.data.tasks import Problem, countdown_task
+from posttrain.rewards import Scorer
+from posttrain.rewards.safe import call_with_limits, load_function
+from posttrain.rewards.verifiers import (countdown_correct, exact_correct, final_answer,
+                                         is_bare_answer, math_correct, overlong_penalty)
+
+P42 = Problem("What is 12 + 30?", "42")
+
+
+@pytest.mark.parametrize("text,ok", [("42", True), ("The answer is 42.", True), ("$42$", True),
+                                     ("\\boxed{42}", True), ("42.0", True), ("12 + 30 = 42", True),
+                                     ("41. No wait, 43", False), ("forty-two", False), ("", False),
+                                     ("42 is the sum of 12 and 30", False),
+                                     ("The sum is 1,042", False), ("-42", False),
+                                     # reward hacks: a restated question is not an answer
+                                     ("To find 12 + 30, we add them", False),
+                                     ("\\boxed{12 + 30}", False), ("$12+30$", False)])
+def test_math_verifier_uses_the_final_answer(text, ok):
+    assert math_correct(text, P42) is ok
+
+
+def test_final_answer_extraction():
+    assert final_answer("so \\boxed{\\frac{1}{2}} and 7") == "\\frac{1}{2}"
+    assert final_answer("41, no: 43.") == "43" and final_answer("none") is None
+    assert math_correct("\\boxed{\\frac{1}{2}}", Problem("", "0.5"))
+    assert math_correct("It is 3/4", Problem("", "3/4"))
+
+
+def test_exact_verifier():
+    assert exact_correct("  42\n", P42) and not exact_correct("42.", P42)
+
+
+def test_countdown_verifier_checks_numbers_and_value():
+    p = Problem("...", "24", {"numbers": [2, 3, 4]})
+    assert countdown_correct("(2 + 4) * 4", Problem("...", "24", {"numbers": [2, 4, 4]}))
+    assert countdown_correct("Answer: 4 * (3 + 2) + 4 ... no: (3 * 4) * 2", p)
+    assert countdown_correct("(3 * 4) * 2 = 24", p)
+    assert not countdown_correct("4 * 6", p)             # 6 is not given
+    assert not countdown_correct("2 * 3 * 4 * 1", p)     # uses an extra number
+    assert not countdown_correct("2 + 3 + 4", p)         # wrong value
+    assert not countdown_correct("no idea", p)
+    assert not countdown_correct("__import__('os')", p)
+
+
+def test_countdown_task_solutions_verify():
+    task = countdown_task(4)
+    task.build_eval(20, 0)
+    for prob in task.eval_problems:
+        assert countdown_correct(prob.meta["solution"], prob), prob
+
+
+def test_format_reward():
+    assert is_bare_answer("42") and is_bare_answer(" 1,234. ") and is_bare_answer("\\boxed{7}")
+    assert not is_bare_answer("The answer is 42")
+
+
+def test_overlong_penalty_ramps_in_the_buffer():
+    lengths = torch.tensor([10, 16, 18, 20])
+    torch.testing.assert_close(overlong_penalty(lengths, max_len=20, buffer=4, penalty=1.0),
+                               torch.tensor([0.0, 0.0, -0.5, -1.0]))
+
+
+def test_scorer_sums_verifier_format_and_user_functions():
+    cfg = RewardConfig(format_weight=0.5, functions=("tests.toy_rewards:first_letter_a_to_e",))
+    res = Scorer(cfg)([P42, P42, P42], ["42", "abc 42", "zz"])
+    torch.testing.assert_close(res.rewards_B, torch.tensor([1.5, 2.0, 0.0]))
+    assert res.correct_B.tolist() == [True, True, False]
+
+
+def test_user_function_failures_get_fallback_and_are_counted():
+    cfg = RewardConfig(verifier="none", timeout_s=0.2, fallback=-1.0,
+                       functions=("tests.toy_rewards:raises", "tests.toy_rewards:hangs",
+                                  "tests.toy_rewards:not_a_number"))
+    res = Scorer(cfg)([P42], ["42"])
+    assert res.rewards_B.tolist() == [-3.0]
+    assert dict(res.failures) == {"error": 1, "timeout": 1, "nonfinite": 1}
+
+
+def test_timeout_outside_the_main_thread():
+    out = {}
+    hang = load_function("tests.toy_rewards:hangs")
+    worker = threading.Thread(target=lambda: out.setdefault(
+        "r", call_with_limits(hang, {"prompt": "", "completion": "", "answer": ""}, 0.2)))
+    worker.start()
+    worker.join(5)
+    assert out["r"] == (None, "timeout")
+
+
+@pytest.mark.parametrize("spec,msg", [("nocolon", "module:function"),
+                                      ("no_such_module_xyz:f", "cannot import"),
+                                      ("tests.toy_rewards:missing", "no callable")])
+def test_bad_function_specs_are_named(spec, msg):
+    with pytest.raises(ValueError, match=msg):
+        load_function(spec)

@@ -1,0 +1,145 @@
+"""The training loop end to end on tiny random models with the real SmolLM2 tokenizer."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from posttrain.config import load_config
+from posttrain.rewards import Scorer
+from posttrain.rollout import SamplingParams, make_engine
+from posttrain.trainer import (Sampler, build_task, encode_prompts, equal_reward_groups,
+                               frozen_logprobs, generate_and_score, train, update_policy)
+from tests.conftest import make_tiny_model
+
+TOY = ["--reward.verifier", "none", "--reward.functions", "tests.toy_rewards:first_letter_a_to_e",
+       "--data.eval_size", "0", "--rollout.max_new_tokens", "3", "--data.system_prompt", "null",
+       "--tensorboard", "false", "--threads", "2"]
+
+
+def toy_config(tmp_path, *extra):
+    return load_config(None, [*TOY, "--run_dir", str(tmp_path / "run"), *extra])
+
+
+def reward_curve(run_dir):
+    """Mean reward of everything generated (before dynamic sampling keeps informative groups)."""
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return [r["reward/generated_mean"] for r in rows if "reward/generated_mean" in r]
+
+
+@pytest.mark.parametrize("preset", ["reinforce", "rloo", "grpo", "dapo", "dr_grpo"])
+def test_every_preset_learns_a_toy_reward(tmp_path, tokenizer, preset):
+    extra = ["--algorithm.kl_coef", "0.02"] if preset == "grpo" else []
+    if preset == "dapo":   # 3-token answers are all "overlong"; shaping is tested on its own
+        extra += ["--algorithm.overlong", "none"]
+    cfg = toy_config(tmp_path, "--preset", preset, "--steps", "30", "--optim.lr", "3e-2", *extra)
+    summary = train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    curve = reward_curve(tmp_path / "run")
+    first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
+    assert last > first + 0.25, (preset, curve)
+    assert (tmp_path / "run" / "final_model" / "config.json").is_file()
+    assert summary["steps"] == 30
+
+
+def test_recorded_old_logprobs_match_a_recomputed_forward(tokenizer, tiny_model):
+    task = build_task(load_config(None, ["--data.eval_size", "4"]))
+    engine = make_engine("hf", tiny_model, tokenizer)
+    prompts = encode_prompts(tokenizer, task.eval_problems, "Be brief.")   # different lengths
+    for temperature in (1.0, 0.7):
+        rollout = engine.generate(prompts, 3, SamplingParams(6, temperature),
+                                  torch.Generator().manual_seed(0))
+        recomputed = frozen_logprobs(tiny_model, rollout, temperature, micro=5)
+        torch.testing.assert_close(rollout.logp_B_T, recomputed, atol=2e-4, rtol=1e-4)
+        assert (rollout.logp_B_T[rollout.response_mask_B_T == 0] == 0).all()
+    # each group shares its prompt, and group members differ (sampled independently)
+    assert torch.equal(rollout.prompt_ids_B_L[0], rollout.prompt_ids_B_L[2])
+
+
+def test_one_update_has_ratio_one_and_clipped_equals_vanilla(tmp_path, tokenizer):
+    cfg = toy_config(tmp_path, "--steps", "1", "--optim.lr", "1e-2")
+    algo = cfg.algo
+    model_a = make_tiny_model(tokenizer, seed=3)
+    engine = make_engine("hf", model_a, tokenizer)
+    task = build_task(cfg)
+    batch, _ = generate_and_score(engine, tokenizer, Sampler(task, 0), Scorer(cfg.reward), cfg,
+                                  algo, torch.Generator().manual_seed(0), Counter())
+    adv = torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T
+    params = {}
+    for loss_name, model in (("clipped", model_a), ("vanilla", make_tiny_model(tokenizer, seed=3))):
+        a = algo.__class__(**{**algo.__dict__, "policy_loss": loss_name})
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+        stats = update_policy(model, opt, sched, batch, adv, cfg, a, torch.Generator().manual_seed(0))
+        assert stats["policy/ratio_mean"] == 1.0 and stats["policy/ratio_max"] == 1.0
+        assert stats["policy/clip_frac_low"] == 0.0 and stats["policy/clip_frac_high"] == 0.0
+        params[loss_name] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    torch.testing.assert_close(params["clipped"], params["vanilla"])
+
+
+def test_several_epochs_move_the_ratio_and_clip(tmp_path, tokenizer):
+    cfg = toy_config(tmp_path, "--steps", "1", "--optim.lr", "5e-2", "--optim.epochs", "3",
+                     "--optim.minibatches", "2")
+    model = make_tiny_model(tokenizer, seed=4)
+    engine = make_engine("hf", model, tokenizer)
+    batch, _ = generate_and_score(engine, tokenizer, Sampler(build_task(cfg), 0), Scorer(cfg.reward),
+                                  cfg, cfg.algo, torch.Generator().manual_seed(0), Counter())
+    adv = torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    stats = update_policy(model, opt, sched, batch, adv, cfg, cfg.algo, torch.Generator().manual_seed(0))
+    assert stats["policy/ratio_max"] > 1.0
+    assert stats["policy/clip_frac_low"] + stats["policy/clip_frac_high"] > 0
+
+
+def test_dynamic_sampling_never_trains_on_an_all_equal_group(tmp_path, tokenizer):
+    cfg = load_config(None, [*TOY, "--run_dir", str(tmp_path / "run"), "--preset", "dapo",
+                             "--reward.functions", "tests.toy_rewards:even_prompts_only",
+                             "--algorithm.overlong", "none", "--rollout.group_size", "4"])
+    model = make_tiny_model(tokenizer, seed=5)
+    engine = make_engine("hf", model, tokenizer)
+    sampler = Sampler(build_task(cfg), 0)
+    for _ in range(3):
+        batch, stats = generate_and_score(engine, tokenizer, sampler, Scorer(cfg.reward), cfg,
+                                          cfg.algo, torch.Generator().manual_seed(1), Counter())
+        assert len(batch.rewards_B) > 0
+        assert not equal_reward_groups(batch.rewards_P_G).any()
+        assert all(int(p.prompt.split()[2]) % 2 == 0 for p in batch.problems)
+        assert stats["rollout/dynamic_rounds"] >= 1
+        assert stats["rollout/equal_groups_frac"] >= 0.0
+
+
+@pytest.mark.parametrize("fn,status", [("raises", "error"), ("hangs", "timeout"),
+                                       ("not_a_number", "nonfinite")])
+def test_broken_reward_functions_are_survived(tmp_path, tokenizer, fn, status):
+    cfg = toy_config(tmp_path, "--steps", "2", "--reward.functions",
+                     f"tests.toy_rewards:first_letter_a_to_e,tests.toy_rewards:{fn}",
+                     "--reward.timeout_s", "0.2", "--reward.fallback", "-0.5",
+                     "--rollout.prompts_per_step", "2", "--rollout.group_size", "2")
+    train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r[f"reward/failures_{status}"] for r in rows] == [4, 4]
+    assert all(r["reward/mean"] <= 0.5 for r in rows)   # fallback -0.5 + at most 1
+
+
+def test_checkpoint_resume_continues_identically(tmp_path, tokenizer):
+    common = ["--steps", "4", "--checkpoint_every", "2", "--optim.lr", "1e-2",
+              "--algorithm.kl_coef", "0.05"]
+    full = toy_config(tmp_path / "a", *common)
+    train(full, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+
+    part = toy_config(tmp_path / "b", *common[:1], "2", *common[2:])
+    train(part, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    resumed_cfg = load_config(None, base=json.loads((tmp_path / "b" / "run" / "config.json").read_text()),
+                              overrides=["--steps", "4"])
+    train(resumed_cfg, resume=tmp_path / "b" / "run", model=make_tiny_model(tokenizer, seed=99),
+          tokenizer=tokenizer, show_progress=False)
+
+    a = reward_curve(tmp_path / "a" / "run")
+    b = reward_curve(tmp_path / "b" / "run")
+    assert a == b and len(a) == 4
+    from transformers import AutoModelForCausalLM
+    wa = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "run" / "final_model").state_dict()
+    wb = AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "run" / "final_model").state_dict()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)

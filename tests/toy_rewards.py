@@ -1,0 +1,28 @@
+"""Reward functions used by the tests through the `module:function` path."""
+
+import time
+
+
+def first_letter_a_to_e(prompt: str, completion: str, answer: str) -> float:
+    """Learnable by a random tiny model: a minority of first tokens qualify at the start."""
+    text = completion.lstrip()
+    return float(bool(text) and "a" <= text[0].lower() <= "e")
+
+
+def raises(prompt: str, completion: str, answer: str) -> float:
+    raise RuntimeError("broken reward")
+
+
+def hangs(prompt: str, completion: str, answer: str) -> float:
+    time.sleep(60)
+    return 1.0
+
+
+def not_a_number(prompt: str, completion: str, answer: str) -> float:
+    return float("nan")
+
+
+def even_prompts_only(prompt: str, completion: str, answer: str) -> float:
+    """All-equal (0) for prompts whose first operand is odd; informative for the others."""
+    a = int(prompt.split()[2])
+    return first_letter_a_to_e(prompt, completion, answer) if a % 2 == 0 else 0.0
