@@ -165,24 +165,17 @@ def _per_token(adv_P_G: Tensor, mask_B_T: Tensor) -> Tensor:
     return adv_P_G.reshape(-1, 1).to(mask_B_T.dtype) * mask_B_T
 
 
-@ADVANTAGES.register("reinforce")
-def _reinforce(inp: AdvantageInputs, p: AdvantageParams) -> Advantages:
-    return Advantages(_per_token(reinforce_advantage(inp.rewards_P_G), inp.mask_B_T))
+def _outcome_estimator(fn: Callable[[Tensor], Tensor]) -> AdvantageFn:
+    """Wrap a parameter-free (P, G) -> (P, G) outcome estimator for the registry."""
+    def estimator(inp: AdvantageInputs, p: AdvantageParams) -> Advantages:
+        return Advantages(_per_token(fn(inp.rewards_P_G), inp.mask_B_T))
+    estimator.__qualname__ = f"outcome[{fn.__name__}]"
+    return estimator
 
 
-@ADVANTAGES.register("batch_mean")
-def _batch_mean(inp: AdvantageInputs, p: AdvantageParams) -> Advantages:
-    return Advantages(_per_token(batch_mean_baseline_advantage(inp.rewards_P_G), inp.mask_B_T))
-
-
-@ADVANTAGES.register("group_mean")
-def _group_mean(inp: AdvantageInputs, p: AdvantageParams) -> Advantages:
-    return Advantages(_per_token(group_mean_baseline_advantage(inp.rewards_P_G), inp.mask_B_T))
-
-
-@ADVANTAGES.register("rloo")
-def _rloo(inp: AdvantageInputs, p: AdvantageParams) -> Advantages:
-    return Advantages(_per_token(rloo_advantage(inp.rewards_P_G), inp.mask_B_T))
+for _name, _fn in (("reinforce", reinforce_advantage), ("batch_mean", batch_mean_baseline_advantage),
+                   ("group_mean", group_mean_baseline_advantage), ("rloo", rloo_advantage)):
+    ADVANTAGES.register(_name)(_outcome_estimator(_fn))
 
 
 @ADVANTAGES.register("group")

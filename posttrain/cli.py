@@ -45,8 +45,10 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from posttrain.perf import tune_malloc
     from posttrain.trainer import train
 
+    tune_malloc()
     config_file = args.config
     if config_file is None and args.resume is None:
         config_file = recipe_path(DEFAULT_RECIPE)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 from posttrain.advantages import ADVANTAGES, AdvantageInputs, AdvantageParams
 from posttrain.checkpoint import (latest_checkpoint, load_trainer_state, restore_rng,
@@ -44,6 +45,7 @@ from posttrain.models import load_policy, load_tokenizer, resolve_model_path, sa
 from posttrain.rewards import Scorer, overlong_penalty
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, make_engine
 from posttrain.rollout.base import concat_rollouts
+from posttrain.rollout.hf import cache_kwarg
 
 log = logging.getLogger("posttrain")
 
@@ -72,27 +74,55 @@ def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str | None
 # Forward passes on (prompt + response)
 # ---------------------------------------------------------------------------------------------
 
+def group_chunks(n_rows: int, group_size: int, max_rows: int) -> list[Tensor]:
+    """Split row indices 0..n-1 into micro-batches of whole groups, at most max(max_rows, G) rows."""
+    per_chunk = max(max_rows // group_size, 1) * group_size
+    return list(torch.arange(n_rows).split(per_chunk)) if n_rows else []
+
+
+def _autocast(device_type: str, mode: str):
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=mode == "bfloat16")
+
+
 def response_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-                    response_mask: Tensor) -> Tensor:
+                    response_mask: Tensor, autocast: str = "none", group_size: int = 1) -> Tensor:
     """Logits predicting each response token: (b, T, V).
 
-    Prompts are left-padded and responses right-padded, so the T predicting positions are the
-    last T+1 columns but one; the LM head runs only there (`logits_to_keep`), not on the prompt.
+    Rows come in whole groups of `group_size` responses to one prompt. The prompt is run once per
+    group and its KV cache repeated for the group's responses, with gradients flowing through
+    both (the same sharing the sampler uses; with G = 4 and a 40-token prompt it removes most of
+    the tokens of a step). Only response positions reach the LM head. With autocast='bfloat16'
+    the transformer body runs in bf16 (about 1.8x faster on an AVX512-BF16 CPU) while the LM head
+    stays float32, so log-probs keep full precision.
     """
-    T = response_ids.shape[1]
-    ids = torch.cat([prompt_ids, response_ids], dim=1)
-    mask = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
-                logits_to_keep=T + 1)
-    return out.logits[:, :-1]
+    G, T = group_size, response_ids.shape[1]
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    device_type = prompt_ids.device.type
+    p_ids, p_mask = prompt_ids[::G], prompt_mask[::G]                   # (b/G, L)
+    p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    with _autocast(device_type, autocast):
+        prompt_out = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos,
+                             use_cache=True, **{cache_kwarg(decoder): cache})
+        last_prompt_h = prompt_out.last_hidden_state[:, -1:].repeat_interleave(G, 0)  # (b, 1, H)
+        cache.batch_repeat_interleave(G)
+        mask = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
+        r_pos = p_pos[:, -1:].repeat_interleave(G, 0) + 1 + torch.arange(T, device=p_pos.device)
+        resp_h = decoder(input_ids=response_ids, attention_mask=mask, position_ids=r_pos,
+                         use_cache=True, **{cache_kwarg(decoder): cache}).last_hidden_state
+        hidden = torch.cat([last_prompt_h, resp_h[:, :-1]], dim=1)       # (b, T, H)
+    with torch.autocast(device_type, enabled=False):
+        return head(hidden.float() if autocast != "none" else hidden)
 
 
 def sequence_logprobs(model, rollout: Rollout, rows: Tensor, temperature: float,
-                      with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-    """log pi(y_t | x, y_<t) for the response tokens of `rows`, at the sampling temperature."""
+                      with_entropy: bool = False, autocast: str = "none"
+                      ) -> tuple[Tensor, Tensor | None]:
+    """log pi(y_t | x, y_<t) for the response tokens of `rows` (whole groups), at the sampling
+    temperature; optionally the entropy of each position's distribution."""
     logits = response_logits(model, rollout.prompt_ids_B_L[rows], rollout.prompt_mask_B_L[rows],
-                             rollout.response_ids_B_T[rows], rollout.response_mask_B_T[rows])
+                             rollout.response_ids_B_T[rows], rollout.response_mask_B_T[rows],
+                             autocast, rollout.group_size)
     logp = token_logprobs(logits, rollout.response_ids_B_T[rows], temperature)
     entropy = None
     if with_entropy:
@@ -102,11 +132,12 @@ def sequence_logprobs(model, rollout: Rollout, rows: Tensor, temperature: float,
 
 
 @torch.no_grad()
-def frozen_logprobs(model, rollout: Rollout, temperature: float, micro: int) -> Tensor:
+def frozen_logprobs(model, rollout: Rollout, temperature: float, micro: int,
+                    autocast: str = "none") -> Tensor:
     """Log-probs under a frozen model (pi_ref, or pi_old recomputed), in micro-batches."""
     parts = []
-    for rows in torch.arange(len(rollout.truncated_B)).split(micro):
-        logp, _ = sequence_logprobs(model, rollout, rows, temperature)
+    for rows in group_chunks(len(rollout.truncated_B), rollout.group_size, micro):
+        logp, _ = sequence_logprobs(model, rollout, rows, temperature, autocast=autocast)
         parts.append(logp)
     return torch.cat(parts) * rollout.response_mask_B_T
 
@@ -153,7 +184,7 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
     """Sample groups and score them; with dynamic sampling, refill until P informative groups."""
     r = cfg.rollout
     P, G = r.prompts_per_step, r.group_size
-    params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p)
+    params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, stop=r.stop)
     kept: list[ScoredBatch] = []
     n_kept, rounds, stats = 0, 0, Counter()
     while True:
@@ -239,6 +270,14 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
     old_logp = rollout.logp_B_T
     policy_loss = POLICY_LOSSES[algo.policy_loss]
     kl_fn = KL_ESTIMATORS[algo.kl_estimator] if batch.ref_logp_B_T is not None else None
+    # A group whose advantages are all 0 (all-equal rewards under a group baseline) adds exactly
+    # nothing to the loss or its gradient unless a KL term is in the loss, so its forward and
+    # backward passes are skipped. The aggregation weights are still computed over the whole
+    # minibatch, so the update is the same as with those groups in: only cheaper. Late in a
+    # GRPO run most groups are all-correct, and this removes most of the update's compute.
+    has_signal = (adv_B_T.abs().sum(-1).reshape(-1, G) > 0).any(-1).repeat_interleave(G)
+    if kl_fn is not None and algo.kl_in == "loss":
+        has_signal = torch.ones_like(has_signal)
     sums: Counter = Counter()
     n_updates = 0
     model.train()
@@ -248,9 +287,13 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
             rows_mb = (mb_groups[:, None] * G + torch.arange(G)).reshape(-1)
             # Aggregation weights over the whole minibatch, so micro-batches sum to the same loss.
             weights = AGGREGATIONS[algo.aggregation](mask[rows_mb], float(cfg.rollout.max_new_tokens))
-            for micro in torch.arange(len(rows_mb)).split(o.micro_batch_size):
+            kept = has_signal[rows_mb].nonzero().squeeze(-1)
+            sums["policy/skipped_rows"] += len(rows_mb) - len(kept)
+            for micro in group_chunks(len(kept), G, o.micro_batch_size):
+                micro = kept[micro]
                 rows = rows_mb[micro]
-                logp, entropy = sequence_logprobs(model, rollout, rows, temperature, with_entropy=True)
+                logp, entropy = sequence_logprobs(model, rollout, rows, temperature,
+                                                  with_entropy=True, autocast=cfg.model.autocast)
                 m = mask[rows]
                 old = logp.detach() if single_update else old_logp[rows]
                 loss_t = policy_loss(logp, old, adv_B_T[rows], clip_low=algo.clip_low,
@@ -269,15 +312,19 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
                 sums["policy/entropy"] += _mean(entropy, m) * len(rows)
                 sums["loss/policy"] += loss.item()
                 sums["_rows"] += len(rows)
+            if len(kept) == 0:   # keep the optimizer step (Adam momentum, decay) as it would be
+                for p in model.parameters():
+                    p.grad = torch.zeros_like(p)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.max_grad_norm)
             sums["policy/grad_norm"] += grad_norm.item()
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             n_updates += 1
-    rows_seen = max(sums.pop("_rows"), 1)
-    out = {k: v / rows_seen for k, v in sums.items() if k not in ("loss/policy", "policy/grad_norm",
-                                                                    "policy/ratio_max")}
+    rows_seen, skipped = sums.pop("_rows", 0), sums.pop("policy/skipped_rows", 0)
+    out = {k: v / max(rows_seen, 1) for k, v in sums.items()
+           if k not in ("loss/policy", "policy/grad_norm", "policy/ratio_max")}
+    out["policy/skipped_rows_frac"] = skipped / max(skipped + rows_seen, 1)
     out["loss/policy"] = sums["loss/policy"] / max(n_updates, 1)
     out["policy/grad_norm"] = sums["policy/grad_norm"] / max(n_updates, 1)
     out["policy/ratio_max"] = sums["policy/ratio_max"]
@@ -309,7 +356,7 @@ def evaluate(model, tokenizer, engine: RolloutEngine, problems: list[Problem], s
     """
     greedy = samples == 1
     params = SamplingParams(cfg.rollout.max_new_tokens, temperature if not greedy else 1.0,
-                            1.0, greedy=greedy)
+                            1.0, greedy=greedy, stop=cfg.rollout.stop)
     correct, texts = [], []
     for start in range(0, len(problems), cfg.eval_batch_size):
         chunk = problems[start:start + cfg.eval_batch_size]
@@ -479,7 +526,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
         t0 = time.perf_counter()
         if ref_model is not None:
             batch.ref_logp_B_T = frozen_logprobs(ref_model, batch.rollout, cfg.rollout.temperature,
-                                                 cfg.optim.micro_batch_size)
+                                                 cfg.optim.micro_batch_size, cfg.model.autocast)
         timings["reference"] += time.perf_counter() - t0
 
         # 3. advantages

@@ -143,3 +143,85 @@ def test_checkpoint_resume_continues_identically(tmp_path, tokenizer):
     wb = AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "run" / "final_model").state_dict()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
+
+
+def test_bf16_autocast_keeps_logprobs_close_and_head_in_float32(tokenizer, tiny_model):
+    task = build_task(load_config(None, ["--data.eval_size", "3"]))
+    engine = make_engine("hf", tiny_model, tokenizer)
+    rollout = engine.generate(encode_prompts(tokenizer, task.eval_problems, None), 2,
+                              SamplingParams(5), torch.Generator().manual_seed(0))
+    fp32 = frozen_logprobs(tiny_model, rollout, 1.0, micro=4)
+    bf16 = frozen_logprobs(tiny_model, rollout, 1.0, micro=4, autocast="bfloat16")
+    assert bf16.dtype == torch.float32
+    torch.testing.assert_close(bf16, fp32, atol=0.05, rtol=0.0)
+    assert not torch.equal(bf16, fp32)   # the body really ran in bf16
+
+
+def test_shared_prompt_forward_equals_full_sequence_forward_values_and_gradients(tokenizer):
+    """The prompt runs once per group (KV cache repeated, gradients through it): same logits and
+    same gradients as running every prompt+response sequence whole."""
+    from posttrain.trainer import response_logits
+    model = make_tiny_model(tokenizer, seed=7).double()
+    task = build_task(load_config(None, ["--data.eval_size", "3"]))
+    engine = make_engine("hf", model, tokenizer)
+    r = engine.generate(encode_prompts(tokenizer, task.eval_problems, "Be brief."), 3,
+                        SamplingParams(5), torch.Generator().manual_seed(0))
+    shared = response_logits(model, r.prompt_ids_B_L, r.prompt_mask_B_L, r.response_ids_B_T,
+                             r.response_mask_B_T, group_size=3)
+    (shared * r.response_mask_B_T[..., None]).sum().backward()
+    g_shared = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    T = r.response_ids_B_T.shape[1]
+    ids = torch.cat([r.prompt_ids_B_L, r.response_ids_B_T], 1)
+    mask = torch.cat([r.prompt_mask_B_L, r.response_mask_B_T.long()], 1)
+    full = model(input_ids=ids, attention_mask=mask,
+                 position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, -(T + 1):-1]
+    (full * r.response_mask_B_T[..., None]).sum().backward()
+    m = r.response_mask_B_T.bool()
+    torch.testing.assert_close(shared[m], full[m])
+    for a, p in zip(g_shared, model.parameters()):
+        # float64 model, but transformers computes rotary angles in float32: ~1e-7 relative noise
+        scale = p.grad.abs().max().item()
+        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_skipping_zero_advantage_groups_gives_the_same_update(tmp_path, tokenizer):
+    """All-equal groups are not run through the model, yet the step equals the full-batch step."""
+    from posttrain.losses import AGGREGATIONS, POLICY_LOSSES, aggregate
+    from posttrain.trainer import sequence_logprobs
+    cfg = toy_config(tmp_path, "--steps", "1", "--optim.max_grad_norm", "1e9")
+    model = make_tiny_model(tokenizer, seed=8)
+    engine = make_engine("hf", model, tokenizer)
+    batch, _ = generate_and_score(engine, tokenizer, Sampler(build_task(cfg), 0), Scorer(cfg.reward),
+                                  cfg, cfg.algo, torch.Generator().manual_seed(0), Counter())
+    adv = torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T
+    adv[:4] = 0.0                                     # the first group carries no signal
+
+    skipped = make_tiny_model(tokenizer, seed=8)
+    opt = torch.optim.SGD(skipped.parameters(), lr=1.0)
+    stats = update_policy(skipped, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0),
+                          batch, adv, cfg, cfg.algo, torch.Generator().manual_seed(0))
+    assert stats["policy/skipped_rows_frac"] == 4 / len(batch.rewards_B)
+
+    full = make_tiny_model(tokenizer, seed=8)
+    rows = torch.arange(len(batch.rewards_B))
+    logp, _ = sequence_logprobs(full, batch.rollout, rows, 1.0)
+    weights = AGGREGATIONS[cfg.algo.aggregation](batch.loss_mask_B_T, 3.0)
+    aggregate(POLICY_LOSSES["clipped"](logp, logp.detach(), adv), weights).backward()
+    torch.optim.SGD(full.parameters(), lr=1.0).step()
+    for a, b in zip(skipped.parameters(), full.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_without_any_signal_still_steps(tmp_path, tokenizer):
+    cfg = toy_config(tmp_path, "--steps", "1")
+    model = make_tiny_model(tokenizer, seed=9)
+    engine = make_engine("hf", model, tokenizer)
+    batch, _ = generate_and_score(engine, tokenizer, Sampler(build_task(cfg), 0), Scorer(cfg.reward),
+                                  cfg, cfg.algo, torch.Generator().manual_seed(0), Counter())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = update_policy(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0), batch,
+                          torch.zeros_like(batch.loss_mask_B_T), cfg, cfg.algo, torch.Generator())
+    assert stats["policy/skipped_rows_frac"] == 1.0 and stats["policy/grad_norm"] == 0.0
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # weight decay

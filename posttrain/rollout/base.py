@@ -21,6 +21,7 @@ class SamplingParams:
     temperature: float = 1.0   # logp are recorded at this temperature, as the trainer computes them
     top_p: float = 1.0         # nucleus sampling; logp stay those of the untruncated distribution
     greedy: bool = False       # evaluation: argmax decoding
+    stop: tuple[str, ...] = ()  # stop strings: the response ends with the token that completes one
 
 
 @dataclass
@@ -36,7 +37,7 @@ class Rollout:
     response_ids_B_T: Tensor    # (B, T) long, right-padded
     response_mask_B_T: Tensor   # (B, T) float, 1 on generated tokens (EOS included)
     logp_B_T: Tensor            # (B, T) float32 log pi_old(y_t | x, y_<t) at the sampling temperature
-    truncated_B: Tensor         # (B,) bool: stopped by max_new_tokens, not by EOS
+    truncated_B: Tensor         # (B,) bool: stopped by max_new_tokens, not by EOS or a stop string
     group_size: int
 
     @property

@@ -51,7 +51,7 @@ def sample_next(logits_B_V: Tensor, params: SamplingParams,
     return tok, logp_B_V.gather(-1, tok[:, None]).squeeze(-1)
 
 
-def _cache_kwarg(model: PreTrainedModel) -> str:
+def cache_kwarg(model: PreTrainedModel) -> str:
     """transformers renamed `past_key_values` to `cache`; use whichever this version takes."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -62,7 +62,8 @@ class HFRolloutEngine:
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         self.model = model
-        self.cache_kw = _cache_kwarg(model)
+        self.tokenizer = tokenizer
+        self.cache_kw = cache_kwarg(model)
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = {tokenizer.eos_token_id}
         gen_eos = getattr(model.generation_config, "eos_token_id", None)
@@ -72,7 +73,13 @@ class HFRolloutEngine:
     def sync_weights(self) -> None:
         pass
 
-    @torch.inference_mode()
+    def _stop_hits(self, recent_b_k: Tensor, stop: tuple[str, ...]) -> Tensor:
+        """Rows whose last few tokens decode to text containing a stop string."""
+        texts = self.tokenizer.batch_decode(recent_b_k, skip_special_tokens=True)
+        return torch.tensor([any(s in text for s in stop) for text in texts], dtype=torch.bool,
+                            device=recent_b_k.device)
+
+    @torch.no_grad()  # not inference_mode: the trainer reuses these tensors under autograd
     def generate(self, prompts: list[list[int]], group_size: int, params: SamplingParams,
                  generator: torch.Generator | None = None) -> Rollout:
         model = self.model
@@ -98,11 +105,16 @@ class HFRolloutEngine:
         lengths = torch.full((B,), T, dtype=torch.long, device=device)
         eos = torch.tensor(sorted(self.eos_ids), device=device)
         active = torch.arange(B, device=device)     # rows still writing, in cache order
+        stopped = torch.zeros(B, dtype=torch.bool, device=device)
         for t in range(T):
             tok, logp = sample_next(logits, params, generator)
             tokens[active, t] = tok
             logps[active, t] = logp
             done = torch.isin(tok, eos)
+            if params.stop:
+                hit = self._stop_hits(tokens[active, max(0, t - 3):t + 1], params.stop)
+                stopped[active[hit]] = True
+                done |= hit
             if done.any():
                 lengths[active[done]] = t + 1
                 keep = (~done).nonzero().squeeze(-1)
@@ -120,7 +132,7 @@ class HFRolloutEngine:
 
         width = int(lengths.max())
         mask_B_T = (torch.arange(width, device=device)[None, :] < lengths[:, None]).float()
-        truncated = ~torch.isin(tokens[torch.arange(B, device=device), lengths - 1], eos)
+        truncated = ~(torch.isin(tokens[torch.arange(B, device=device), lengths - 1], eos) | stopped)
         model.train(was_training)
         return Rollout(
             prompt_ids_B_L=ids_P_L.repeat_interleave(G, 0),

@@ -1,0 +1,66 @@
+"""The in-process sampler: shared-prefix prefill, row pruning, EOS and stop strings, top-p."""
+
+import torch
+
+from posttrain.rollout import SamplingParams, make_engine
+from posttrain.rollout.hf import left_pad, sample_next
+from posttrain.trainer import encode_prompts
+from posttrain.data.tasks import Problem
+
+
+def prompts(tokenizer, texts):
+    return encode_prompts(tokenizer, [Problem(t, "") for t in texts], None)
+
+
+def test_batched_greedy_equals_one_prompt_at_a_time(tokenizer, tiny_model):
+    """Left padding, the shared prompt cache and dropping finished rows change no output."""
+    model = tiny_model.double()
+    engine = make_engine("hf", model, tokenizer)
+    ps = prompts(tokenizer, ["What is 1 + 1?", "A much longer prompt, with many more tokens in it.", "Hi"])
+    params = SamplingParams(8, greedy=True)
+    together = engine.generate(ps, 2, params)
+    for i, p in enumerate(ps):
+        alone = engine.generate([p], 1, params)
+        T = int(alone.lengths_B[0])
+        for row in (2 * i, 2 * i + 1):       # both group members are greedy copies
+            assert together.response_ids_B_T[row, :T].tolist() == alone.response_ids_B_T[0, :T].tolist()
+            torch.testing.assert_close(together.logp_B_T[row, :T], alone.logp_B_T[0, :T])
+
+
+def test_eos_ends_a_row_and_truncation_is_flagged(tokenizer, tiny_model):
+    engine = make_engine("hf", tiny_model, tokenizer)
+    eos = tokenizer.eos_token_id
+    with torch.no_grad():   # make EOS the only likely token
+        tiny_model.get_output_embeddings().weight[eos] *= 0
+        tiny_model.get_output_embeddings().weight[eos] += 10 * tiny_model.model.norm.weight.sign()
+    out = engine.generate(prompts(tokenizer, ["x", "yy"]), 2, SamplingParams(6),
+                          torch.Generator().manual_seed(0))
+    assert (out.lengths_B >= 1).all() and out.lengths_B.max() <= 6
+    ended = out.response_ids_B_T[torch.arange(4), out.lengths_B.long() - 1] == eos
+    assert torch.equal(~ended, out.truncated_B)
+    assert ended.any()
+
+
+def test_stop_strings_end_the_response(tokenizer, tiny_model):
+    engine = make_engine("hf", tiny_model, tokenizer)
+    p = prompts(tokenizer, ["Count: one two three"])
+    free = engine.generate(p, 1, SamplingParams(8, greedy=True))
+    third = tokenizer.decode(free.response_ids_B_T[0, 2:3])
+    stopped = engine.generate(p, 1, SamplingParams(8, greedy=True, stop=(third,)))
+    n = int(stopped.lengths_B[0])
+    assert n <= 3 and third in tokenizer.decode(stopped.response_ids_B_T[0, :n])
+    assert not stopped.truncated_B[0]
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    g = torch.Generator().manual_seed(0)
+    draws = {int(sample_next(logits, SamplingParams(top_p=0.7), g)[0]) for _ in range(200)}
+    assert draws == {0, 1}
+    tok, logp = sample_next(logits, SamplingParams(top_p=0.7), g)
+    torch.testing.assert_close(logp, torch.log(torch.tensor([0.5, 0.3]))[tok])   # untruncated logp
+
+
+def test_left_pad():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
