@@ -132,7 +132,7 @@ class DataConfig:
     eval_path: str | None = None        # task 'file': held-out file; None splits eval_size off train
     prompt_field: str = "prompt"
     answer_field: str = "answer"
-    system_prompt: str | None = "Answer with the final number only."  # None: the template's default
+    system_prompt: str | None = None    # None: the chat template's own system prompt
     chat_template: bool = True          # apply the tokenizer's chat template to prompts
 
 
