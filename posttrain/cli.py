@@ -114,7 +114,8 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     overrides = [*overrides, "--model.path", args.model]
     if args.task:
         overrides += ["--data.task", args.task]
-    cfg = load_config(args.config, overrides)
+    # Same generation settings as the default job unless a config says otherwise.
+    cfg = load_config(args.config or recipe_path(DEFAULT_RECIPE), overrides)
     task = build_task(cfg)
     scorer = Scorer(cfg.reward, task.verifier)
     path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
@@ -164,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="held-out greedy accuracy and pass@k of a model")
     p.add_argument("--model", required=True, help="model folder, or 'smollm2-135m-instruct'")
     p.add_argument("--task", help="built-in task (addition, arithmetic, countdown) or 'file'")
-    p.add_argument("--config", type=Path, help="YAML config for data/reward/rollout settings")
+    p.add_argument("--config", type=Path, help="YAML config for data/reward/rollout settings "
+                   "(default: the packaged default recipe, or pass a run's config.json)")
     p.add_argument("--k", type=int, default=1, help="also report pass@k (sampled)")
     p.add_argument("--samples", type=int, default=0, help="samples per problem for pass@k (>= k)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for pass@k")

@@ -80,6 +80,16 @@ def group_chunks(n_rows: int, group_size: int, max_rows: int) -> list[Tensor]:
     return list(torch.arange(n_rows).split(per_chunk)) if n_rows else []
 
 
+def decoder_and_head(model):
+    """The transformer body and the LM head, run separately so the head sees response positions
+    only. Refuses models whose logits are more than head(hidden) (soft-capping, logit scales)."""
+    for attr in ("final_logit_softcapping", "logit_scale"):
+        if getattr(model.config, attr, None) not in (None, 1.0):
+            raise NotImplementedError(f"{model.config.model_type}: config.{attr} changes the "
+                                      "logits after the LM head, which posttrain does not apply yet")
+    return model.get_decoder(), model.get_output_embeddings()
+
+
 def _autocast(device_type: str, mode: str):
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=mode == "bfloat16")
 
@@ -96,7 +106,7 @@ def response_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, response_ids
     stays float32, so log-probs keep full precision.
     """
     G, T = group_size, response_ids.shape[1]
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    decoder, head = decoder_and_head(model)
     device_type = prompt_ids.device.type
     p_ids, p_mask = prompt_ids[::G], prompt_mask[::G]                   # (b/G, L)
     p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)

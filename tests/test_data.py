@@ -64,3 +64,22 @@ def test_bad_files_are_reported_with_row_and_field(tmp_path):
     (tmp_path / "x.txt").write_text("hi")
     with pytest.raises(ValueError, match="unknown format"):
         load_problems(tmp_path / "x.txt", "prompt", "answer")
+
+
+def test_datasets_folder(tmp_path):
+    import datasets
+    datasets.Dataset.from_list([{"prompt": "p", "answer": "1"}]).save_to_disk(str(tmp_path / "ds"))
+    assert load_problems(tmp_path / "ds", "prompt", "answer")[0].answer == "1"
+
+
+def test_file_task_splits_a_held_out_set_off_the_file(tmp_path):
+    from posttrain.config import load_config
+    from posttrain.trainer import build_task
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"q": f"What is {i} + 1?", "a": str(i + 1)}) for i in range(50)))
+    cfg = load_config(None, ["--data.task", "file", "--data.train_path", str(f),
+                             "--data.prompt_field", "q", "--data.answer_field", "a"])
+    task = build_task(cfg)
+    held = {p.prompt for p in task.eval_problems}
+    train = {task.train_problem(0, i).prompt for i in range(200)}
+    assert len(held) == 10 and len(train) == 40 and not held & train
