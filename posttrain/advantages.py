@@ -136,6 +136,8 @@ class AdvantageInputs:
     mask_B_T: Tensor                          # response tokens
     token_rewards_B_T: Tensor | None = None   # dense rewards (KL folded in, score on last token)
     values_B_T: Tensor | None = None          # value model predictions V(x, y_<t)
+    old_logp_B_T: Tensor | None = None        # log pi_old of the sampled tokens (distillation)
+    teacher_logp_B_T: Tensor | None = None    # log pi_T of the same tokens (distillation)
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,7 @@ class AdvantageParams:
     scale_by_std: bool = True
     gamma: float = 1.0
     lam: float = 0.95
+    reward_weight: float = 0.0    # distillation: weight of the verifiable-reward group advantage
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,7 @@ ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 # Which estimators need a value model / a group of >= 2 responses (used by config validation).
 NEEDS_VALUES = {"gae"}
 NEEDS_GROUP = {"rloo", "group"}
+NEEDS_TEACHER = {"reverse_kl"}
 
 
 def _per_token(adv_P_G: Tensor, mask_B_T: Tensor) -> Tensor:
@@ -190,3 +194,26 @@ def _gae(inp: AdvantageInputs, p: AdvantageParams) -> Advantages:
         raise ValueError("the 'gae' estimator needs values and per-token rewards")
     adv, ret = gae(inp.token_rewards_B_T, inp.values_B_T, inp.mask_B_T, p.gamma, p.lam)
     return Advantages(adv, ret)
+
+
+@ADVANTAGES.register("reverse_kl")
+def _reverse_kl(inp: AdvantageInputs, p: AdvantageParams) -> Advantages:
+    """On-policy distillation (§8) as a dense reward r_t = -(log pi_old(y_t) - log pi_T(y_t)).
+
+        A_t = sum_{t' >= t} gamma^(t'-t) r_t'        (+ reward_weight x GRPO group advantage)
+
+    With gamma = 1 this is the reward-to-go, whose policy gradient is that of the sequence-level
+    reverse KL sum_t KL_t: a token is also charged for the contexts it leads the student into.
+    gamma = 0 keeps only r_t (the per-token form some recipes use); on a tiny model its KL was
+    seen to fall and then climb back as the student drifted into contexts where it disagrees
+    with the teacher more.
+    """
+    from posttrain.losses import distillation_advantage
+    if inp.old_logp_B_T is None or inp.teacher_logp_B_T is None:
+        raise ValueError("the 'reverse_kl' estimator needs the student's and the teacher's log-probs")
+    rewards = distillation_advantage(inp.old_logp_B_T, inp.teacher_logp_B_T, inp.mask_B_T)
+    adv = discounted_returns(rewards, inp.mask_B_T, p.gamma)
+    if p.reward_weight:
+        group = grpo_advantage(inp.rewards_P_G, p.eps, p.scale_by_std)
+        adv = adv + p.reward_weight * _per_token(group, inp.mask_B_T)
+    return Advantages(adv)

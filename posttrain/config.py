@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
-from posttrain.advantages import ADVANTAGES, NEEDS_GROUP, NEEDS_VALUES
+from posttrain.advantages import ADVANTAGES, NEEDS_GROUP, NEEDS_TEACHER, NEEDS_VALUES
 from posttrain.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 
 
@@ -59,6 +59,7 @@ class AlgorithmConfig:
     overlong_penalty: float = 1.0       # 'shape': penalty reached at the limit
     gamma: float = 1.0                  # GAE discount (§5)
     lam: float = 0.95                   # GAE lambda (§5)
+    reward_weight: float = 0.0          # distillation: mix in the verifiable reward's group advantage
 
     def validate(self, group_size: int) -> None:
         _check_choice("algorithm.advantage", self.advantage, ADVANTAGES.names())
@@ -109,6 +110,10 @@ PRESETS: dict[str, AlgorithmConfig] = {
     # Dr. GRPO (Liu et al. 2025): no std, constant length normaliser, no KL.
     "dr_grpo": replace(GRPO, scale_by_std=False, aggregation="seq_mean_token_sum_norm",
                        kl_in="none", kl_coef=0.0),
+    # On-policy distillation (§8): the student samples, the teacher scores the same tokens, the
+    # negated sampled reverse KL is a dense per-token advantage through the clipped PG loss.
+    "opd": replace(GRPO, advantage="reverse_kl", aggregation="token_mean", kl_in="none",
+                   kl_coef=0.0),
 }
 
 
@@ -120,6 +125,12 @@ class ModelConfig:
     # generation runs in `dtype`. Faster on CPUs with AVX512-BF16 and on GPUs.
     autocast: Literal["none", "bfloat16"] = "none"
     cache_dir: str | None = None        # where the embedded GGUF is converted once; None: user cache
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    path: str | None = None             # frozen teacher for distillation (local folder or embedded)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
 @dataclass(frozen=True)
@@ -176,6 +187,7 @@ class TrainConfig:
     preset: str = "grpo"
     algorithm: dict[str, Any] = field(default_factory=dict)  # field overrides on top of the preset
     model: ModelConfig = ModelConfig()
+    teacher: TeacherConfig = TeacherConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
@@ -232,6 +244,9 @@ class TrainConfig:
                               f"rollout.max_new_tokens={r.max_new_tokens}")
         _check_range("steps", self.steps, 0)
         _check_range("data.eval_size", self.data.eval_size, 0)
+        if algo.advantage in NEEDS_TEACHER and not self.teacher.path:
+            raise ConfigError(f"algorithm.advantage={algo.advantage!r} distils from a teacher: "
+                              "set teacher.path to a model folder")
         if self.data.task == "file" and not self.data.train_path:
             raise ConfigError("data.task='file' needs data.train_path")
         return self

@@ -131,3 +131,25 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folde
     if folder.exists():
         shutil.rmtree(folder)
     os.replace(tmp, folder)
+
+
+def check_same_tokenizer(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> None:
+    """Distillation scores the student's token ids with the teacher (ALGORITHMS.md §8), so both
+    must map the same strings to the same ids, special tokens included. Raises naming what differs."""
+    from posttrain.config import ConfigError
+
+    problems = []
+    sv, tv = student.get_vocab(), teacher.get_vocab()
+    if len(sv) != len(tv):
+        problems.append(f"vocabulary sizes differ ({len(sv)} vs {len(tv)})")
+    differing = [tok for tok, i in sv.items() if tv.get(tok) != i]
+    if differing:
+        shown = ", ".join(f"{t!r}: {sv[t]} vs {tv.get(t)}" for t in sorted(differing)[:5])
+        problems.append(f"{len(differing)} tokens have other ids ({shown})")
+    for name in ("bos_token", "eos_token", "unk_token"):
+        a, b = getattr(student, name), getattr(teacher, name)
+        if a != b:
+            problems.append(f"{name} differs ({a!r} vs {b!r})")
+    if problems:
+        raise ConfigError("teacher and student tokenizers differ: " + "; ".join(problems)
+                          + ". On-policy distillation needs one shared tokenizer")

@@ -33,15 +33,17 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from posttrain.advantages import ADVANTAGES, AdvantageInputs, AdvantageParams
+from posttrain.advantages import ADVANTAGES, NEEDS_TEACHER, AdvantageInputs, AdvantageParams
 from posttrain.checkpoint import (latest_checkpoint, load_trainer_state, restore_rng,
                                   save_checkpoint)
 from posttrain.config import AlgorithmConfig, ConfigError, TrainConfig
 from posttrain.data import Problem, Task, load_problems, make_task
 from posttrain.logging import MetricsLogger, console_line, plot_run
 from posttrain.losses import (AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate,
-                              entropy_from_logits, kl_penalty_in_loss, ratio_stats, token_logprobs)
-from posttrain.models import load_policy, load_tokenizer, resolve_model_path, save_model
+                              entropy_from_logits, kl_penalty_in_loss, ratio_stats,
+                              sampled_reverse_kl, token_logprobs)
+from posttrain.models import (check_same_tokenizer, load_policy, load_tokenizer, resolve_model_path,
+                              save_model)
 from posttrain.rewards import Scorer, overlong_penalty
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, make_engine
 from posttrain.rollout.base import concat_rollouts
@@ -165,6 +167,7 @@ class ScoredBatch:
     correct_B: Tensor
     loss_mask_B_T: Tensor           # response tokens that enter the loss
     ref_logp_B_T: Tensor | None = None
+    teacher_logp_B_T: Tensor | None = None
 
     @property
     def rewards_P_G(self) -> Tensor:
@@ -440,9 +443,9 @@ def seed_everything(seed: int) -> torch.Generator:
 
 
 def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokenizer=None,
-          show_progress: bool = True) -> dict[str, Any]:
-    """Run `cfg`; return the summary (accuracy before/after, timings, paths). `model` and
-    `tokenizer` may be passed in (tests, notebooks) instead of being loaded from `cfg.model`."""
+          show_progress: bool = True, teacher=None, teacher_tokenizer=None) -> dict[str, Any]:
+    """Run `cfg`; return the summary (accuracy before/after, timings, paths). `model`,
+    `tokenizer` and `teacher` may be passed in (tests, notebooks) instead of being loaded."""
     algo = cfg.algo
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -457,6 +460,10 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
         raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir}/checkpoints")
 
     t_setup = time.perf_counter()
+    uses_teacher = algo.advantage in NEEDS_TEACHER
+    if uses_teacher and teacher is None:   # checked before the student is loaded
+        teacher_path = resolve_model_path(cfg.teacher.path, cfg.model.cache_dir)
+        teacher_tokenizer = load_tokenizer(teacher_path)
     if model is None:
         path = ckpt / "model" if ckpt else resolve_model_path(cfg.model.path, cfg.model.cache_dir)
         tokenizer = tokenizer or load_tokenizer(path)
@@ -465,6 +472,11 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
         model.load_state_dict(load_policy(ckpt / "model", cfg.model.dtype).state_dict())
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if uses_teacher:
+        check_same_tokenizer(tokenizer, teacher_tokenizer or tokenizer)
+        if teacher is None:
+            teacher = load_policy(teacher_path, cfg.teacher.dtype)
+        teacher = teacher.eval().requires_grad_(False)
     uses_ref = algo.kl_in != "none" and algo.kl_coef > 0
     # pi_ref is the starting policy, frozen; it is not built at all when the KL is off.
     ref_model = None
@@ -539,10 +551,22 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
                                                  cfg.optim.micro_batch_size, cfg.model.autocast)
         timings["reference"] += time.perf_counter() - t0
 
+        # 2b. the teacher scores the student's own tokens in one forward pass (distillation, §8)
+        t0 = time.perf_counter()
+        if teacher is not None:
+            batch.teacher_logp_B_T = frozen_logprobs(teacher, batch.rollout, cfg.rollout.temperature,
+                                                     cfg.optim.micro_batch_size, cfg.model.autocast)
+            kl = sampled_reverse_kl(batch.rollout.logp_B_T, batch.teacher_logp_B_T)
+            metrics["distill/reverse_kl"] = _mean(kl, batch.loss_mask_B_T)
+        timings["teacher"] += time.perf_counter() - t0
+
         # 3. advantages
         adv = ADVANTAGES[algo.advantage](
-            AdvantageInputs(batch.rewards_P_G, batch.loss_mask_B_T),
-            AdvantageParams(algo.eps, algo.scale_by_std, algo.gamma, algo.lam)).adv_B_T
+            AdvantageInputs(batch.rewards_P_G, batch.loss_mask_B_T,
+                            old_logp_B_T=batch.rollout.logp_B_T,
+                            teacher_logp_B_T=batch.teacher_logp_B_T),
+            AdvantageParams(algo.eps, algo.scale_by_std, algo.gamma, algo.lam,
+                            algo.reward_weight)).adv_B_T
 
         # 4. several clipped updates on the batch
         t0 = time.perf_counter()

@@ -12,6 +12,7 @@ def test_presets_are_configurations_of_the_parts():
     assert not dr.scale_by_std and dr.aggregation == "seq_mean_token_sum_norm"
     assert PRESETS["rloo"].advantage == "rloo"
     assert PRESETS["reinforce"].policy_loss == "vanilla"
+    assert PRESETS["opd"].advantage == "reverse_kl" and PRESETS["opd"].kl_in == "none"
 
 
 def test_yaml_then_overrides(tmp_path):
