@@ -147,6 +147,7 @@ class AdvantageParams:
     gamma: float = 1.0
     lam: float = 0.95
     reward_weight: float = 0.0    # distillation: weight of the verifiable-reward group advantage
+    kl_in_loss: bool = False      # distillation: the exact reverse KL is the loss; no KL advantage
 
 
 @dataclass(frozen=True)
@@ -204,15 +205,18 @@ def _reverse_kl(inp: AdvantageInputs, p: AdvantageParams) -> Advantages:
 
     With gamma = 1 this is the reward-to-go, whose policy gradient is that of the sequence-level
     reverse KL sum_t KL_t: a token is also charged for the contexts it leads the student into.
-    gamma = 0 keeps only r_t (the per-token form some recipes use); on a tiny model its KL was
-    seen to fall and then climb back as the student drifted into contexts where it disagrees
-    with the teacher more.
+    gamma = 0 keeps only r_t (the per-token form some recipes use). With kl_in_loss (config
+    `distill_loss: exact`) the full-vocabulary reverse KL is added to the loss by the trainer
+    instead, and only the optional reward part is an advantage.
     """
     from posttrain.losses import distillation_advantage
     if inp.old_logp_B_T is None or inp.teacher_logp_B_T is None:
         raise ValueError("the 'reverse_kl' estimator needs the student's and the teacher's log-probs")
-    rewards = distillation_advantage(inp.old_logp_B_T, inp.teacher_logp_B_T, inp.mask_B_T)
-    adv = discounted_returns(rewards, inp.mask_B_T, p.gamma)
+    if p.kl_in_loss:
+        adv = torch.zeros_like(inp.mask_B_T)
+    else:
+        rewards = distillation_advantage(inp.old_logp_B_T, inp.teacher_logp_B_T, inp.mask_B_T)
+        adv = discounted_returns(rewards, inp.mask_B_T, p.gamma)
     if p.reward_weight:
         group = grpo_advantage(inp.rewards_P_G, p.eps, p.scale_by_std)
         adv = adv + p.reward_weight * _per_token(group, inp.mask_B_T)

@@ -41,7 +41,7 @@ from posttrain.data import Problem, Task, load_problems, make_task
 from posttrain.logging import MetricsLogger, console_line, plot_run
 from posttrain.losses import (AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate,
                               entropy_from_logits, kl_penalty_in_loss, ratio_stats,
-                              sampled_reverse_kl, token_logprobs)
+                              reverse_kl_from_logits, sampled_reverse_kl, token_logprobs)
 from posttrain.models import (check_same_tokenizer, load_policy, load_tokenizer, resolve_model_path,
                               save_model)
 from posttrain.rewards import Scorer, overlong_penalty
@@ -128,10 +128,10 @@ def response_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, response_ids
 
 
 def sequence_logprobs(model, rollout: Rollout, rows: Tensor, temperature: float,
-                      with_entropy: bool = False, autocast: str = "none"
-                      ) -> tuple[Tensor, Tensor | None]:
+                      with_entropy: bool = False, autocast: str = "none", keep_logits: bool = False
+                      ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """log pi(y_t | x, y_<t) for the response tokens of `rows` (whole groups), at the sampling
-    temperature; optionally the entropy of each position's distribution."""
+    temperature; optionally the entropy of each position's distribution and the logits."""
     logits = response_logits(model, rollout.prompt_ids_B_L[rows], rollout.prompt_mask_B_L[rows],
                              rollout.response_ids_B_T[rows], rollout.response_mask_B_T[rows],
                              autocast, rollout.group_size)
@@ -140,7 +140,7 @@ def sequence_logprobs(model, rollout: Rollout, rows: Tensor, temperature: float,
     if with_entropy:
         with torch.no_grad():
             entropy = entropy_from_logits(logits.detach(), temperature)
-    return logp, entropy
+    return logp, entropy, logits if keep_logits else None
 
 
 @torch.no_grad()
@@ -149,7 +149,7 @@ def frozen_logprobs(model, rollout: Rollout, temperature: float, micro: int,
     """Log-probs under a frozen model (pi_ref, or pi_old recomputed), in micro-batches."""
     parts = []
     for rows in group_chunks(len(rollout.truncated_B), rollout.group_size, micro):
-        logp, _ = sequence_logprobs(model, rollout, rows, temperature, autocast=autocast)
+        logp, _, _ = sequence_logprobs(model, rollout, rows, temperature, autocast=autocast)
         parts.append(logp)
     return torch.cat(parts) * rollout.response_mask_B_T
 
@@ -272,7 +272,8 @@ def merge(parts: list[ScoredBatch], pad_id: int) -> ScoredBatch:
 # ---------------------------------------------------------------------------------------------
 
 def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tensor,
-                  cfg: TrainConfig, algo: AlgorithmConfig, generator: torch.Generator) -> dict[str, float]:
+                  cfg: TrainConfig, algo: AlgorithmConfig, generator: torch.Generator,
+                  teacher=None) -> dict[str, float]:
     o, temperature = cfg.optim, cfg.rollout.temperature
     rollout, mask = batch.rollout, batch.loss_mask_B_T
     G = rollout.group_size
@@ -289,7 +290,8 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
     # minibatch, so the update is the same as with those groups in: only cheaper. Late in a
     # GRPO run most groups are all-correct, and this removes most of the update's compute.
     has_signal = (adv_B_T.abs().sum(-1).reshape(-1, G) > 0).any(-1).repeat_interleave(G)
-    if kl_fn is not None and algo.kl_in == "loss":
+    exact_distill = teacher is not None and algo.distill_loss == "exact"
+    if (kl_fn is not None and algo.kl_in == "loss") or exact_distill:
         has_signal = torch.ones_like(has_signal)
     sums: Counter = Counter()
     n_updates = 0
@@ -305,12 +307,22 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
             for micro in group_chunks(len(kept), G, o.micro_batch_size):
                 micro = kept[micro]
                 rows = rows_mb[micro]
-                logp, entropy = sequence_logprobs(model, rollout, rows, temperature,
-                                                  with_entropy=True, autocast=cfg.model.autocast)
+                logp, entropy, logits = sequence_logprobs(
+                    model, rollout, rows, temperature, with_entropy=True,
+                    autocast=cfg.model.autocast, keep_logits=exact_distill)
                 m = mask[rows]
                 old = logp.detach() if single_update else old_logp[rows]
                 loss_t = policy_loss(logp, old, adv_B_T[rows], clip_low=algo.clip_low,
                                      clip_high=algo.clip_high, dual_clip=algo.dual_clip)
+                if exact_distill:   # §8: the full-vocabulary reverse KL is itself the loss
+                    with torch.no_grad():
+                        t_logits = response_logits(
+                            teacher, rollout.prompt_ids_B_L[rows], rollout.prompt_mask_B_L[rows],
+                            rollout.response_ids_B_T[rows], rollout.response_mask_B_T[rows],
+                            cfg.model.autocast, G)
+                    kl_exact = reverse_kl_from_logits(logits, t_logits, temperature)
+                    loss_t = loss_t + kl_exact
+                    sums["distill/reverse_kl_exact"] += _mean(kl_exact.detach(), m) * len(rows)
                 if kl_fn is not None:
                     kl_t = kl_fn(logp, batch.ref_logp_B_T[rows])
                     if algo.kl_in == "loss":
@@ -566,11 +578,12 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
                             old_logp_B_T=batch.rollout.logp_B_T,
                             teacher_logp_B_T=batch.teacher_logp_B_T),
             AdvantageParams(algo.eps, algo.scale_by_std, algo.gamma, algo.lam,
-                            algo.reward_weight)).adv_B_T
+                            algo.reward_weight, algo.distill_loss == "exact")).adv_B_T
 
         # 4. several clipped updates on the batch
         t0 = time.perf_counter()
-        metrics.update(update_policy(model, optimizer, scheduler, batch, adv, cfg, algo, generator))
+        metrics.update(update_policy(model, optimizer, scheduler, batch, adv, cfg, algo, generator,
+                                     teacher))
         timings["update"] += time.perf_counter() - t0
         engine.sync_weights()
 

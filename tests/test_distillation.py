@@ -59,3 +59,15 @@ def test_mismatched_tokenizer_is_refused_before_training(tmp_path, tokenizer):
     with pytest.raises(ConfigError, match="tokenizers differ"):
         train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_exact_reverse_kl_loss_lowers_the_exact_kl(tmp_path, tokenizer):
+    """distill_loss='exact': the full-vocabulary reverse KL at every position is the loss."""
+    cfg = load_config(None, [*OPD, "--teacher.path", str(peaked_teacher(tokenizer, tmp_path / "t")),
+                             "--algorithm.distill_loss", "exact", "--steps", "12",
+                             "--optim.lr", "5e-4", "--optim.schedule", "cosine",
+                             "--run_dir", str(tmp_path / "run")])
+    train(cfg, model=sharpened(tokenizer, 40.0), tokenizer=tokenizer, show_progress=False)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    kl = [r["distill/reverse_kl_exact"] for r in rows if "distill/reverse_kl_exact" in r]
+    assert len(kl) == 12 and kl[-1] < 0.5 * kl[0], kl
