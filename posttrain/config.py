@@ -134,8 +134,28 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TeacherConfig:
-    path: str | None = None             # frozen teacher for distillation (local folder or embedded)
+    # frozen teacher for distillation: a local folder, the embedded name, or 'self' = the student's
+    # own current weights (no second copy in memory) seeing privileged context: OPSD (§8)
+    path: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # the teacher's user message, e.g. "{prompt}\nThe reference answer is {answer}."; the student
+    # sees only {prompt}. None: the teacher sees exactly the student's prompt.
+    context_template: str | None = None
+
+    def validate(self) -> None:
+        if self.path == "self" and not self.context_template:
+            raise ConfigError("teacher.path='self' (OPSD) needs teacher.context_template with the "
+                              "privileged information: the same weights in the same context are no "
+                              "teacher at all (the KL is 0)")
+        if self.context_template is not None:
+            try:
+                shown = self.context_template.format(prompt="P", answer="A")
+            except (KeyError, IndexError, ValueError) as e:
+                raise ConfigError(f"teacher.context_template={self.context_template!r} cannot be "
+                                  f"filled: {e!r}; use the fields {{prompt}} and {{answer}}") from None
+            if "P" not in shown:
+                raise ConfigError(f"teacher.context_template={self.context_template!r} must contain "
+                                  "{prompt}")
 
 
 @dataclass(frozen=True)
@@ -249,6 +269,7 @@ class TrainConfig:
                               f"rollout.max_new_tokens={r.max_new_tokens}")
         _check_range("steps", self.steps, 0)
         _check_range("data.eval_size", self.data.eval_size, 0)
+        self.teacher.validate()
         if algo.advantage in NEEDS_TEACHER and not self.teacher.path:
             raise ConfigError(f"algorithm.advantage={algo.advantage!r} distils from a teacher: "
                               "set teacher.path to a model folder")
@@ -372,7 +393,10 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         for part in parts[:-1]:
             node = node.setdefault(part, {})
         # YAML scalars: numbers, booleans and null parse as such; everything else stays a string.
-        parsed = yaml.safe_load(value) if value.strip() else value
+        try:
+            parsed = yaml.safe_load(value) if value.strip() else value
+        except yaml.YAMLError:   # e.g. "{prompt} ..." is not YAML, just a string
+            parsed = value
         node[parts[-1]] = parsed if isinstance(parsed, (int, float, bool, type(None))) else value
         i += 1
     return out

@@ -47,7 +47,7 @@ from posttrain.models import (check_same_tokenizer, load_policy, load_tokenizer,
 from posttrain.rewards import Scorer, overlong_penalty
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, make_engine
 from posttrain.rollout.base import concat_rollouts
-from posttrain.rollout.hf import cache_kwarg
+from posttrain.rollout.hf import cache_kwarg, left_pad
 
 log = logging.getLogger("posttrain")
 
@@ -168,10 +168,31 @@ class ScoredBatch:
     loss_mask_B_T: Tensor           # response tokens that enter the loss
     ref_logp_B_T: Tensor | None = None
     teacher_logp_B_T: Tensor | None = None
+    teacher_view: Rollout | None = None   # the same responses after the teacher's own prompts
 
     @property
     def rewards_P_G(self) -> Tensor:
         return self.rewards_B.reshape(-1, self.rollout.group_size)
+
+
+def teacher_view(batch: ScoredBatch, cfg: TrainConfig, tokenizer) -> Rollout:
+    """The batch's responses after the teacher's prompts (OPSD: with privileged information).
+
+    Prompts are left-padded and responses right-padded, so however long the teacher's prompt is,
+    response token t sits at the same column after it: the teacher's log-probs line up token for
+    token with the student's.
+    """
+    template = cfg.teacher.context_template
+    if template is None:
+        return batch.rollout
+    G = batch.rollout.group_size
+    shown = [replace(p, prompt=template.format(prompt=p.prompt, answer=p.answer))
+             for p in batch.problems[::G]]
+    ids, mask = left_pad(encode_prompts(tokenizer, shown, cfg.data.system_prompt,
+                                        cfg.data.chat_template), tokenizer.pad_token_id)
+    device = batch.rollout.prompt_ids_B_L.device
+    return replace(batch.rollout, prompt_ids_B_L=ids.repeat_interleave(G, 0).to(device),
+                   prompt_mask_B_L=mask.repeat_interleave(G, 0).to(device))
 
 
 def equal_reward_groups(rewards_P_G: Tensor) -> Tensor:
@@ -315,10 +336,11 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
                 loss_t = policy_loss(logp, old, adv_B_T[rows], clip_low=algo.clip_low,
                                      clip_high=algo.clip_high, dual_clip=algo.dual_clip)
                 if exact_distill:   # §8: the full-vocabulary reverse KL is itself the loss
+                    tv = batch.teacher_view or rollout
                     with torch.no_grad():
                         t_logits = response_logits(
-                            teacher, rollout.prompt_ids_B_L[rows], rollout.prompt_mask_B_L[rows],
-                            rollout.response_ids_B_T[rows], rollout.response_mask_B_T[rows],
+                            teacher, tv.prompt_ids_B_L[rows], tv.prompt_mask_B_L[rows],
+                            tv.response_ids_B_T[rows], tv.response_mask_B_T[rows],
                             cfg.model.autocast, G)
                     kl_exact = reverse_kl_from_logits(logits, t_logits, temperature)
                     loss_t = loss_t + kl_exact
@@ -473,7 +495,8 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
 
     t_setup = time.perf_counter()
     uses_teacher = algo.advantage in NEEDS_TEACHER
-    if uses_teacher and teacher is None:   # checked before the student is loaded
+    self_teacher = uses_teacher and cfg.teacher.path == "self"
+    if uses_teacher and teacher is None and not self_teacher:   # checked before the student loads
         teacher_path = resolve_model_path(cfg.teacher.path, cfg.model.cache_dir)
         teacher_tokenizer = load_tokenizer(teacher_path)
     if model is None:
@@ -484,7 +507,9 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
         model.load_state_dict(load_policy(ckpt / "model", cfg.model.dtype).state_dict())
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if uses_teacher:
+    if self_teacher:
+        teacher = model      # OPSD: the current weights, under no_grad, with privileged context
+    elif uses_teacher:
         check_same_tokenizer(tokenizer, teacher_tokenizer or tokenizer)
         if teacher is None:
             teacher = load_policy(teacher_path, cfg.teacher.dtype)
@@ -566,7 +591,9 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
         # 2b. the teacher scores the student's own tokens in one forward pass (distillation, §8)
         t0 = time.perf_counter()
         if teacher is not None:
-            batch.teacher_logp_B_T = frozen_logprobs(teacher, batch.rollout, cfg.rollout.temperature,
+            batch.teacher_view = teacher_view(batch, cfg, tokenizer)
+            batch.teacher_logp_B_T = frozen_logprobs(teacher, batch.teacher_view,
+                                                     cfg.rollout.temperature,
                                                      cfg.optim.micro_batch_size, cfg.model.autocast)
             kl = sampled_reverse_kl(batch.rollout.logp_B_T, batch.teacher_logp_B_T)
             metrics["distill/reverse_kl"] = _mean(kl, batch.loss_mask_B_T)

@@ -71,3 +71,58 @@ def test_exact_reverse_kl_loss_lowers_the_exact_kl(tmp_path, tokenizer):
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     kl = [r["distill/reverse_kl_exact"] for r in rows if "distill/reverse_kl_exact" in r]
     assert len(kl) == 12 and kl[-1] < 0.5 * kl[0], kl
+
+
+def test_opsd_teacher_logprobs_line_up_under_a_longer_privileged_context(tmp_path, tokenizer):
+    """§8 OPSD: the teacher's prompt holds the answer and is longer; its log-probs of the student's
+    response tokens equal a plain forward of (teacher prompt + response), token for token."""
+    from collections import Counter
+    from posttrain.rewards import Scorer
+    from posttrain.rollout import make_engine
+    from posttrain.trainer import (Sampler, build_task, encode_prompts, frozen_logprobs,
+                                   generate_and_score, teacher_view)
+    cfg = load_config(None, [*OPD, "--teacher.path", "self", "--teacher.context_template",
+                             "{prompt} (The reference answer is {answer}.)",
+                             "--rollout.prompts_per_step", "3", "--rollout.group_size", "2"])
+    model = make_tiny_model(tokenizer, seed=2).double()
+    batch, _ = generate_and_score(make_engine("hf", model, tokenizer), tokenizer,
+                                  Sampler(build_task(cfg), 0), Scorer(cfg.reward), cfg, cfg.algo,
+                                  torch.Generator().manual_seed(0), Counter())
+    view = teacher_view(batch, cfg, tokenizer)
+    assert view.prompt_ids_B_L.shape[1] > batch.rollout.prompt_ids_B_L.shape[1]
+    assert torch.equal(view.response_ids_B_T, batch.rollout.response_ids_B_T)
+    teacher_logp = frozen_logprobs(model, view, 1.0, micro=4)
+    for i, problem in enumerate(batch.problems):
+        assert str(problem.answer) in tokenizer.decode(view.prompt_ids_B_L[i])
+        prompt = encode_prompts(tokenizer, [problem], None)[0]
+        shown = encode_prompts(tokenizer, [problem.__class__(
+            f"{problem.prompt} (The reference answer is {problem.answer}.)", problem.answer)], None)[0]
+        assert len(shown) > len(prompt)
+        n = int(batch.rollout.lengths_B[i])
+        ids = torch.tensor([shown + batch.rollout.response_ids_B_T[i, :n].tolist()])
+        logits = model(input_ids=ids).logits[0, len(shown) - 1:-1]
+        expected = torch.log_softmax(logits, -1).gather(-1, ids[0, len(shown):, None]).squeeze(-1)
+        torch.testing.assert_close(teacher_logp[i, :n], expected, rtol=1e-6, atol=1e-6)
+
+
+def test_opsd_trains_the_student_against_itself_with_privileged_context(tmp_path, tokenizer):
+    cfg = load_config(None, [*OPD, "--teacher.path", "self", "--teacher.context_template",
+                             "{prompt} Answer: {answer}", "--steps", "3",
+                             "--run_dir", str(tmp_path / "run")])
+    model = make_tiny_model(tokenizer, seed=3)
+    before = [p.detach().clone() for p in model.parameters()]
+    train(cfg, model=model, tokenizer=tokenizer, show_progress=False)
+    assert all(p.requires_grad for p in model.parameters())          # the student is not frozen
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert all(r["distill/reverse_kl"] != 0.0 for r in rows if "distill/reverse_kl" in r)
+
+
+@pytest.mark.parametrize("overrides,msg", [
+    (["--teacher.path", "self"], "needs teacher.context_template"),
+    (["--teacher.path", "self", "--teacher.context_template", "{question}"], "cannot be filled"),
+    (["--teacher.path", "self", "--teacher.context_template", "{answer} only"], "must contain"),
+])
+def test_opsd_config_errors(overrides, msg):
+    with pytest.raises(ConfigError, match=msg):
+        load_config(None, [*OPD, *overrides])
