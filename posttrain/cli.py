@@ -135,6 +135,20 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_stage(args: argparse.Namespace, overrides: list[str]) -> int:
+    from posttrain.config import build_config, parse_overrides
+    from posttrain.perf import tune_malloc
+    from posttrain.stages import StageConfig, dpo, sft
+
+    tune_malloc()
+    cfg = build_config(StageConfig, parse_overrides(overrides), "")
+    if not cfg.data:
+        raise ConfigError("--data FILE is required (JSONL, CSV, Parquet or a datasets folder)")
+    out = (sft if args.command == "sft" else dpo)(cfg)
+    print(json.dumps(out, indent=2))
+    return 0
+
+
 def cmd_prepare_model(args: argparse.Namespace, overrides: list[str]) -> int:
     from posttrain.models import prepare_embedded
     print(prepare_embedded(args.cache_dir))
@@ -171,6 +185,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=0, help="samples per problem for pass@k (>= k)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for pass@k")
     p.set_defaults(fn=cmd_eval)
+
+    stage_help = ("options: --model --data --prompt_field --response_field --chosen_field "
+                  "--rejected_field --system_prompt --lr --batch_size --epochs --beta --max_len "
+                  "--seed --run_dir")
+    p = sub.add_parser("sft", help="supervised fine-tuning on prompt/response pairs",
+                       epilog=stage_help)
+    p.set_defaults(fn=cmd_stage)
+    p = sub.add_parser("dpo", help="DPO on prompt/chosen/rejected preference pairs",
+                       epilog=stage_help)
+    p.set_defaults(fn=cmd_stage)
 
     p = sub.add_parser("prepare-model", help="convert the embedded SmolLM2 GGUF once into the cache")
     p.add_argument("--cache-dir", help="cache folder (default: $POSTTRAIN_CACHE or ~/.cache/posttrain)")

@@ -141,8 +141,14 @@ class TeacherConfig:
     # the teacher's user message, e.g. "{prompt}\nThe reference answer is {answer}."; the student
     # sees only {prompt}. None: the teacher sees exactly the student's prompt.
     context_template: str | None = None
+    # MOPD: one teacher per prompt domain (the data's `domain` field; task mixtures such as
+    # 'addition+countdown' use the task names), e.g. {addition: runs/a/final_model, countdown: ...}
+    domains: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
+        if self.domains and self.path:
+            raise ConfigError("set either teacher.path (one teacher) or teacher.domains (one per "
+                              "domain, MOPD), not both")
         if self.path == "self" and not self.context_template:
             raise ConfigError("teacher.path='self' (OPSD) needs teacher.context_template with the "
                               "privileged information: the same weights in the same context are no "
@@ -270,9 +276,12 @@ class TrainConfig:
         _check_range("steps", self.steps, 0)
         _check_range("data.eval_size", self.data.eval_size, 0)
         self.teacher.validate()
-        if algo.advantage in NEEDS_TEACHER and not self.teacher.path:
+        if algo.advantage in NEEDS_TEACHER and not (self.teacher.path or self.teacher.domains):
             raise ConfigError(f"algorithm.advantage={algo.advantage!r} distils from a teacher: "
-                              "set teacher.path to a model folder")
+                              "set teacher.path to a model folder (or teacher.domains)")
+        if self.teacher.domains and algo.distill_loss == "exact":
+            raise ConfigError("algorithm.distill_loss='exact' with teacher.domains (MOPD) is not "
+                              "supported yet; use 'sampled'")
         if self.data.task == "file" and not self.data.train_path:
             raise ConfigError("data.task='file' needs data.train_path")
         return self
@@ -348,7 +357,7 @@ def _coerce(where: str, value: Any, hint: Any) -> Any:
     return value
 
 
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+def build_config(cls: type, data: dict[str, Any], where: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'} must be a mapping, got {data!r}")
     known = {f.name: f for f in fields(cls)}
@@ -359,7 +368,7 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
             raise ConfigError(f"{name} is not a config field; known: {sorted(known)}")
         hint = _hint(cls, key)
         if dataclasses.is_dataclass(hint):
-            kwargs[key] = _build(hint, value, name)
+            kwargs[key] = build_config(hint, value, name)
         else:
             kwargs[key] = _coerce(name, value, hint)
     return cls(**kwargs)
@@ -418,4 +427,4 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {p} must hold a mapping of sections")
         data = _merge(data, loaded)
     data = _merge(data, parse_overrides(overrides or []))
-    return _build(TrainConfig, data, "").validate()
+    return build_config(TrainConfig, data, "").validate()

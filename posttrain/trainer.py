@@ -38,16 +38,17 @@ from posttrain.checkpoint import (latest_checkpoint, load_trainer_state, restore
                                   save_checkpoint)
 from posttrain.config import AlgorithmConfig, ConfigError, TrainConfig
 from posttrain.data import Problem, Task, load_problems, make_task
+from posttrain.data.tasks import MixedTask
 from posttrain.logging import MetricsLogger, console_line, plot_run
 from posttrain.losses import (AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate,
                               entropy_from_logits, kl_penalty_in_loss, ratio_stats,
                               reverse_kl_from_logits, sampled_reverse_kl, token_logprobs)
-from posttrain.models import (check_same_tokenizer, load_policy, load_tokenizer, resolve_model_path,
-                              save_model)
+from posttrain.models import load_policy, load_tokenizer, resolve_model_path, save_model
 from posttrain.rewards import Scorer, overlong_penalty
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, make_engine
 from posttrain.rollout.base import concat_rollouts
 from posttrain.rollout.hf import cache_kwarg, left_pad
+from posttrain.teachers import Teachers
 
 log = logging.getLogger("posttrain")
 
@@ -418,6 +419,11 @@ def evaluate(model, tokenizer, engine: RolloutEngine, problems: list[Problem], s
     out: dict[str, Any] = {"eval/accuracy": c.float().mean().item() if len(c) else float("nan")}
     if not greedy:
         out[f"eval/pass@{k}"] = float(np.mean([pass_at_k(samples, int(row.sum()), k) for row in c]))
+    domains = sorted({p.domain for p in problems})
+    if len(domains) > 1:
+        for d in domains:
+            idx = [i for i, p in enumerate(problems) if p.domain == d]
+            out[f"eval/accuracy@{d}"] = c[idx].float().mean().item()
     keys = {key for p in problems for key, v in p.meta.items() if isinstance(v, bool)}
     for key in sorted(keys):
         for flag in (True, False):
@@ -446,9 +452,10 @@ def build_task(cfg: TrainConfig) -> Task:
             pool = [pool[i] for i in order[n_eval:]]
         return Task("file", lambda rng: pool[0], train_pool=pool, eval_problems=held_out[:d.eval_size])
     try:
-        task = make_task(d.task, d.difficulty)
+        parts = [make_task(name, d.difficulty) for name in d.task.split("+")]
     except KeyError as e:
         raise ConfigError(f"data.task={d.task!r} is not valid; {e.args[0]}") from None
+    task = parts[0] if len(parts) == 1 else MixedTask(parts)
     task.build_eval(d.eval_size, d.eval_seed)
     return task
 
@@ -477,7 +484,7 @@ def seed_everything(seed: int) -> torch.Generator:
 
 
 def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokenizer=None,
-          show_progress: bool = True, teacher=None, teacher_tokenizer=None) -> dict[str, Any]:
+          show_progress: bool = True, teacher=None) -> dict[str, Any]:
     """Run `cfg`; return the summary (accuracy before/after, timings, paths). `model`,
     `tokenizer` and `teacher` may be passed in (tests, notebooks) instead of being loaded."""
     algo = cfg.algo
@@ -495,25 +502,19 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
 
     t_setup = time.perf_counter()
     uses_teacher = algo.advantage in NEEDS_TEACHER
-    self_teacher = uses_teacher and cfg.teacher.path == "self"
-    if uses_teacher and teacher is None and not self_teacher:   # checked before the student loads
-        teacher_path = resolve_model_path(cfg.teacher.path, cfg.model.cache_dir)
-        teacher_tokenizer = load_tokenizer(teacher_path)
     if model is None:
         path = ckpt / "model" if ckpt else resolve_model_path(cfg.model.path, cfg.model.cache_dir)
         tokenizer = tokenizer or load_tokenizer(path)
+    # teachers are resolved and their tokenizers checked before the student's weights load
+    teachers = Teachers(cfg.teacher, tokenizer, cfg.model.cache_dir, teacher) if uses_teacher else None
+    if model is None:
         model = load_policy(path, cfg.model.dtype)
     elif ckpt is not None:
         model.load_state_dict(load_policy(ckpt / "model", cfg.model.dtype).state_dict())
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if self_teacher:
-        teacher = model      # OPSD: the current weights, under no_grad, with privileged context
-    elif uses_teacher:
-        check_same_tokenizer(tokenizer, teacher_tokenizer or tokenizer)
-        if teacher is None:
-            teacher = load_policy(teacher_path, cfg.teacher.dtype)
-        teacher = teacher.eval().requires_grad_(False)
+    if teachers is not None:
+        teachers.bind_student(model)
     uses_ref = algo.kl_in != "none" and algo.kl_coef > 0
     # pi_ref is the starting policy, frozen; it is not built at all when the KL is off.
     ref_model = None
@@ -590,13 +591,15 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
 
         # 2b. the teacher scores the student's own tokens in one forward pass (distillation, §8)
         t0 = time.perf_counter()
-        if teacher is not None:
+        if teachers is not None:
             batch.teacher_view = teacher_view(batch, cfg, tokenizer)
-            batch.teacher_logp_B_T = frozen_logprobs(teacher, batch.teacher_view,
-                                                     cfg.rollout.temperature,
-                                                     cfg.optim.micro_batch_size, cfg.model.autocast)
+            batch.teacher_logp_B_T = teachers.logprobs(
+                batch.teacher_view, [p.domain for p in batch.problems],
+                lambda m, view: frozen_logprobs(m, view, cfg.rollout.temperature,
+                                                cfg.optim.micro_batch_size, cfg.model.autocast))
             kl = sampled_reverse_kl(batch.rollout.logp_B_T, batch.teacher_logp_B_T)
             metrics["distill/reverse_kl"] = _mean(kl, batch.loss_mask_B_T)
+            metrics.update(per_domain(batch, kl))
         timings["teacher"] += time.perf_counter() - t0
 
         # 3. advantages
@@ -610,7 +613,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
         # 4. several clipped updates on the batch
         t0 = time.perf_counter()
         metrics.update(update_policy(model, optimizer, scheduler, batch, adv, cfg, algo, generator,
-                                     teacher))
+                                     teachers.single() if teachers is not None else None))
         timings["update"] += time.perf_counter() - t0
         engine.sync_weights()
 
@@ -657,6 +660,19 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
         log.warning("could not plot the run: %s", e)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def per_domain(batch: ScoredBatch, kl_B_T: Tensor) -> dict[str, float]:
+    """Accuracy and reverse KL per domain, when a batch mixes domains (MOPD)."""
+    domains = [p.domain for p in batch.problems]
+    if len(set(domains)) < 2:
+        return {}
+    out = {}
+    for d in sorted(set(domains)):
+        rows = torch.tensor([i for i, x in enumerate(domains) if x == d])
+        out[f"distill/reverse_kl@{d}"] = _mean(kl_B_T[rows], batch.loss_mask_B_T[rows])
+        out[f"reward/accuracy@{d}"] = batch.correct_B[rows].float().mean().item()
+    return out
 
 
 def rollout_metrics(batch: ScoredBatch, adv_B_T: Tensor) -> dict[str, float]:

@@ -126,3 +126,53 @@ def test_opsd_trains_the_student_against_itself_with_privileged_context(tmp_path
 def test_opsd_config_errors(overrides, msg):
     with pytest.raises(ConfigError, match=msg):
         load_config(None, [*OPD, *overrides])
+
+
+def test_mopd_routes_each_domain_to_its_teacher_loaded_lazily_and_shared(tmp_path, tokenizer):
+    from collections import Counter
+    from posttrain.config import TeacherConfig
+    from posttrain.rewards import Scorer
+    from posttrain.rollout import make_engine
+    from posttrain.teachers import Teachers
+    from posttrain.trainer import Sampler, build_task, frozen_logprobs, generate_and_score
+    a = make_tiny_model(tokenizer, seed=11)
+    b = make_tiny_model(tokenizer, seed=12)
+    save_model(a, tokenizer, tmp_path / "a")
+    save_model(b, tokenizer, tmp_path / "b")
+    teachers = Teachers(TeacherConfig(domains={"addition": str(tmp_path / "a"),
+                                               "arithmetic": str(tmp_path / "a"),
+                                               "countdown": str(tmp_path / "b")}), tokenizer)
+    assert teachers.loaded == 0                                   # nothing loaded before use
+    assert teachers.model_for("addition") is teachers.model_for("arithmetic")   # shared
+    assert teachers.loaded == 1
+
+    cfg = load_config(None, [*OPD, "--teacher.domains.addition", str(tmp_path / "a"),
+                             "--teacher.domains.countdown", str(tmp_path / "b"),
+                             "--data.task", "addition+countdown", "--rollout.group_size", "2"])
+    student = make_tiny_model(tokenizer, seed=13)
+    batch, _ = generate_and_score(make_engine("hf", student, tokenizer), tokenizer,
+                                  Sampler(build_task(cfg), 0), Scorer(cfg.reward), cfg, cfg.algo,
+                                  torch.Generator().manual_seed(0), Counter())
+    domains = [p.domain for p in batch.problems]
+    assert set(domains) == {"addition", "countdown"}
+    score = lambda m, view: frozen_logprobs(m, view, 1.0, 8)  # noqa: E731
+    routed = teachers.logprobs(batch.rollout, domains, score)
+    by_a, by_b = score(a, batch.rollout), score(b, batch.rollout)
+    for i, d in enumerate(domains):
+        torch.testing.assert_close(routed[i], (by_a if d == "addition" else by_b)[i])
+    assert not torch.allclose(by_a, by_b)
+
+
+def test_mopd_run_logs_per_domain_metrics(tmp_path, tokenizer):
+    save_model(make_tiny_model(tokenizer, seed=11), tokenizer, tmp_path / "a")
+    save_model(make_tiny_model(tokenizer, seed=12), tokenizer, tmp_path / "b")
+    cfg = load_config(None, [*OPD, "--teacher.domains.addition", str(tmp_path / "a"),
+                             "--teacher.domains.countdown", str(tmp_path / "b"),
+                             "--data.task", "addition+countdown", "--steps", "2",
+                             "--data.eval_size", "4", "--run_dir", str(tmp_path / "run")])
+    summary = train(cfg, model=make_tiny_model(tokenizer, seed=13), tokenizer=tokenizer,
+                    show_progress=False)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    steps = [r for r in rows if "distill/reverse_kl" in r]
+    assert all("distill/reverse_kl@addition" in r and "reward/accuracy@countdown" in r for r in steps)
+    assert "eval/accuracy@countdown" in summary["eval_after"]

@@ -176,5 +176,28 @@ def countdown_task(difficulty: int = 3) -> Task:
     return Task("countdown", make, verifier="countdown", key=lambda p: p.prompt)
 
 
+class MixedTask(Task):
+    """Several tasks interleaved (problem i comes from task i mod k); each problem's domain is its
+    task's name and it carries its own verifier, so one run can train (MOPD) on all of them."""
+
+    def __init__(self, tasks: list[Task]) -> None:
+        super().__init__("+".join(t.name for t in tasks), tasks[0].make_problem)
+        self.tasks = tasks
+
+    def _tag(self, task: Task, p: Problem) -> Problem:
+        return Problem(p.prompt, p.answer, {**p.meta, "verifier": task.verifier}, task.name)
+
+    def build_eval(self, size: int, seed: int) -> None:
+        k = len(self.tasks)
+        self.eval_problems = []
+        for j, task in enumerate(self.tasks):
+            task.build_eval(size // k + (j < size % k), seed)
+            self.eval_problems += [self._tag(task, p) for p in task.eval_problems]
+
+    def train_problem(self, seed: int, index: int) -> Problem:
+        task = self.tasks[index % len(self.tasks)]
+        return self._tag(task, task.train_problem(seed, index // len(self.tasks)))
+
+
 def make_task(name: str, difficulty: int) -> Task:
     return TASKS[name](difficulty)

@@ -30,13 +30,17 @@ class Scorer:
         self.cfg = cfg
         name = task_verifier if cfg.verifier == "math" and task_verifier != "math" else cfg.verifier
         self.verify = None if name == "none" else VERIFIERS[name]
+        self.per_problem = cfg.verifier == "math"   # a task mixture names each problem's verifier
         # Loaded now, so a wrong 'module:function' fails before any model is loaded.
         self.functions = [(spec, load_function(spec)) for spec in cfg.functions]
 
     def __call__(self, problems: list[Problem], completions: list[str]) -> RewardResult:
         rewards, correct, failures = [], [], Counter()
         for problem, text in zip(problems, completions, strict=True):
-            ok = bool(self.verify(text, problem)) if self.verify else False
+            verify = self.verify
+            if self.per_problem and "verifier" in problem.meta:
+                verify = VERIFIERS[problem.meta["verifier"]]
+            ok = bool(verify(text, problem)) if verify else False
             r = self.cfg.correct_reward * ok
             if self.cfg.format_weight:
                 r += self.cfg.format_weight * is_bare_answer(text)

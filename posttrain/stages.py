@@ -1,0 +1,189 @@
+"""The offline stages around RL: SFT (ALGORITHMS.md §8, the warm-up before distillation) and DPO
+(§9, the closed-form counterpart of the KL-regularised objective). Short loops with no rollout;
+they share the trainer's prompt encoding, its response-only forward pass and its logging.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from posttrain.data import read_rows
+from posttrain.data.tasks import Problem
+from posttrain.logging import MetricsLogger
+from posttrain.losses import dpo_loss, sequence_logprob, sft_loss
+from posttrain.models import load_policy, load_tokenizer, resolve_model_path, save_model
+from posttrain.rollout.base import Rollout
+from posttrain.rollout.hf import left_pad
+from posttrain.trainer import encode_prompts, seed_everything, sequence_logprobs
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    model: str = "smollm2-135m-instruct"
+    data: str = ""                      # JSONL / CSV / Parquet / datasets folder
+    prompt_field: str = "prompt"
+    response_field: str = "response"    # SFT
+    chosen_field: str = "chosen"        # DPO
+    rejected_field: str = "rejected"    # DPO
+    system_prompt: str | None = None
+    lr: float = 1e-5
+    batch_size: int = 8
+    epochs: int = 1
+    beta: float = 0.1                   # DPO
+    max_len: int = 256                  # response tokens kept per example
+    seed: int = 0
+    run_dir: str = "runs/stage"
+
+
+def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]]) -> Rollout:
+    """Prompt ids left-padded, response ids right-padded: the layout the trainer's forward uses."""
+    p_ids, p_mask = left_pad(prompts, tokenizer.pad_token_id)
+    T = max(len(r) for r in responses)
+    r_ids = torch.full((len(responses), T), tokenizer.pad_token_id, dtype=torch.long)
+    r_mask = torch.zeros((len(responses), T))
+    for i, r in enumerate(responses):
+        r_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        r_mask[i, :len(r)] = 1.0
+    return Rollout(p_ids, p_mask, r_ids, r_mask, torch.zeros_like(r_mask),
+                   torch.zeros(len(responses), dtype=torch.bool), group_size=1)
+
+
+def _response_ids(tokenizer, text: str, max_len: int) -> list[int]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_len - 1]
+    return ids + [tokenizer.eos_token_id]   # the model must learn to stop
+
+
+def _check_rows(path: str, rows: list[dict], fields: list[str]) -> None:
+    """Missing, empty and (for pairs) identical fields are reported with file, row and field."""
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    for i, row in enumerate(rows, start=1):
+        for f in fields:
+            v = row.get(f)
+            if v is None or (isinstance(v, str) and not v.strip()):
+                raise ValueError(f"{path}: row {i}: field {f!r} is missing or empty")
+        if len(fields) == 3 and row[fields[1]] == row[fields[2]]:
+            raise ValueError(f"{path}: row {i}: {fields[1]!r} and {fields[2]!r} are identical")
+
+
+def length_buckets(lengths: list[int], batch_size: int, rng: random.Random) -> list[list[int]]:
+    """Batches of similar length (sorted within shuffled windows of 50 batches), so padding is not
+    most of the compute; the batch order is shuffled."""
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    window = batch_size * 50
+    batches = []
+    for start in range(0, len(order), window):
+        chunk = sorted(order[start:start + window], key=lambda i: lengths[i])
+        batches += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def _encode(tokenizer, cfg: StageConfig, prompts: list[str]) -> list[list[int]]:
+    return encode_prompts(tokenizer, [Problem(p, "") for p in prompts], cfg.system_prompt)
+
+
+def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True) -> dict[str, Any]:
+    """Supervised fine-tuning on (prompt, response): negative log-likelihood of response tokens."""
+    rows = read_rows(cfg.data)
+    _check_rows(cfg.data, rows, [cfg.prompt_field, cfg.response_field])
+    gen = seed_everything(cfg.seed)
+    if model is None:
+        path = resolve_model_path(cfg.model)
+        tokenizer, model = load_tokenizer(path), load_policy(path)
+    prompts = _encode(tokenizer, cfg, [r[cfg.prompt_field] for r in rows])
+    responses = [_response_ids(tokenizer, r[cfg.response_field], cfg.max_len) for r in rows]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    logger = MetricsLogger(run_dir, tensorboard=False)
+    rng = random.Random(cfg.seed)
+    step, losses = 0, []
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, rng)]
+    for batch in tqdm(batches, disable=not show_progress, desc="sft"):
+        t0 = time.perf_counter()
+        r = pack(tokenizer, [prompts[i] for i in batch], [responses[i] for i in batch])
+        logp, _, _ = sequence_logprobs(model, r, torch.arange(len(batch)), 1.0)
+        loss = sft_loss(logp, r.response_mask_B_T)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        losses.append(loss.item())
+        logger.log(step, {"loss/sft": losses[-1], "perf/step_s": time.perf_counter() - t0,
+                          "perf/padding_frac": 1 - sum(lengths[i] for i in batch)
+                          / (len(batch) * (r.prompt_ids_B_L.shape[1] + r.response_ids_B_T.shape[1]))})
+    logger.close()
+    save_model(model, tokenizer, run_dir / "final_model")
+    return {"run_dir": str(run_dir), "steps": step, "first_loss": losses[0], "last_loss": losses[-1],
+            "final_model": str(run_dir / "final_model")}
+
+
+def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True) -> dict[str, Any]:
+    """DPO on (prompt, chosen, rejected) with a frozen copy of the starting model as reference."""
+    rows = read_rows(cfg.data)
+    _check_rows(cfg.data, rows, [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field])
+    seed_everything(cfg.seed)
+    if model is None:
+        path = resolve_model_path(cfg.model)
+        tokenizer, model = load_tokenizer(path), load_policy(path)
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    prompts = _encode(tokenizer, cfg, [r[cfg.prompt_field] for r in rows])
+    chosen = [_response_ids(tokenizer, r[cfg.chosen_field], cfg.max_len) for r in rows]
+    rejected = [_response_ids(tokenizer, r[cfg.rejected_field], cfg.max_len) for r in rows]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    logger = MetricsLogger(run_dir, tensorboard=False)
+    rng = random.Random(cfg.seed)
+    lengths = [len(p) + max(len(c), len(r)) for p, c, r in zip(prompts, chosen, rejected)]
+    batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, rng)]
+    step, accs = 0, []
+
+    def seq_logp(m, batch: list[int]) -> tuple[Tensor, Tensor]:
+        # chosen and rejected of each pair in one forward: rows [c_0..c_n, r_0..r_n]
+        r = pack(tokenizer, [prompts[i] for i in batch] * 2,
+                 [chosen[i] for i in batch] + [rejected[i] for i in batch])
+        logp, _, _ = sequence_logprobs(m, r, torch.arange(2 * len(batch)), 1.0)
+        seq = sequence_logprob(logp, r.response_mask_B_T)
+        return seq[:len(batch)], seq[len(batch):]
+
+    for batch in tqdm(batches, disable=not show_progress, desc="dpo"):
+        with torch.no_grad():
+            ref_c, ref_r = seq_logp(ref, batch)
+        pol_c, pol_r = seq_logp(model, batch)
+        out = dpo_loss(pol_c, pol_r, ref_c, ref_r, cfg.beta)
+        out.loss.mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        acc = (out.chosen_rewards > out.rejected_rewards).float().mean().item()
+        accs.append(acc)
+        logger.log(step, {"loss/dpo": out.loss.mean().item(), "dpo/reward_accuracy": acc,
+                          "dpo/margin": (out.chosen_rewards - out.rejected_rewards).mean().item(),
+                          "dpo/chosen_reward": out.chosen_rewards.mean().item(),
+                          "dpo/rejected_reward": out.rejected_rewards.mean().item()})
+    logger.close()
+    save_model(model, tokenizer, run_dir / "final_model")
+    return {"run_dir": str(run_dir), "steps": step, "final_model": str(run_dir / "final_model"),
+            "reward_accuracy_last": accs[-1]}
+
+
+def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")

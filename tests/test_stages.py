@@ -1,0 +1,56 @@
+"""SFT and DPO stages on tiny models (ALGORITHMS.md §8 SFT warm-up, §9 DPO)."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from posttrain.stages import StageConfig, dpo, length_buckets, pack, sft, write_jsonl
+from tests.conftest import make_tiny_model
+
+
+def test_pack_puts_loss_on_response_tokens_only(tokenizer):
+    r = pack(tokenizer, [[5, 6, 7], [8]], [[1, 2], [3, 4, 9]])
+    assert r.prompt_ids_B_L.tolist() == [[5, 6, 7], [tokenizer.pad_token_id] * 2 + [8]]
+    assert r.response_mask_B_T.tolist() == [[1, 1, 0], [1, 1, 1]]
+
+
+def test_length_buckets_cover_everything_once_with_little_padding():
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 100) for _ in range(1000)]
+    batches = length_buckets(lengths, 8, random.Random(1))
+    assert sorted(i for b in batches for i in b) == list(range(1000))
+    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
+    assert spread < 10     # random batches of 8 would spread ~75
+
+
+def test_sft_lowers_the_response_loss(tmp_path, tokenizer):
+    rows = [{"prompt": f"What is {a} + {a}?", "response": f"{a} + {a} = {2 * a}"} for a in range(10, 26)]
+    write_jsonl(tmp_path / "sft.jsonl", rows)
+    out = sft(StageConfig(data=str(tmp_path / "sft.jsonl"), lr=3e-3, epochs=6, batch_size=4,
+                          run_dir=str(tmp_path / "run")),
+              model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    assert out["last_loss"] < 0.6 * out["first_loss"], out
+    assert (tmp_path / "run" / "final_model" / "config.json").is_file()
+
+
+def test_dpo_learns_the_preference(tmp_path, tokenizer):
+    rows = [{"prompt": f"Question {i}", "chosen": "Yes, gladly.", "rejected": "No way."}
+            for i in range(16)]
+    write_jsonl(tmp_path / "pairs.jsonl", rows)
+    out = dpo(StageConfig(data=str(tmp_path / "pairs.jsonl"), lr=1e-3, epochs=3, batch_size=8,
+                          beta=0.1, run_dir=str(tmp_path / "run")),
+              model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert metrics[0]["dpo/margin"] == pytest.approx(0.0, abs=1e-6)   # policy == reference at start
+    assert metrics[-1]["dpo/margin"] > 0.1 and out["reward_accuracy_last"] == 1.0
+
+
+@pytest.mark.parametrize("row,msg", [({"prompt": "p", "chosen": "a"}, "row 1: field 'rejected'"),
+                                     ({"prompt": "p", "chosen": "a", "rejected": "a"}, "identical"),
+                                     ({"prompt": " ", "chosen": "a", "rejected": "b"}, "'prompt'")])
+def test_bad_preference_rows_are_named(tmp_path, tokenizer, row, msg):
+    write_jsonl(tmp_path / "bad.jsonl", [row])
+    with pytest.raises(ValueError, match=msg):
+        dpo(StageConfig(data=str(tmp_path / "bad.jsonl")), model=object(), tokenizer=tokenizer)
