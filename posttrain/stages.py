@@ -94,93 +94,98 @@ def _encode(tokenizer, cfg: StageConfig, prompts: list[str]) -> list[list[int]]:
     return encode_prompts(tokenizer, [Problem(p, "") for p in prompts], cfg.system_prompt)
 
 
-def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True) -> dict[str, Any]:
-    """Supervised fine-tuning on (prompt, response): negative log-likelihood of response tokens."""
-    rows = read_rows(cfg.data)
-    _check_rows(cfg.data, rows, [cfg.prompt_field, cfg.response_field])
-    gen = seed_everything(cfg.seed)
-    if model is None:
-        path = resolve_model_path(cfg.model)
-        tokenizer, model = load_tokenizer(path), load_policy(path)
-    prompts = _encode(tokenizer, cfg, [r[cfg.prompt_field] for r in rows])
-    responses = [_response_ids(tokenizer, r[cfg.response_field], cfg.max_len) for r in rows]
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    logger = MetricsLogger(run_dir, tensorboard=False)
-    rng = random.Random(cfg.seed)
-    step, losses = 0, []
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-    batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, rng)]
-    for batch in tqdm(batches, disable=not show_progress, desc="sft"):
-        t0 = time.perf_counter()
-        r = pack(tokenizer, [prompts[i] for i in batch], [responses[i] for i in batch])
-        logp, _, _ = sequence_logprobs(model, r, torch.arange(len(batch)), 1.0)
-        loss = sft_loss(logp, r.response_mask_B_T)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        losses.append(loss.item())
-        logger.log(step, {"loss/sft": losses[-1], "perf/step_s": time.perf_counter() - t0,
-                          "perf/padding_frac": 1 - sum(lengths[i] for i in batch)
-                          / (len(batch) * (r.prompt_ids_B_L.shape[1] + r.response_ids_B_T.shape[1]))})
-    logger.close()
-    save_model(model, tokenizer, run_dir / "final_model")
-    return {"run_dir": str(run_dir), "steps": step, "first_loss": losses[0], "last_loss": losses[-1],
-            "final_model": str(run_dir / "final_model")}
+@dataclass
+class _Stage:
+    rows: list[dict[str, Any]]
+    model: Any
+    tokenizer: Any
+    prompts: list[list[int]]
+    optimizer: torch.optim.Optimizer
+    run_dir: Path
+    logger: MetricsLogger
+    rng: random.Random
 
 
-def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True) -> dict[str, Any]:
-    """DPO on (prompt, chosen, rejected) with a frozen copy of the starting model as reference."""
+def _start(cfg: StageConfig, model, tokenizer, fields: list[str]) -> _Stage:
+    """Read and check the data (before any model loads), seed, load, open the run folder."""
     rows = read_rows(cfg.data)
-    _check_rows(cfg.data, rows, [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field])
+    _check_rows(cfg.data, rows, fields)
     seed_everything(cfg.seed)
     if model is None:
         path = resolve_model_path(cfg.model)
         tokenizer, model = load_tokenizer(path), load_policy(path)
-    ref = copy.deepcopy(model).eval().requires_grad_(False)
-    prompts = _encode(tokenizer, cfg, [r[cfg.prompt_field] for r in rows])
-    chosen = [_response_ids(tokenizer, r[cfg.chosen_field], cfg.max_len) for r in rows]
-    rejected = [_response_ids(tokenizer, r[cfg.rejected_field], cfg.max_len) for r in rows]
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    logger = MetricsLogger(run_dir, tensorboard=False)
-    rng = random.Random(cfg.seed)
-    lengths = [len(p) + max(len(c), len(r)) for p, c, r in zip(prompts, chosen, rejected)]
-    batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, rng)]
-    step, accs = 0, []
+    return _Stage(rows, model, tokenizer, _encode(tokenizer, cfg, [r[cfg.prompt_field] for r in rows]),
+                  torch.optim.AdamW(model.parameters(), lr=cfg.lr), run_dir,
+                  MetricsLogger(run_dir, tensorboard=False), random.Random(cfg.seed))
+
+
+def _step(stage: _Stage, loss: Tensor) -> None:
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(stage.model.parameters(), 1.0)
+    stage.optimizer.step()
+    stage.optimizer.zero_grad(set_to_none=True)
+
+
+def _finish(stage: _Stage) -> str:
+    stage.logger.close()
+    save_model(stage.model, stage.tokenizer, stage.run_dir / "final_model")
+    return str(stage.run_dir / "final_model")
+
+
+def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True) -> dict[str, Any]:
+    """Supervised fine-tuning on (prompt, response): negative log-likelihood of response tokens."""
+    st = _start(cfg, model, tokenizer, [cfg.prompt_field, cfg.response_field])
+    responses = [_response_ids(st.tokenizer, r[cfg.response_field], cfg.max_len) for r in st.rows]
+    lengths = [len(p) + len(r) for p, r in zip(st.prompts, responses)]
+    batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
+    losses = []
+    for step, batch in enumerate(tqdm(batches, disable=not show_progress, desc="sft"), start=1):
+        t0 = time.perf_counter()
+        r = pack(st.tokenizer, [st.prompts[i] for i in batch], [responses[i] for i in batch])
+        logp, _, _ = sequence_logprobs(st.model, r, torch.arange(len(batch)), 1.0)
+        loss = sft_loss(logp, r.response_mask_B_T)
+        _step(st, loss)
+        losses.append(loss.item())
+        width = r.prompt_ids_B_L.shape[1] + r.response_ids_B_T.shape[1]
+        st.logger.log(step, {"loss/sft": losses[-1], "perf/step_s": time.perf_counter() - t0,
+                             "perf/padding_frac": 1 - sum(lengths[i] for i in batch) / (len(batch) * width)})
+    return {"run_dir": str(st.run_dir), "steps": len(batches), "first_loss": losses[0],
+            "last_loss": losses[-1], "final_model": _finish(st)}
+
+
+def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True) -> dict[str, Any]:
+    """DPO on (prompt, chosen, rejected) with a frozen copy of the starting model as reference."""
+    st = _start(cfg, model, tokenizer, [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field])
+    ref = copy.deepcopy(st.model).eval().requires_grad_(False)
+    chosen = [_response_ids(st.tokenizer, r[cfg.chosen_field], cfg.max_len) for r in st.rows]
+    rejected = [_response_ids(st.tokenizer, r[cfg.rejected_field], cfg.max_len) for r in st.rows]
+    lengths = [len(p) + max(len(c), len(r)) for p, c, r in zip(st.prompts, chosen, rejected)]
+    batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
 
     def seq_logp(m, batch: list[int]) -> tuple[Tensor, Tensor]:
         # chosen and rejected of each pair in one forward: rows [c_0..c_n, r_0..r_n]
-        r = pack(tokenizer, [prompts[i] for i in batch] * 2,
+        r = pack(st.tokenizer, [st.prompts[i] for i in batch] * 2,
                  [chosen[i] for i in batch] + [rejected[i] for i in batch])
         logp, _, _ = sequence_logprobs(m, r, torch.arange(2 * len(batch)), 1.0)
         seq = sequence_logprob(logp, r.response_mask_B_T)
         return seq[:len(batch)], seq[len(batch):]
 
-    for batch in tqdm(batches, disable=not show_progress, desc="dpo"):
+    acc = float("nan")
+    for step, batch in enumerate(tqdm(batches, disable=not show_progress, desc="dpo"), start=1):
         with torch.no_grad():
             ref_c, ref_r = seq_logp(ref, batch)
-        pol_c, pol_r = seq_logp(model, batch)
+        pol_c, pol_r = seq_logp(st.model, batch)
         out = dpo_loss(pol_c, pol_r, ref_c, ref_r, cfg.beta)
-        out.loss.mean().backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
+        _step(st, out.loss.mean())
         acc = (out.chosen_rewards > out.rejected_rewards).float().mean().item()
-        accs.append(acc)
-        logger.log(step, {"loss/dpo": out.loss.mean().item(), "dpo/reward_accuracy": acc,
-                          "dpo/margin": (out.chosen_rewards - out.rejected_rewards).mean().item(),
-                          "dpo/chosen_reward": out.chosen_rewards.mean().item(),
-                          "dpo/rejected_reward": out.rejected_rewards.mean().item()})
-    logger.close()
-    save_model(model, tokenizer, run_dir / "final_model")
-    return {"run_dir": str(run_dir), "steps": step, "final_model": str(run_dir / "final_model"),
-            "reward_accuracy_last": accs[-1]}
+        st.logger.log(step, {"loss/dpo": out.loss.mean().item(), "dpo/reward_accuracy": acc,
+                             "dpo/margin": (out.chosen_rewards - out.rejected_rewards).mean().item(),
+                             "dpo/chosen_reward": out.chosen_rewards.mean().item(),
+                             "dpo/rejected_reward": out.rejected_rewards.mean().item()})
+    return {"run_dir": str(st.run_dir), "steps": len(batches), "final_model": _finish(st),
+            "reward_accuracy_last": acc}
 
 
 def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:
