@@ -4,7 +4,6 @@ import json
 import random
 
 import pytest
-import torch
 
 from posttrain.stages import StageConfig, dpo, length_buckets, pack, sft, write_jsonl
 from tests.conftest import make_tiny_model

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-import torch
 from torch import Tensor
 
 from posttrain.data.tasks import Problem, countdown_numbers_used, eval_arithmetic
