@@ -149,6 +149,16 @@ def cmd_stage(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
+    from posttrain.stages import generate
+
+    overrides = [*overrides, "--model.path", args.model]
+    cfg = load_config(args.config or recipe_path(DEFAULT_RECIPE), overrides)
+    out = generate(cfg, args.n, args.out, args.samples, not args.keep_wrong)
+    print(json.dumps(out, indent=2))
+    return 0
+
+
 def cmd_prepare_model(args: argparse.Namespace, overrides: list[str]) -> int:
     from posttrain.models import prepare_embedded
     print(prepare_embedded(args.cache_dir))
@@ -195,6 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("dpo", help="DPO on prompt/chosen/rejected preference pairs",
                        epilog=stage_help)
     p.set_defaults(fn=cmd_stage)
+
+    p = sub.add_parser("generate", help="write a model's answers to training problems as SFT data")
+    p.add_argument("--model", required=True, help="the teacher: model folder or embedded name")
+    p.add_argument("--out", required=True, help="output JSONL (prompt, response, answer, correct)")
+    p.add_argument("--n", type=int, default=1000, help="training problems to answer")
+    p.add_argument("--samples", type=int, default=1, help="answers per problem (1: greedy)")
+    p.add_argument("--keep-wrong", action="store_true", help="also keep answers the verifier rejects")
+    p.add_argument("--config", type=Path, help="task/rollout settings (default: the default recipe)")
+    p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("prepare-model", help="convert the embedded SmolLM2 GGUF once into the cache")
     p.add_argument("--cache-dir", help="cache folder (default: $POSTTRAIN_CACHE or ~/.cache/posttrain)")

@@ -188,6 +188,39 @@ def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
             "reward_accuracy_last": acc}
 
 
+def generate(cfg, n: int, out: str | Path, samples: int = 1, only_correct: bool = True,
+             model=None, tokenizer=None) -> dict[str, Any]:
+    """Teacher outputs for SFT (§8: a short SFT of the student on teacher outputs precedes
+    distillation): `samples` responses to each of the first `n` training problems of `cfg`'s task,
+    greedy when samples == 1, written as JSONL rows {prompt, response, answer, correct}."""
+    from posttrain.rewards import Scorer
+    from posttrain.rollout import SamplingParams, make_engine
+    from posttrain.trainer import Sampler, build_task
+
+    task = build_task(cfg)
+    scorer = Scorer(cfg.reward, task.verifier)
+    if model is None:
+        path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        tokenizer, model = load_tokenizer(path), load_policy(path, cfg.model.dtype)
+    engine = make_engine(cfg.rollout.backend, model, tokenizer)
+    r = cfg.rollout
+    params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, greedy=samples == 1, stop=r.stop)
+    sampler, rows = Sampler(task, cfg.seed), []
+    gen = torch.Generator().manual_seed(cfg.seed)
+    for start in range(0, n, cfg.eval_batch_size):
+        problems = sampler.next(min(cfg.eval_batch_size, n - start))
+        rollout = engine.generate(encode_prompts(tokenizer, problems, cfg.data.system_prompt,
+                                                 cfg.data.chat_template), samples, params, gen)
+        ids = rollout.response_ids_B_T.masked_fill(rollout.response_mask_B_T == 0, tokenizer.pad_token_id)
+        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        per_response = [p for p in problems for _ in range(samples)]
+        correct = scorer(per_response, texts).correct_B.tolist()
+        rows += [{"prompt": p.prompt, "response": t.strip(), "answer": p.answer, "correct": ok}
+                 for p, t, ok in zip(per_response, texts, correct) if ok or not only_correct]
+    write_jsonl(out, rows)
+    return {"written": len(rows), "generated": n * samples, "out": str(out)}
+
+
 def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:
     with open(path, "w") as f:
         for row in rows:

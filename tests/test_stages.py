@@ -53,3 +53,18 @@ def test_bad_preference_rows_are_named(tmp_path, tokenizer, row, msg):
     write_jsonl(tmp_path / "bad.jsonl", [row])
     with pytest.raises(ValueError, match=msg):
         dpo(StageConfig(data=str(tmp_path / "bad.jsonl")), model=object(), tokenizer=tokenizer)
+
+
+def test_generate_writes_verified_teacher_answers_for_sft(tmp_path, tokenizer):
+    from posttrain.config import load_config
+    from posttrain.stages import generate
+    cfg = load_config(None, ["--data.eval_size", "5", "--rollout.max_new_tokens", "4",
+                             "--reward.verifier", "none"])
+    out = generate(cfg, 6, tmp_path / "g.jsonl", samples=2, only_correct=False,
+                   model=make_tiny_model(tokenizer), tokenizer=tokenizer)
+    rows = [json.loads(line) for line in open(tmp_path / "g.jsonl")]
+    assert out["written"] == len(rows) == 12 and out["generated"] == 12
+    assert {"prompt", "response", "answer", "correct"} <= set(rows[0])
+    assert rows[0]["prompt"] == rows[1]["prompt"] != rows[2]["prompt"]
+    kept = generate(cfg, 6, tmp_path / "ok.jsonl", model=make_tiny_model(tokenizer), tokenizer=tokenizer)
+    assert kept["written"] == 0     # verifier 'none' accepts nothing: nothing is kept
