@@ -144,7 +144,7 @@ def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
     for step, batch in enumerate(tqdm(batches, disable=not show_progress, desc="sft"), start=1):
         t0 = time.perf_counter()
         r = pack(st.tokenizer, [st.prompts[i] for i in batch], [responses[i] for i in batch])
-        logp, _, _ = sequence_logprobs(st.model, r, torch.arange(len(batch)), 1.0)
+        logp = sequence_logprobs(st.model, r, torch.arange(len(batch)), 1.0).logp
         loss = sft_loss(logp, r.response_mask_B_T)
         _step(st, loss)
         losses.append(loss.item())
@@ -168,7 +168,7 @@ def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
         # chosen and rejected of each pair in one forward: rows [c_0..c_n, r_0..r_n]
         r = pack(st.tokenizer, [st.prompts[i] for i in batch] * 2,
                  [chosen[i] for i in batch] + [rejected[i] for i in batch])
-        logp, _, _ = sequence_logprobs(m, r, torch.arange(2 * len(batch)), 1.0)
+        logp = sequence_logprobs(m, r, torch.arange(2 * len(batch)), 1.0).logp
         seq = sequence_logprob(logp, r.response_mask_B_T)
         return seq[:len(batch)], seq[len(batch):]
 

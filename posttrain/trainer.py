@@ -31,7 +31,6 @@ import numpy as np
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from posttrain.advantages import ADVANTAGES, NEEDS_TEACHER, AdvantageInputs, AdvantageParams
 from posttrain.checkpoint import (latest_checkpoint, load_trainer_state, restore_rng,
@@ -41,14 +40,16 @@ from posttrain.data import Problem, Task, load_problems, make_task
 from posttrain.data.tasks import MixedTask
 from posttrain.logging import MetricsLogger, console_line, plot_run
 from posttrain.losses import (AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate,
-                              entropy_from_logits, kl_penalty_in_loss, ratio_stats,
-                              reverse_kl_from_logits, sampled_reverse_kl, token_logprobs)
+                              kl_penalty_in_loss, ratio_stats,
+                              reverse_kl_from_logits, sampled_reverse_kl)
 from posttrain.models import load_policy, load_tokenizer, resolve_model_path, save_model
 from posttrain.rewards import Scorer, overlong_penalty
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, make_engine
 from posttrain.rollout.base import concat_rollouts
-from posttrain.rollout.hf import cache_kwarg, left_pad
+from posttrain.rollout.hf import left_pad
 from posttrain.teachers import Teachers
+from posttrain.forward import (PolicyForward, decoder_and_head, frozen_logprobs,  # noqa: F401
+                               group_chunks, response_hidden, response_logits, sequence_logprobs)
 
 log = logging.getLogger("posttrain")
 
@@ -71,88 +72,6 @@ def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str | None
             ids = ids["input_ids"]
         out.append(list(ids))
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Forward passes on (prompt + response)
-# ---------------------------------------------------------------------------------------------
-
-def group_chunks(n_rows: int, group_size: int, max_rows: int) -> list[Tensor]:
-    """Split row indices 0..n-1 into micro-batches of whole groups, at most max(max_rows, G) rows."""
-    per_chunk = max(max_rows // group_size, 1) * group_size
-    return list(torch.arange(n_rows).split(per_chunk)) if n_rows else []
-
-
-def decoder_and_head(model):
-    """The transformer body and the LM head, run separately so the head sees response positions
-    only. Refuses models whose logits are more than head(hidden) (soft-capping, logit scales)."""
-    for attr in ("final_logit_softcapping", "logit_scale"):
-        if getattr(model.config, attr, None) not in (None, 1.0):
-            raise NotImplementedError(f"{model.config.model_type}: config.{attr} changes the "
-                                      "logits after the LM head, which posttrain does not apply yet")
-    return model.get_decoder(), model.get_output_embeddings()
-
-
-def _autocast(device_type: str, mode: str):
-    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=mode == "bfloat16")
-
-
-def response_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-                    response_mask: Tensor, autocast: str = "none", group_size: int = 1) -> Tensor:
-    """Logits predicting each response token: (b, T, V).
-
-    Rows come in whole groups of `group_size` responses to one prompt. The prompt is run once per
-    group and its KV cache repeated for the group's responses, with gradients flowing through
-    both (the same sharing the sampler uses; with G = 4 and a 40-token prompt it removes most of
-    the tokens of a step). Only response positions reach the LM head. With autocast='bfloat16'
-    the transformer body runs in bf16 (about 1.8x faster on an AVX512-BF16 CPU) while the LM head
-    stays float32, so log-probs keep full precision.
-    """
-    G, T = group_size, response_ids.shape[1]
-    decoder, head = decoder_and_head(model)
-    device_type = prompt_ids.device.type
-    p_ids, p_mask = prompt_ids[::G], prompt_mask[::G]                   # (b/G, L)
-    p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
-    with _autocast(device_type, autocast):
-        prompt_out = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos,
-                             use_cache=True, **{cache_kwarg(decoder): cache})
-        last_prompt_h = prompt_out.last_hidden_state[:, -1:].repeat_interleave(G, 0)  # (b, 1, H)
-        cache.batch_repeat_interleave(G)
-        mask = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
-        r_pos = p_pos[:, -1:].repeat_interleave(G, 0) + 1 + torch.arange(T, device=p_pos.device)
-        resp_h = decoder(input_ids=response_ids, attention_mask=mask, position_ids=r_pos,
-                         use_cache=True, **{cache_kwarg(decoder): cache}).last_hidden_state
-        hidden = torch.cat([last_prompt_h, resp_h[:, :-1]], dim=1)       # (b, T, H)
-    with torch.autocast(device_type, enabled=False):
-        return head(hidden.float() if autocast != "none" else hidden)
-
-
-def sequence_logprobs(model, rollout: Rollout, rows: Tensor, temperature: float,
-                      with_entropy: bool = False, autocast: str = "none", keep_logits: bool = False
-                      ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """log pi(y_t | x, y_<t) for the response tokens of `rows` (whole groups), at the sampling
-    temperature; optionally the entropy of each position's distribution and the logits."""
-    logits = response_logits(model, rollout.prompt_ids_B_L[rows], rollout.prompt_mask_B_L[rows],
-                             rollout.response_ids_B_T[rows], rollout.response_mask_B_T[rows],
-                             autocast, rollout.group_size)
-    logp = token_logprobs(logits, rollout.response_ids_B_T[rows], temperature)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits.detach(), temperature)
-    return logp, entropy, logits if keep_logits else None
-
-
-@torch.no_grad()
-def frozen_logprobs(model, rollout: Rollout, temperature: float, micro: int,
-                    autocast: str = "none") -> Tensor:
-    """Log-probs under a frozen model (pi_ref, or pi_old recomputed), in micro-batches."""
-    parts = []
-    for rows in group_chunks(len(rollout.truncated_B), rollout.group_size, micro):
-        logp, _, _ = sequence_logprobs(model, rollout, rows, temperature, autocast=autocast)
-        parts.append(logp)
-    return torch.cat(parts) * rollout.response_mask_B_T
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,7 +248,7 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
             for micro in group_chunks(len(kept), G, o.micro_batch_size):
                 micro = kept[micro]
                 rows = rows_mb[micro]
-                logp, entropy, logits = sequence_logprobs(
+                logp, entropy, logits, _ = sequence_logprobs(
                     model, rollout, rows, temperature, with_entropy=True,
                     autocast=cfg.model.autocast, keep_logits=exact_distill)
                 m = mask[rows]

@@ -205,7 +205,7 @@ def test_skipping_zero_advantage_groups_gives_the_same_update(tmp_path, tokenize
 
     full = make_tiny_model(tokenizer, seed=8)
     rows = torch.arange(len(batch.rewards_B))
-    logp, _, _ = sequence_logprobs(full, batch.rollout, rows, 1.0)
+    logp = sequence_logprobs(full, batch.rollout, rows, 1.0).logp
     weights = AGGREGATIONS[cfg.algo.aggregation](batch.loss_mask_B_T, 3.0)
     aggregate(POLICY_LOSSES["clipped"](logp, logp.detach(), adv), weights).backward()
     torch.optim.SGD(full.parameters(), lr=1.0).step()

@@ -1,0 +1,119 @@
+"""Forward passes on (prompt + response): the one place a model reads a batch of responses.
+
+The policy's log-probs, the reference's and teachers' log-probs, and the value model's V(x, y_<t)
+all come from `response_hidden`: the prompt is run once per group of responses and only response
+positions reach a head.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from posttrain.losses import entropy_from_logits, token_logprobs
+from posttrain.rollout import Rollout
+from posttrain.rollout.hf import cache_kwarg
+
+# ---------------------------------------------------------------------------------------------
+
+def group_chunks(n_rows: int, group_size: int, max_rows: int) -> list[Tensor]:
+    """Split row indices 0..n-1 into micro-batches of whole groups, at most max(max_rows, G) rows."""
+    per_chunk = max(max_rows // group_size, 1) * group_size
+    return list(torch.arange(n_rows).split(per_chunk)) if n_rows else []
+
+
+def decoder_and_head(model):
+    """The transformer body and the LM head, run separately so the head sees response positions
+    only. Refuses models whose logits are more than head(hidden) (soft-capping, logit scales)."""
+    for attr in ("final_logit_softcapping", "logit_scale"):
+        if getattr(model.config, attr, None) not in (None, 1.0):
+            raise NotImplementedError(f"{model.config.model_type}: config.{attr} changes the "
+                                      "logits after the LM head, which posttrain does not apply yet")
+    return model.get_decoder(), model.get_output_embeddings()
+
+
+def _autocast(device_type: str, mode: str):
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=mode == "bfloat16")
+
+
+def response_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                    response_mask: Tensor, autocast: str = "none", group_size: int = 1) -> Tensor:
+    """Hidden states that predict each response token, i.e. of the state (x, y_<t): (b, T, H).
+
+    Rows come in whole groups of `group_size` responses to one prompt. The prompt is run once per
+    group and its KV cache repeated for the group's responses, with gradients flowing through
+    both (the same sharing the sampler uses; with G = 4 and a 40-token prompt it removes most of
+    the tokens of a step). With autocast='bfloat16' the body runs in bf16 (about 1.8x faster on
+    an AVX512-BF16 CPU); the result is returned in float32 so heads keep full precision.
+    The LM head turns these into logits, a value head into V(x, y_<t) (§5).
+    """
+    G, T = group_size, response_ids.shape[1]
+    device_type = prompt_ids.device.type
+    p_ids, p_mask = prompt_ids[::G], prompt_mask[::G]                   # (b/G, L)
+    p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    with _autocast(device_type, autocast):
+        prompt_out = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos,
+                             use_cache=True, **{cache_kwarg(decoder): cache})
+        last_prompt_h = prompt_out.last_hidden_state[:, -1:].repeat_interleave(G, 0)  # (b, 1, H)
+        cache.batch_repeat_interleave(G)
+        mask = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
+        r_pos = p_pos[:, -1:].repeat_interleave(G, 0) + 1 + torch.arange(T, device=p_pos.device)
+        resp_h = decoder(input_ids=response_ids, attention_mask=mask, position_ids=r_pos,
+                         use_cache=True, **{cache_kwarg(decoder): cache}).last_hidden_state
+        hidden = torch.cat([last_prompt_h, resp_h[:, :-1]], dim=1)       # (b, T, H)
+    return hidden.float() if autocast != "none" else hidden
+
+
+def response_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                    response_mask: Tensor, autocast: str = "none", group_size: int = 1) -> Tensor:
+    """Logits predicting each response token: (b, T, V). Only response positions reach the LM
+    head, which runs in float32 even under bf16 autocast, so log-probs keep full precision."""
+    decoder, head = decoder_and_head(model)
+    hidden = response_hidden(decoder, prompt_ids, prompt_mask, response_ids, response_mask,
+                             autocast, group_size)
+    with torch.autocast(prompt_ids.device.type, enabled=False):
+        return head(hidden)
+
+
+class PolicyForward(NamedTuple):
+    logp: Tensor                    # (b, T) log pi(y_t | x, y_<t) at the sampling temperature
+    entropy: Tensor | None          # (b, T) entropy of each position's distribution (no grad)
+    logits: Tensor | None           # (b, T, V), when asked for (exact distillation)
+    hidden: Tensor | None           # (b, T, H), when asked for (a value head on the policy body)
+
+
+def sequence_logprobs(model, rollout: Rollout, rows: Tensor, temperature: float,
+                      with_entropy: bool = False, autocast: str = "none", keep_logits: bool = False,
+                      keep_hidden: bool = False) -> PolicyForward:
+    """log pi(y_t | x, y_<t) for the response tokens of `rows` (whole groups), at the sampling
+    temperature; optionally the entropy of each position's distribution, the logits and the
+    hidden states."""
+    decoder, head = decoder_and_head(model)
+    hidden = response_hidden(decoder, rollout.prompt_ids_B_L[rows], rollout.prompt_mask_B_L[rows],
+                             rollout.response_ids_B_T[rows], rollout.response_mask_B_T[rows],
+                             autocast, rollout.group_size)
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = head(hidden)
+    logp = token_logprobs(logits, rollout.response_ids_B_T[rows], temperature)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits.detach(), temperature)
+    return PolicyForward(logp, entropy, logits if keep_logits else None,
+                         hidden if keep_hidden else None)
+
+
+@torch.no_grad()
+def frozen_logprobs(model, rollout: Rollout, temperature: float, micro: int,
+                    autocast: str = "none") -> Tensor:
+    """Log-probs under a frozen model (pi_ref, or pi_old recomputed), in micro-batches."""
+    parts = []
+    for rows in group_chunks(len(rollout.truncated_B), rollout.group_size, micro):
+        parts.append(sequence_logprobs(model, rollout, rows, temperature, autocast=autocast).logp)
+    return torch.cat(parts) * rollout.response_mask_B_T
+
+
