@@ -34,16 +34,34 @@ def restore_rng(state: dict[str, Any], generator: torch.Generator) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler,
                     generator: torch.Generator, extra: dict[str, Any], config: dict[str, Any],
-                    keep: int = 2) -> Path:
+                    keep: int = 2, extra_models: dict[str, Any] | None = None,
+                    world=None) -> Path:
+    """`extra_models` maps a subfolder name to a function that saves into a folder (the critic).
+
+    Weights and optimizer state are saved full (gathered from FSDP shards) and the optimizer
+    state keyed by parameter name, so a checkpoint resumes on any number of ranks. Every rank
+    must call this (gathering is collective); rank 0 writes."""
+    from posttrain.distributed import SINGLE, barrier, full_state_dict, optimizer_state
+    world = world or SINGLE
+    weights = None if hasattr(model, "peft_config") else full_state_dict(model, world)
+    optim_state = optimizer_state(model, optimizer)
     ckpt_root = run_dir / "checkpoints"
-    ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:06d}"
+    if not world.main:
+        barrier(world)
+        return final
+    ckpt_root.mkdir(parents=True, exist_ok=True)
     tmp = ckpt_root / f".step_{step:06d}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp / "model")
-    tokenizer.save_pretrained(tmp / "model")
-    torch.save({"step": step, "optimizer": optimizer.state_dict(),
+    if hasattr(model, "peft_config"):     # LoRA: the adapters (the base model is the run's start)
+        model.save_pretrained(tmp / "adapter")
+    else:
+        model.save_pretrained(tmp / "model", state_dict=weights)
+        tokenizer.save_pretrained(tmp / "model")
+    for name, save in (extra_models or {}).items():
+        save(tmp / name)
+    torch.save({"step": step, "optimizer": optim_state,
                 "scheduler": scheduler.state_dict(), "rng": rng_state(generator), **extra},
                tmp / _STATE)
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
@@ -52,6 +70,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, sched
     os.replace(tmp, final)
     for old in sorted(ckpt_root.glob("step_*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    barrier(world)
     return final
 
 

@@ -138,13 +138,14 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_stage(args: argparse.Namespace, overrides: list[str]) -> int:
     from posttrain.config import build_config, parse_overrides
     from posttrain.perf import tune_malloc
-    from posttrain.stages import StageConfig, dpo, sft
+    from posttrain.stages import StageConfig, dpo, reward_model, sft
 
     tune_malloc()
     cfg = build_config(StageConfig, parse_overrides(overrides), "")
-    if not cfg.data:
-        raise ConfigError("--data FILE is required (JSONL, CSV, Parquet or a datasets folder)")
-    out = (sft if args.command == "sft" else dpo)(cfg)
+    if not cfg.data and not (args.command == "reward-model" and cfg.synthetic):
+        raise ConfigError("--data FILE is required (JSONL, CSV, Parquet or a datasets folder)"
+                          + (" or --synthetic TASK" if args.command == "reward-model" else ""))
+    out = {"sft": sft, "dpo": dpo, "reward-model": reward_model}[args.command](cfg)
     print(json.dumps(out, indent=2))
     return 0
 
@@ -204,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_stage)
     p = sub.add_parser("dpo", help="DPO on prompt/chosen/rejected preference pairs",
                        epilog=stage_help)
+    p.set_defaults(fn=cmd_stage)
+
+    p = sub.add_parser("reward-model", help="train a Bradley-Terry reward model on preference pairs",
+                       epilog=stage_help + " --synthetic TASK --n_pairs --eval_data --eval_size "
+                       "--autocast. Example: posttrain reward-model --synthetic addition")
     p.set_defaults(fn=cmd_stage)
 
     p = sub.add_parser("generate", help="write a model's answers to training problems as SFT data")

@@ -59,6 +59,7 @@ class AlgorithmConfig:
     overlong_penalty: float = 1.0       # 'shape': penalty reached at the limit
     gamma: float = 1.0                  # GAE discount (§5)
     lam: float = 0.95                   # GAE lambda (§5)
+    whiten_advantages: bool = False     # PPO: (A - mean) / std over the batch's tokens (§5)
     reward_weight: float = 0.0          # distillation: mix in the verifiable reward's group advantage
     # distillation: 'sampled' = -(logp_S - logp_T) of the sampled tokens as a dense advantage
     # (cheap, any teacher); 'exact' = full-vocabulary reverse KL at every position as the loss
@@ -81,10 +82,6 @@ class AlgorithmConfig:
         _check_range("algorithm.lam", self.lam, 0.0, 1.0)
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ConfigError(f"algorithm.dual_clip={self.dual_clip} must be > 1 (or null)")
-        if self.advantage in NEEDS_VALUES:
-            raise ConfigError(f"algorithm.advantage={self.advantage!r} needs a value model, which "
-                              "this trainer does not build yet; use 'group', 'rloo', 'group_mean', "
-                              "'batch_mean' or 'reinforce'")
         if self.kl_in == "reward" and self.advantage not in NEEDS_VALUES:
             raise ConfigError("algorithm.kl_in='reward' folds the KL into per-token rewards, which "
                               f"only a token-level estimator uses; advantage={self.advantage!r} "
@@ -117,6 +114,11 @@ PRESETS: dict[str, AlgorithmConfig] = {
                        kl_in="none", kl_coef=0.0),
     # On-policy distillation (§8): the student samples, the teacher scores the same tokens, the
     # negated sampled reverse KL is a dense per-token advantage through the clipped PG loss.
+    # PPO (Schulman et al. 2017; Ouyang et al. 2022): a value model, GAE, per-token KL to pi_ref
+    # folded into the reward (k1 = log pi_old - log pi_ref, the score on the last token),
+    # whitened advantages, clipped surrogate over several epochs of minibatches (set in optim).
+    "ppo": replace(GRPO, advantage="gae", kl_in="reward", kl_estimator="k1", kl_coef=0.05,
+                   aggregation="token_mean", gamma=1.0, lam=0.95, whiten_advantages=True),
     "opd": replace(GRPO, advantage="reverse_kl", aggregation="token_mean", kl_in="none",
                    kl_coef=0.0),
 }
@@ -130,6 +132,7 @@ class ModelConfig:
     # generation runs in `dtype`. Faster on CPUs with AVX512-BF16 and on GPUs.
     autocast: Literal["none", "bfloat16"] = "none"
     cache_dir: str | None = None        # where the embedded GGUF is converted once; None: user cache
+    device: str = "auto"                # 'auto': the rank's GPU when there is one, else the CPU
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,31 @@ class TeacherConfig:
 
 
 @dataclass(frozen=True)
+class CriticConfig:
+    """The value model of PPO (used by the 'gae' advantage; see posttrain/critic.py)."""
+
+    shared_backbone: bool = False       # True: a scalar head on the policy's body (no second model)
+    path: str | None = None             # separate critic from this folder; None: the policy's start
+    lr: float = 1e-5
+    vf_coef: float = 0.5                # weight of the value loss (matters when the body is shared)
+    clip: float | None = 0.2            # value clipping around V_old (None: plain regression)
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0               # first steps train only the critic (policy frozen)
+
+    def validate(self) -> None:
+        _check_range("critic.lr", self.lr, 0.0)
+        _check_range("critic.vf_coef", self.vf_coef, 0.0)
+        _check_range("critic.warmup_steps", self.warmup_steps, 0)
+        if self.clip is not None:
+            _check_range("critic.clip", self.clip, 0.0, lo_open=True)
+        if self.path is not None and self.shared_backbone:
+            raise ConfigError("critic.path loads a separate value model; it cannot be combined "
+                              "with critic.shared_backbone=true")
+        if self.path is not None and not Path(self.path).is_dir():
+            raise ConfigError(f"critic.path={self.path!r} is not a folder")
+
+
+@dataclass(frozen=True)
 class DataConfig:
     task: str = "addition"              # built-in task ('addition', 'countdown', ...) or 'file'
     difficulty: int = 2                 # task knob: digits per operand; numbers for countdown
@@ -197,6 +225,18 @@ class RewardConfig:
     functions: tuple[str, ...] = ()     # user rewards as 'module:function' (added, weight 1 each)
     timeout_s: float = 5.0              # a reward call running longer gets the fallback
     fallback: float = 0.0               # reward given when a function raises, hangs or returns NaN
+    # RLHF (§1): a Bradley-Terry reward model folder (`posttrain reward-model` writes one; any
+    # AutoModelForSequenceClassification with one label works), added with weight model_weight.
+    # Set correct_reward 0 to train on the model's score alone: accuracy is still measured.
+    model: str | None = None
+    model_weight: float = 1.0
+    model_normalize: bool = True        # (score - mean) / std with the stats saved at RM training
+    model_batch_size: int = 32
+
+    def validate(self) -> None:
+        if self.model is not None and not Path(self.model).is_dir():
+            raise ConfigError(f"reward.model={self.model!r} is not a folder (train one with "
+                              "`posttrain reward-model`)")
 
 
 @dataclass(frozen=True)
@@ -214,15 +254,43 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters through peft (rank 0: full fine-tuning). The reference policy is then the
+    base model with the adapters switched off: no second copy of the weights."""
+
+    rank: int = 0
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj",
+                                       "gate_proj", "up_proj", "down_proj")
+
+    def validate(self) -> None:
+        _check_range("lora.rank", self.rank, 0)
+        _check_range("lora.dropout", self.dropout, 0.0, 1.0)
+        if self.rank and not self.target_modules:
+            raise ConfigError("lora.target_modules is empty: name the modules to adapt")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Multi-process training under torchrun (see posttrain/distributed.py); ignored otherwise."""
+
+    strategy: Literal["ddp", "fsdp"] = "ddp"   # replicate weights / shard them (FSDP2)
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     preset: str = "grpo"
     algorithm: dict[str, Any] = field(default_factory=dict)  # field overrides on top of the preset
     model: ModelConfig = ModelConfig()
     teacher: TeacherConfig = TeacherConfig()
+    critic: CriticConfig = CriticConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
     optim: OptimConfig = OptimConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    lora: LoraConfig = LoraConfig()
     steps: int = 50                     # generated batches
     max_minutes: float | None = None    # stop training after this wall time (evaluation excluded)
     seed: int = 0
@@ -276,6 +344,15 @@ class TrainConfig:
         _check_range("steps", self.steps, 0)
         _check_range("data.eval_size", self.data.eval_size, 0)
         self.teacher.validate()
+        self.critic.validate()
+        self.lora.validate()
+        if self.lora.rank and self.parallel.strategy == "fsdp":
+            raise ConfigError("lora.rank > 0 with parallel.strategy='fsdp' is not supported; "
+                              "adapters are small: use 'ddp'")
+        if self.lora.rank and algo.advantage == "gae" and self.critic.shared_backbone:
+            raise ConfigError("lora.rank > 0 with a value head on the shared body is not "
+                              "supported; use a separate critic")
+        self.reward.validate()
         if algo.advantage in NEEDS_TEACHER and not (self.teacher.path or self.teacher.domains):
             raise ConfigError(f"algorithm.advantage={algo.advantage!r} distils from a teacher: "
                               "set teacher.path to a model folder (or teacher.domains)")

@@ -10,7 +10,8 @@ from typing import Any
 _CONSOLE_KEYS = [("reward/mean", "reward {:.3f}"), ("reward/accuracy", "acc {:.2f}"),
                  ("loss/policy", "loss {:+.4f}"), ("policy/kl_ref", "kl {:.4f}"),
                  ("policy/entropy", "ent {:.2f}"), ("rollout/length_mean", "len {:.1f}"),
-                 ("perf/step_s", "{:.1f}s")]
+                 ("reward/model_score", "rm {:+.2f}"), ("loss/value", "vloss {:.4f}"),
+                 ("critic/explained_variance", "ev {:+.2f}"), ("perf/step_s", "{:.1f}s")]
 
 
 class MetricsLogger:
@@ -39,6 +40,16 @@ class MetricsLogger:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+class NullLogger:
+    """What ranks other than 0 log to: nothing (their metrics are reduced onto rank 0's)."""
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _plain(v: Any) -> Any:
@@ -80,6 +91,8 @@ def plot_run(run_dir: Path) -> Path:
     ax = axes[0, 0]
     ax.plot(*series("reward/mean"), label="train reward")
     ax.plot(*series("reward/accuracy"), label="train accuracy")
+    if any(r.get("reward/model_score") is not None for r in train):   # RLHF: proxy vs truth
+        ax.plot(*series("reward/model_score"), label="reward-model score")
     ax.set_xlabel("step"); ax.set_title("rollout reward"); ax.legend()
     ax = axes[0, 1]
     ax.plot(*series("eval/accuracy", evals, "perf/train_minutes"), marker="o")
@@ -94,6 +107,9 @@ def plot_run(run_dir: Path) -> Path:
     if any(r.get("policy/kl_ref") is not None for r in train):
         ax.plot(*series("policy/kl_ref"), label="KL to ref")
     ax.plot(*series("policy/clip_frac_high"), label="clip frac high")
+    if any(r.get("critic/explained_variance") is not None for r in train):   # PPO's value model
+        ax.plot(*series("critic/explained_variance"), label="value expl. var.")
+        ax.plot(*series("loss/value"), label="value loss")
     ax.set_xlabel("step"); ax.set_title("policy"); ax.legend()
     fig.tight_layout()
     out = run_dir / "training_curves.png"

@@ -120,13 +120,15 @@ def load_policy(path: str | Path, dtype: str = "float32") -> PreTrainedModel:
     return model
 
 
-def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
-    """Save in Hugging Face format, atomically (temporary folder, then rename)."""
+def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path,
+               state_dict: dict | None = None) -> None:
+    """Save in Hugging Face format, atomically (temporary folder, then rename). `state_dict`:
+    the full weights when the model's own are sharded (FSDP)."""
     folder = Path(folder)
     tmp = folder.with_name(f".{folder.name}.tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     if folder.exists():
         shutil.rmtree(folder)
@@ -153,3 +155,18 @@ def check_same_tokenizer(student: PreTrainedTokenizerBase, teacher: PreTrainedTo
     if problems:
         raise ConfigError("teacher and student tokenizers differ: " + "; ".join(problems)
                           + ". On-policy distillation needs one shared tokenizer")
+
+
+def add_lora(model: PreTrainedModel, cfg, adapter_dir: Path | None = None):
+    """Wrap `model` with trainable LoRA adapters (peft); the base weights are frozen. With
+    `adapter_dir` (a checkpoint), the saved adapters are loaded instead of fresh ones."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    if adapter_dir is not None:
+        return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
+    return get_peft_model(model, LoraConfig(
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules), task_type="CAUSAL_LM"))
+
+
+def is_lora(model) -> bool:
+    return hasattr(model, "peft_config")

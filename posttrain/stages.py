@@ -43,6 +43,12 @@ class StageConfig:
     max_len: int = 256                  # response tokens kept per example
     seed: int = 0
     run_dir: str = "runs/stage"
+    # reward-model: pairs from a built-in task instead of --data ('addition', 'arithmetic')
+    synthetic: str = ""
+    n_pairs: int = 2000                 # synthetic training pairs
+    eval_data: str = ""                 # held-out pairs file; default: eval_size pairs split off
+    eval_size: int = 200
+    autocast: str = "none"              # 'bfloat16': body in bf16 (faster on AVX512-BF16 / GPU)
 
 
 def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]]) -> Rollout:
@@ -64,16 +70,17 @@ def _response_ids(tokenizer, text: str, max_len: int) -> list[int]:
 
 
 def _check_rows(path: str, rows: list[dict], fields: list[str]) -> None:
-    """Missing, empty and (for pairs) identical fields are reported with file, row and field."""
+    """Missing, empty and (for pairs) identical fields are reported with file, line and field."""
     if not rows:
         raise ValueError(f"{path}: no rows")
+    where = "line" if str(path).endswith((".jsonl", ".json")) else "row"
     for i, row in enumerate(rows, start=1):
         for f in fields:
             v = row.get(f)
             if v is None or (isinstance(v, str) and not v.strip()):
-                raise ValueError(f"{path}: row {i}: field {f!r} is missing or empty")
+                raise ValueError(f"{path}: {where} {i}: field {f!r} is missing or empty")
         if len(fields) == 3 and row[fields[1]] == row[fields[2]]:
-            raise ValueError(f"{path}: row {i}: {fields[1]!r} and {fields[2]!r} are identical")
+            raise ValueError(f"{path}: {where} {i}: {fields[1]!r} and {fields[2]!r} are identical")
 
 
 def length_buckets(lengths: list[int], batch_size: int, rng: random.Random) -> list[list[int]]:
@@ -186,6 +193,118 @@ def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
                              "dpo/rejected_reward": out.rejected_rewards.mean().item()})
     return {"run_dir": str(st.run_dir), "steps": len(batches), "final_model": _finish(st),
             "reward_accuracy_last": acc}
+
+
+def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
+                 ) -> dict[str, Any]:
+    """Train a Bradley-Terry reward model (§1) on (prompt, chosen, rejected) pairs:
+    loss -log sigmoid(r(x, y_c) - r(x, y_r)), r = a scalar head on the last token. Reports
+    held-out pairwise accuracy (per pair kind when the rows have one) before and after, and saves
+    an AutoModelForSequenceClassification (one label) with reward_stats.json for normalisation."""
+    from transformers import AutoModelForSequenceClassification
+
+    from posttrain.losses import bradley_terry_loss, pairwise_accuracy
+    from posttrain.rewards.model import STATS_FILE, encode_parts, pair_scores
+
+    fields = [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
+    if cfg.synthetic:   # pairs from ground truth: train on training problems, test on held-out
+        from posttrain.data.preferences import synthetic_preferences
+        from posttrain.data.tasks import make_task
+        task = make_task(cfg.synthetic, 2)
+        task.build_eval(cfg.eval_size, 1234)
+        train_rows = synthetic_preferences(task, cfg.n_pairs, cfg.seed)
+        eval_rows = synthetic_preferences(task, cfg.eval_size, cfg.seed, held_out=True)
+        source = f"synthetic:{cfg.synthetic}"
+    else:
+        if not cfg.data:
+            raise ValueError("reward-model needs --data FILE or --synthetic TASK")
+        train_rows, source = read_rows(cfg.data), cfg.data
+        _check_rows(cfg.data, train_rows, fields)
+        if cfg.eval_data:
+            eval_rows = read_rows(cfg.eval_data)
+            _check_rows(cfg.eval_data, eval_rows, fields)
+        else:
+            order = random.Random(cfg.seed).sample(range(len(train_rows)), len(train_rows))
+            n_eval = min(cfg.eval_size, len(train_rows) // 5)
+            eval_rows = [train_rows[i] for i in order[:n_eval]]
+            train_rows = [train_rows[i] for i in order[n_eval:]]
+    seed_everything(cfg.seed)
+    if model is None:
+        path = resolve_model_path(cfg.model)
+        tokenizer = load_tokenizer(path)
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+        torch.nn.init.zeros_(model.score.weight)    # r = 0 for everything at the start
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    logger = MetricsLogger(run_dir, tensorboard=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+
+    def encode(rows):
+        prompts = [r[cfg.prompt_field] for r in rows]
+        heads, chosen = encode_parts(tokenizer, prompts, [str(r[cfg.chosen_field]) for r in rows],
+                                     cfg.system_prompt)
+        rejected = [tokenizer(str(r[cfg.rejected_field]), add_special_tokens=False)["input_ids"]
+                    for r in rows]
+        return heads, chosen, rejected
+
+    def scores(idx, heads, chosen, rejected):
+        return pair_scores(model, [heads[i] for i in idx], [chosen[i] for i in idx],
+                           [rejected[i] for i in idx], tokenizer.pad_token_id, cfg.autocast)
+
+    @torch.no_grad()
+    def evaluate_pairs() -> dict[str, float]:
+        model.eval()
+        parts = encode(eval_rows)
+        cs, rs = [], []
+        for i in range(0, len(eval_rows), 32):
+            c, r = scores(range(i, min(i + 32, len(eval_rows))), *parts)
+            cs.append(c)
+            rs.append(r)
+        c, r = torch.cat(cs), torch.cat(rs)
+        out = {"rm/eval_accuracy": pairwise_accuracy(c, r).item(),
+               "rm/eval_margin": (c - r).mean().item(),
+               "_mean": torch.cat([c, r]).mean().item(), "_std": torch.cat([c, r]).std().item()}
+        kinds = sorted({row.get("kind") for row in eval_rows if row.get("kind")})
+        for kind in kinds:
+            idx = torch.tensor([i for i, row in enumerate(eval_rows) if row.get("kind") == kind])
+            out[f"rm/eval_accuracy@{kind}"] = pairwise_accuracy(c[idx], r[idx]).item()
+        model.train()
+        return out
+
+    before = evaluate_pairs()
+    logger.log(0, {k: v for k, v in before.items() if not k.startswith("_")})
+    heads, chosen, rejected = encode(train_rows)
+    lengths = [len(h) + max(len(c), len(r)) for h, c, r in zip(heads, chosen, rejected)]
+    rng = random.Random(cfg.seed)
+    batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, rng)]
+    t_start = time.perf_counter()
+    model.train()
+    for step, batch in enumerate(tqdm(batches, disable=not show_progress, desc="reward-model"),
+                                 start=1):
+        c, r = scores(batch, heads, chosen, rejected)
+        loss = bradley_terry_loss(c, r).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        logger.log(step, {"loss/bradley_terry": loss.item(),
+                          "rm/train_accuracy": pairwise_accuracy(c.detach(), r.detach()).item()})
+    train_minutes = (time.perf_counter() - t_start) / 60
+    after = evaluate_pairs()
+    logger.log(len(batches), {k: v for k, v in after.items() if not k.startswith("_")})
+    logger.close()
+    out_dir = run_dir / "final_model"
+    save_model(model, tokenizer, out_dir)
+    (out_dir / STATS_FILE).write_text(json.dumps({"mean": after["_mean"], "std": after["_std"],
+                                                  "source": source}))
+    return {"run_dir": str(run_dir), "final_model": str(out_dir), "steps": len(batches),
+            "train_pairs": len(train_rows), "eval_pairs": len(eval_rows),
+            "train_minutes": train_minutes,
+            "eval_before": {k: v for k, v in before.items() if not k.startswith("_")},
+            "eval_after": {k: v for k, v in after.items() if not k.startswith("_")}}
 
 
 def generate(cfg, n: int, out: str | Path, samples: int = 1, only_correct: bool = True,

@@ -40,6 +40,7 @@ class Teachers:
     def bind_student(self, model) -> None:
         """OPSD scores with the live student weights (no copy, no gradient)."""
         self.student = model
+        self.device = next(model.parameters()).device
 
     @property
     def loaded(self) -> int:
@@ -53,7 +54,8 @@ class Teachers:
         if name == SELF:
             return self.student
         if name not in self._models:
-            self._models[name] = load_policy(self._paths[name], self.cfg.dtype).eval().requires_grad_(False)
+            self._models[name] = load_policy(self._paths[name], self.cfg.dtype).eval().requires_grad_(
+                False).to(getattr(self, "device", "cpu"))
         return self._models[name]
 
     def single(self):

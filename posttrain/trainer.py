@@ -17,6 +17,7 @@ overlong handling) that any preset may turn on.
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 import json
 import logging
 import math
@@ -32,22 +33,32 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from posttrain.advantages import ADVANTAGES, NEEDS_TEACHER, AdvantageInputs, AdvantageParams
+from posttrain.advantages import (ADVANTAGES, NEEDS_TEACHER, NEEDS_VALUES, AdvantageInputs,
+                                  AdvantageParams, whiten)
 from posttrain.checkpoint import (latest_checkpoint, load_trainer_state, restore_rng,
                                   save_checkpoint)
 from posttrain.config import AlgorithmConfig, ConfigError, TrainConfig
 from posttrain.data import Problem, Task, load_problems, make_task
 from posttrain.data.tasks import MixedTask
-from posttrain.logging import MetricsLogger, console_line, plot_run
+from posttrain.logging import MetricsLogger, NullLogger, console_line, plot_run
 from posttrain.losses import (AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate,
-                              kl_penalty_in_loss, ratio_stats,
+                              explained_variance, kl_penalized_rewards, kl_penalty_in_loss,
+                              ratio_stats, value_loss,
                               reverse_kl_from_logits, sampled_reverse_kl)
-from posttrain.models import load_policy, load_tokenizer, resolve_model_path, save_model
+from posttrain.memory import estimate as estimate_memory
+from posttrain.models import (add_lora, load_policy, load_tokenizer, resolve_model_path,
+                              save_model)
 from posttrain.rewards import Scorer, overlong_penalty
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, make_engine
 from posttrain.rollout.base import concat_rollouts
-from posttrain.rollout.hf import left_pad
+from posttrain.rollout.hf import left_pad, row_seeds
 from posttrain.teachers import Teachers
+from posttrain.critic import Critic
+from posttrain.distributed import (SINGLE, World, all_true, average_gradients, barrier,
+                                   clip_grad_norm, device_for, full_state_dict,
+                                   full_weights_for_generation, gather_objects,
+                                   global_aggregation_weights, global_max, init_world,
+                                   load_optimizer_state, mean_metrics, wrap)
 from posttrain.forward import (PolicyForward, decoder_and_head, frozen_logprobs,  # noqa: F401
                                group_chunks, response_hidden, response_logits, sequence_logprobs)
 
@@ -134,26 +145,33 @@ class Sampler:
 
 def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, scorer: Scorer,
                        cfg: TrainConfig, algo: AlgorithmConfig, generator: torch.Generator,
-                       timings: Counter) -> tuple[ScoredBatch, dict[str, float]]:
-    """Sample groups and score them; with dynamic sampling, refill until P informative groups."""
+                       timings: Counter, world: World = SINGLE) -> tuple[ScoredBatch, dict[str, float]]:
+    """Sample groups and score them; with dynamic sampling, refill until P informative groups.
+
+    Every rank draws the same P prompts and keeps its share; each response is sampled from noise
+    keyed by (seed, prompt index, g), so the batch does not depend on the number of ranks."""
     r = cfg.rollout
     P, G = r.prompts_per_step, r.group_size
+    P_global, P = P, P // world.size
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, stop=r.stop)
     kept: list[ScoredBatch] = []
     n_kept, rounds, stats = 0, 0, Counter()
     while True:
         t0 = time.perf_counter()
-        problems = sampler.next(P)
-        rollout = engine.generate(
-            encode_prompts(tokenizer, problems, cfg.data.system_prompt, cfg.data.chat_template),
-            G, params, generator)
+        first_index = sampler.position
+        problems = sampler.next(P_global)[world.share(P_global)]
+        indices = list(range(first_index, first_index + P_global))[world.share(P_global)]
+        with full_weights_for_generation(getattr(engine, "model", None), world):
+            rollout = engine.generate(
+                encode_prompts(tokenizer, problems, cfg.data.system_prompt, cfg.data.chat_template),
+                G, params, generator, seeds=row_seeds(cfg.seed, indices, G))
         t1 = time.perf_counter()
         completions = tokenizer.batch_decode(rollout.response_ids_B_T * rollout.response_mask_B_T.long()
                                              + (1 - rollout.response_mask_B_T.long()) * tokenizer.pad_token_id,
                                              skip_special_tokens=True)
         per_response = [p for p in problems for _ in range(G)]
         result = scorer(per_response, completions)
-        rewards = result.rewards_B
+        rewards = result.rewards_B.to(rollout.response_mask_B_T.device)
         if algo.overlong == "shape":
             rewards = rewards + overlong_penalty(rollout.lengths_B, r.max_new_tokens,
                                                  algo.overlong_buffer, algo.overlong_penalty)
@@ -164,11 +182,14 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
         timings["reward"] += time.perf_counter() - t1
         for k, v in result.failures.items():
             stats[f"reward/failures_{k}"] += v
-        batch = ScoredBatch(rollout, per_response, completions, rewards, result.correct_B, loss_mask)
+        batch = ScoredBatch(rollout, per_response, completions, rewards,
+                            result.correct_B.to(rewards.device), loss_mask)
         equal = equal_reward_groups(batch.rewards_P_G)
         if rounds == 0:
             first = batch
             stats["rollout/equal_groups_frac"] = equal.float().mean().item()
+            if result.model_scores_B is not None:   # RLHF: the proxy beside the truth (hacking shows)
+                stats.update(reward_model_metrics(result.model_scores_B, result.correct_B))
             # before any filtering: the honest learning curve when dynamic sampling drops groups
             stats["reward/generated_mean"] = rewards.mean().item()
         rounds += 1
@@ -180,7 +201,8 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
             rows = (keep_groups[:, None] * G + torch.arange(G)).reshape(-1)
             kept.append(select(batch, rows))
             n_kept += keep_groups.numel()
-        if n_kept >= P or rounds > algo.max_refill_rounds:
+        # all ranks draw the same prompts each round, so they stop together
+        if all_true(n_kept >= P, world) or rounds > algo.max_refill_rounds:
             break
     stats["rollout/dynamic_rounds"] = rounds
     stats["rollout/kept_groups"] = min(n_kept, P)
@@ -188,6 +210,14 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
         return select(first, torch.arange(0)), dict(stats)
     merged = merge(kept, tokenizer.pad_token_id)
     return select(merged, torch.arange(min(n_kept, P) * G)), dict(stats)
+
+
+def reward_model_metrics(scores_B: Tensor, correct_B: Tensor) -> dict[str, float]:
+    out = {"reward/model_score": scores_B.mean().item()}
+    for name, rows in (("correct", correct_B), ("incorrect", ~correct_B)):
+        if rows.any():
+            out[f"reward/model_score_{name}"] = scores_B[rows].mean().item()
+    return out
 
 
 def select(b: ScoredBatch, rows: Tensor) -> ScoredBatch:
@@ -212,9 +242,19 @@ def merge(parts: list[ScoredBatch], pad_id: int) -> ScoredBatch:
 # Policy update (§3, §5, §6): epochs x minibatches x micro-batches
 # ---------------------------------------------------------------------------------------------
 
+@dataclass
+class ValueTargets:
+    """What the critic regresses on in the update (§5): V_old and the GAE returns, (B, T)."""
+    old_values_B_T: Tensor
+    returns_B_T: Tensor
+
+
 def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tensor,
                   cfg: TrainConfig, algo: AlgorithmConfig, generator: torch.Generator,
-                  teacher=None) -> dict[str, float]:
+                  teacher=None, critic: Critic | None = None, targets: ValueTargets | None = None,
+                  train_policy: bool = True, world: World = SINGLE) -> dict[str, float]:
+    """Epochs x minibatches of clipped updates; the critic (PPO) learns on the same minibatches.
+    With train_policy=False (critic warm-up) only the critic is updated."""
     o, temperature = cfg.optim, cfg.rollout.temperature
     rollout, mask = batch.rollout, batch.loss_mask_B_T
     G = rollout.group_size
@@ -225,76 +265,111 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
     old_logp = rollout.logp_B_T
     policy_loss = POLICY_LOSSES[algo.policy_loss]
     kl_fn = KL_ESTIMATORS[algo.kl_estimator] if batch.ref_logp_B_T is not None else None
+    kl_in_loss = kl_fn is not None and algo.kl_in == "loss"
     # A group whose advantages are all 0 (all-equal rewards under a group baseline) adds exactly
     # nothing to the loss or its gradient unless a KL term is in the loss, so its forward and
     # backward passes are skipped. The aggregation weights are still computed over the whole
     # minibatch, so the update is the same as with those groups in: only cheaper. Late in a
     # GRPO run most groups are all-correct, and this removes most of the update's compute.
-    has_signal = (adv_B_T.abs().sum(-1).reshape(-1, G) > 0).any(-1).repeat_interleave(G)
+    has_signal = (adv_B_T.abs().sum(-1).reshape(-1, G) > 0).any(-1).repeat_interleave(G).cpu()
     exact_distill = teacher is not None and algo.distill_loss == "exact"
-    if (kl_fn is not None and algo.kl_in == "loss") or exact_distill:
+    # (FSDP2: every rank must run the same forwards, whose layers gather weights collectively)
+    if kl_in_loss or exact_distill or critic is not None or world.strategy == "fsdp":
         has_signal = torch.ones_like(has_signal)
+    # the policy forward is needed for its loss, or for the hidden states a shared value head reads
+    policy_forward = train_policy or (critic is not None and critic.shared)
     sums: Counter = Counter()
     n_updates = 0
     model.train()
+    if critic is not None:
+        critic.train()
     for _ in range(o.epochs):
         group_order = torch.randperm(n_groups, generator=generator)
         for mb_groups in group_order.chunk(o.minibatches):
             rows_mb = (mb_groups[:, None] * G + torch.arange(G)).reshape(-1)
             # Aggregation weights over the whole minibatch, so micro-batches sum to the same loss.
-            weights = AGGREGATIONS[algo.aggregation](mask[rows_mb], float(cfg.rollout.max_new_tokens))
+            # (several ranks: normalised over the global minibatch, see global_aggregation_weights)
+            weights = global_aggregation_weights(AGGREGATIONS[algo.aggregation], mask[rows_mb],
+                                                 float(cfg.rollout.max_new_tokens), world)
+            value_weights = (global_aggregation_weights(AGGREGATIONS["token_mean"], mask[rows_mb],
+                                                        1.0, world) if critic is not None else None)
             kept = has_signal[rows_mb].nonzero().squeeze(-1)
             sums["policy/skipped_rows"] += len(rows_mb) - len(kept)
             for micro in group_chunks(len(kept), G, o.micro_batch_size):
                 micro = kept[micro]
                 rows = rows_mb[micro]
-                logp, entropy, logits, _ = sequence_logprobs(
-                    model, rollout, rows, temperature, with_entropy=True,
-                    autocast=cfg.model.autocast, keep_logits=exact_distill)
                 m = mask[rows]
-                old = logp.detach() if single_update else old_logp[rows]
-                loss_t = policy_loss(logp, old, adv_B_T[rows], clip_low=algo.clip_low,
-                                     clip_high=algo.clip_high, dual_clip=algo.dual_clip)
-                if exact_distill:   # §8: the full-vocabulary reverse KL is itself the loss
-                    tv = batch.teacher_view or rollout
-                    with torch.no_grad():
-                        t_logits = response_logits(
-                            teacher, tv.prompt_ids_B_L[rows], tv.prompt_mask_B_L[rows],
-                            tv.response_ids_B_T[rows], tv.response_mask_B_T[rows],
-                            cfg.model.autocast, G)
-                    kl_exact = reverse_kl_from_logits(logits, t_logits, temperature)
-                    loss_t = loss_t + kl_exact
-                    sums["distill/reverse_kl_exact"] += _mean(kl_exact.detach(), m) * len(rows)
-                if kl_fn is not None:
-                    kl_t = kl_fn(logp, batch.ref_logp_B_T[rows])
-                    if algo.kl_in == "loss":
-                        loss_t = kl_penalty_in_loss(loss_t, kl_t, algo.kl_coef)
-                    sums["policy/kl_ref"] += _mean(kl_t.detach(), m) * len(rows)
-                loss = aggregate(loss_t, weights[micro])
+                loss = torch.zeros(())
+                if policy_forward:
+                    logp, entropy, logits, hidden = sequence_logprobs(
+                        model, rollout, rows, temperature, with_entropy=True,
+                        autocast=cfg.model.autocast, keep_logits=exact_distill,
+                        keep_hidden=critic is not None and critic.shared)
+                if train_policy:
+                    old = logp.detach() if single_update else old_logp[rows]
+                    loss_t = policy_loss(logp, old, adv_B_T[rows], clip_low=algo.clip_low,
+                                         clip_high=algo.clip_high, dual_clip=algo.dual_clip)
+                    if exact_distill:   # §8: the full-vocabulary reverse KL is itself the loss
+                        tv = batch.teacher_view or rollout
+                        with torch.no_grad():
+                            t_logits = response_logits(
+                                teacher, tv.prompt_ids_B_L[rows], tv.prompt_mask_B_L[rows],
+                                tv.response_ids_B_T[rows], tv.response_mask_B_T[rows],
+                                cfg.model.autocast, G)
+                        kl_exact = reverse_kl_from_logits(logits, t_logits, temperature)
+                        loss_t = loss_t + kl_exact
+                        sums["distill/reverse_kl_exact"] += _mean(kl_exact.detach(), m) * len(rows)
+                    if kl_fn is not None:
+                        kl_t = kl_fn(logp, batch.ref_logp_B_T[rows])
+                        if kl_in_loss:
+                            loss_t = kl_penalty_in_loss(loss_t, kl_t, algo.kl_coef)
+                        sums["policy/kl_ref"] += _mean(kl_t.detach(), m) * len(rows)
+                    loss = aggregate(loss_t, weights[micro])
+                    sums["loss/policy"] += loss.item()
+                    if n_updates == 0:   # policy not yet moved: sampler vs trainer numerics only
+                        sums["_mismatch"] += _mean((logp.detach() - old_logp[rows]).abs(), m) * len(rows)
+                        sums["_rows_first"] += len(rows)
+                    st = ratio_stats(logp, old, adv_B_T[rows], m, algo.clip_low, algo.clip_high)
+                    for name in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio_mean"):
+                        sums[f"policy/{name}"] += getattr(st, name).item() * len(rows)
+                    sums["policy/ratio_max"] = max(sums["policy/ratio_max"], st.ratio_max.item())
+                    sums["policy/entropy"] += _mean(entropy, m) * len(rows)
+                if critic is not None:   # §5: regress V on the GAE returns, clipped around V_old
+                    values = critic.values(rollout, rows, cfg.model.autocast,
+                                           hidden if critic.shared else None)
+                    v_loss_t, v_clipped = value_loss(values, targets.old_values_B_T[rows],
+                                                     targets.returns_B_T[rows], cfg.critic.clip)
+                    v_loss = aggregate(v_loss_t, value_weights[micro])
+                    loss = loss + cfg.critic.vf_coef * v_loss
+                    sums["loss/value"] += v_loss.item()
+                    sums["critic/clip_frac"] += _mean(v_clipped.float(), m) * len(rows)
                 loss.backward()
-                st = ratio_stats(logp, old, adv_B_T[rows], m, algo.clip_low, algo.clip_high)
-                for name in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio_mean"):
-                    sums[f"policy/{name}"] += getattr(st, name).item() * len(rows)
-                sums["policy/ratio_max"] = max(sums["policy/ratio_max"], st.ratio_max.item())
-                sums["policy/entropy"] += _mean(entropy, m) * len(rows)
-                sums["loss/policy"] += loss.item()
                 sums["_rows"] += len(rows)
-            if len(kept) == 0:   # keep the optimizer step (Adam momentum, decay) as it would be
-                for p in model.parameters():
-                    p.grad = torch.zeros_like(p)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.max_grad_norm)
-            sums["policy/grad_norm"] += grad_norm.item()
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            if train_policy:
+                if len(kept) == 0:   # keep the optimizer step (Adam momentum, decay) as it would be
+                    for p in model.parameters():
+                        if p.requires_grad:
+                            p.grad = torch.zeros_like(p)
+                average_gradients(list(model.parameters()), world)
+                grad_norm = clip_grad_norm(list(model.parameters()), o.max_grad_norm, world)
+                sums["policy/grad_norm"] += grad_norm.item()
+                optimizer.step()
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)   # warm-up: a shared body's value grads dropped
+            if critic is not None:
+                sums["critic/grad_norm"] += critic.step(world)
             n_updates += 1
     rows_seen, skipped = sums.pop("_rows", 0), sums.pop("policy/skipped_rows", 0)
+    mismatch, rows_first = sums.pop("_mismatch", 0.0), sums.pop("_rows_first", 0)
+    per_update = ("loss/policy", "loss/value", "policy/grad_norm", "critic/grad_norm")
     out = {k: v / max(rows_seen, 1) for k, v in sums.items()
-           if k not in ("loss/policy", "policy/grad_norm", "policy/ratio_max")}
+           if k not in per_update and k != "policy/ratio_max"}
+    out.update({k: sums[k] / max(n_updates, 1) for k in per_update if k in sums})
     out["policy/skipped_rows_frac"] = skipped / max(skipped + rows_seen, 1)
-    out["loss/policy"] = sums["loss/policy"] / max(n_updates, 1)
-    out["policy/grad_norm"] = sums["policy/grad_norm"] / max(n_updates, 1)
-    out["policy/ratio_max"] = sums["policy/ratio_max"]
+    if rows_first:   # mean |log pi_trainer - log pi_sampler| of the sampled tokens (§3)
+        out["rollout/logp_mismatch"] = mismatch / rows_first
+    if train_policy:
+        out["policy/ratio_max"] = sums["policy/ratio_max"]
     out["optim/lr"] = scheduler.get_last_lr()[0]
     return out
 
@@ -316,7 +391,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def evaluate(model, tokenizer, engine: RolloutEngine, problems: list[Problem], scorer: Scorer,
              cfg: TrainConfig, samples: int = 1, k: int = 1, temperature: float = 1.0,
-             generator: torch.Generator | None = None) -> dict[str, Any]:
+             generator: torch.Generator | None = None, world: World = SINGLE) -> dict[str, Any]:
     """Greedy accuracy (samples=1), or pass@k from `samples` sampled answers per problem.
 
     Also splits accuracy by every boolean field of the problems' meta (e.g. 'carry' for addition).
@@ -325,16 +400,25 @@ def evaluate(model, tokenizer, engine: RolloutEngine, problems: list[Problem], s
     params = SamplingParams(cfg.rollout.max_new_tokens, temperature if not greedy else 1.0,
                             1.0, greedy=greedy, stop=cfg.rollout.stop)
     correct, texts = [], []
+    all_problems, problems = problems, problems[world.rank::world.size]   # each rank: a share
     for start in range(0, len(problems), cfg.eval_batch_size):
         chunk = problems[start:start + cfg.eval_batch_size]
         rollout = engine.generate(encode_prompts(tokenizer, chunk, cfg.data.system_prompt,
                                                  cfg.data.chat_template), samples, params, generator)
         ids = rollout.response_ids_B_T.masked_fill(rollout.response_mask_B_T == 0, tokenizer.pad_token_id)
         outs = tokenizer.batch_decode(ids, skip_special_tokens=True)
-        res = scorer([p for p in chunk for _ in range(samples)], outs)
-        correct.append(res.correct_B.reshape(len(chunk), samples))
+        res = scorer([p for p in chunk for _ in range(samples)], outs, with_model=False)
+        correct.append(res.correct_B.reshape(len(chunk), samples).cpu())
         texts.extend(outs[::samples])
     c = torch.cat(correct) if correct else torch.zeros(0, samples, dtype=torch.bool)
+    if world.distributed:   # put the shares back in order: problem i was evaluated by rank i % W
+        parts = gather_objects((c, texts), world)
+        c = torch.zeros(len(all_problems), samples, dtype=torch.bool)
+        texts = [""] * len(all_problems)
+        for r, (c_r, t_r) in enumerate(parts):
+            c[r::world.size] = c_r
+            texts[r::world.size] = t_r
+        problems = all_problems
     out: dict[str, Any] = {"eval/accuracy": c.float().mean().item() if len(c) else float("nan")}
     if not greedy:
         out[f"eval/pass@{k}"] = float(np.mean([pass_at_k(samples, int(row.sum()), k) for row in c]))
@@ -395,6 +479,21 @@ def make_scheduler(optimizer, cfg: TrainConfig):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def check_world(cfg: TrainConfig, world: World) -> None:
+    """What several ranks need from the config (checked before any model loads)."""
+    if not world.distributed:
+        return
+    P = cfg.rollout.prompts_per_step
+    if P % world.size:
+        raise ConfigError(f"rollout.prompts_per_step={P} must be divisible by the {world.size} "
+                          "ranks: each rank samples and trains on whole groups of its share")
+    if cfg.algo.dynamic_sampling:
+        raise ConfigError("algorithm.dynamic_sampling is not supported under torchrun yet (ranks "
+                          "would keep different numbers of groups); run it on one process")
+    if cfg.rollout.backend != "hf":
+        raise ConfigError(f"rollout.backend={cfg.rollout.backend!r} under torchrun is not supported")
+
+
 def seed_everything(seed: int) -> torch.Generator:
     random.seed(seed)
     np.random.seed(seed)
@@ -410,56 +509,84 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     generator = seed_everything(cfg.seed)
+    world = init_world(cfg.parallel.strategy)         # torchrun: join the process group
+    check_world(cfg, world)
     scorer_task = build_task(cfg)                     # data errors surface before model loading
-    scorer = Scorer(cfg.reward, scorer_task.verifier)
+    scorer = Scorer(cfg.reward, scorer_task.verifier, cfg.data.system_prompt)
     run_dir = Path(resume) if resume else Path(
         cfg.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if world.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    barrier(world)
     ckpt = latest_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:
         raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir}/checkpoints")
 
     t_setup = time.perf_counter()
     uses_teacher = algo.advantage in NEEDS_TEACHER
-    if model is None:
-        path = ckpt / "model" if ckpt else resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    lora = cfg.lora.rank > 0
+    if model is None:   # (LoRA: the base model never changes; checkpoints hold the adapters)
+        path = ckpt / "model" if ckpt and not lora else resolve_model_path(cfg.model.path,
+                                                                            cfg.model.cache_dir)
         tokenizer = tokenizer or load_tokenizer(path)
     # teachers are resolved and their tokenizers checked before the student's weights load
     teachers = Teachers(cfg.teacher, tokenizer, cfg.model.cache_dir, teacher) if uses_teacher else None
     if model is None:
         model = load_policy(path, cfg.model.dtype)
-    elif ckpt is not None:
+    elif ckpt is not None and not lora:
         model.load_state_dict(load_policy(ckpt / "model", cfg.model.dtype).state_dict())
+    if lora:
+        model = add_lora(model, cfg.lora, ckpt / "adapter" if ckpt else None)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    device = device_for(world) if cfg.model.device == "auto" else torch.device(cfg.model.device)
+    model.to(device)
+    if world.main:
+        n_params = sum(p.numel() for p in model.parameters())
+        n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad) if lora else None
+        memory = estimate_memory(cfg, model.config, n_params, world.size, n_lora)
+        log.info("%s", memory.table())
     if teachers is not None:
         teachers.bind_student(model)
     uses_ref = algo.kl_in != "none" and algo.kl_coef > 0
-    # pi_ref is the starting policy, frozen; it is not built at all when the KL is off.
+    # pi_ref is the starting policy, frozen; it is not built at all when the KL is off, and with
+    # LoRA it is the policy itself with its adapters switched off (no second copy).
     ref_model = None
-    if uses_ref:
+    if uses_ref and not lora:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         if ckpt is not None:  # the reference is the *initial* model, saved with the run
             ref_model.load_state_dict(load_policy(run_dir / "reference_model", cfg.model.dtype).state_dict())
-    if uses_ref and ckpt is None and cfg.checkpoint_every:
+    if ref_model is not None and ckpt is None and cfg.checkpoint_every and world.main:
         save_model(ref_model, tokenizer, run_dir / "reference_model")
+    # PPO's value model (§5), initialised from the policy's starting weights or critic.path
+    critic = Critic(cfg.critic, model) if algo.advantage in NEEDS_VALUES else None
+    if critic is not None and ckpt is not None:
+        critic.load(ckpt / "critic")
+    if scorer.cfg.model:
+        scorer.reward_model.check_tokenizer(tokenizer)
+    model = wrap(model, world)                        # FSDP2: shard the layers, in place
     engine = make_engine(cfg.rollout.backend, model, tokenizer)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,
                                   betas=(cfg.optim.beta1, cfg.optim.beta2),
-                                  weight_decay=cfg.optim.weight_decay)
+                                  weight_decay=cfg.optim.weight_decay,
+                                  foreach=False if world.strategy == "fsdp" else None)
     scheduler = make_scheduler(optimizer, cfg)
     sampler = Sampler(scorer_task, cfg.seed)
     start_step, train_seconds = 0, 0.0
     if ckpt is not None:
         state = load_trainer_state(ckpt)
-        optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         restore_rng(state["rng"], generator)
+        if critic is not None:
+            critic.optimizer.load_state_dict(state["critic_optimizer"])
         start_step, sampler.position = state["step"], state["data_position"]
         train_seconds = state["train_seconds"]
     setup_s = time.perf_counter() - t_setup
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
-    logger = MetricsLogger(run_dir, cfg.tensorboard, resume=ckpt is not None)
+    if world.main:   # only rank 0 writes files; every rank computes and reduces the metrics
+        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
+    logger = (MetricsLogger(run_dir, cfg.tensorboard, resume=ckpt is not None) if world.main
+              else NullLogger())
     log.info("run folder %s; algorithm %s", run_dir, algo)
 
     eval_problems = scorer_task.eval_problems
@@ -467,20 +594,23 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
 
     def run_eval(step: int, label: str) -> dict[str, Any]:
         t0 = time.perf_counter()
-        res = evaluate(model, tokenizer, engine, eval_problems, scorer, cfg)
+        with full_weights_for_generation(model, world):
+            res = evaluate(model, tokenizer, engine, eval_problems, scorer, cfg, world=world)
         samples = res.pop("_samples")
         res["eval/seconds"] = time.perf_counter() - t0
         res["perf/train_minutes"] = train_seconds / 60
         logger.log(step, res)
-        with open(run_dir / "eval_samples.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "label": label, "samples": samples}) + "\n")
+        if world.main:
+            with open(run_dir / "eval_samples.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "label": label, "samples": samples}) + "\n")
         log.info("eval %s (step %d): accuracy %.3f", label, step, res["eval/accuracy"])
         return res
 
     if eval_problems and ckpt is None:
         summary["eval_before"] = run_eval(0, "before")
 
-    bar = tqdm(total=cfg.steps, initial=start_step, disable=not show_progress, desc="train",
+    bar = tqdm(total=cfg.steps, initial=start_step, disable=not (show_progress and world.main),
+               desc="train",
                dynamic_ncols=True)
     step = start_step
     for step in range(start_step + 1, cfg.steps + 1):
@@ -493,7 +623,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
 
         # 1. sample a group per prompt and score it (pi_old = the current policy)
         batch, metrics = generate_and_score(engine, tokenizer, sampler, scorer, cfg, algo,
-                                            generator, timings)
+                                            generator, timings, world)
         if len(batch.rewards_B) == 0:
             metrics["perf/step_s"] = time.perf_counter() - t_step
             train_seconds += metrics["perf/step_s"]
@@ -503,9 +633,11 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
 
         # 2. the frozen reference, for the KL penalty
         t0 = time.perf_counter()
-        if ref_model is not None:
-            batch.ref_logp_B_T = frozen_logprobs(ref_model, batch.rollout, cfg.rollout.temperature,
-                                                 cfg.optim.micro_batch_size, cfg.model.autocast)
+        if uses_ref:
+            with model.disable_adapter() if lora else nullcontext():
+                batch.ref_logp_B_T = frozen_logprobs(ref_model or model, batch.rollout,
+                                                     cfg.rollout.temperature,
+                                                     cfg.optim.micro_batch_size, cfg.model.autocast)
         timings["reference"] += time.perf_counter() - t0
 
         # 2b. the teacher scores the student's own tokens in one forward pass (distillation, §8)
@@ -521,23 +653,38 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
             metrics.update(per_domain(batch, kl))
         timings["teacher"] += time.perf_counter() - t0
 
-        # 3. advantages
-        adv = ADVANTAGES[algo.advantage](
+        # 3. advantages; PPO: the value model's V_old, the KL folded into per-token rewards, GAE
+        token_rewards = targets = None
+        if critic is not None:
+            old_values = critic.predict(batch.rollout, cfg.optim.micro_batch_size,
+                                        cfg.model.autocast, model, cfg.rollout.temperature)
+            token_rewards = ppo_token_rewards(batch, algo)
+        adv_out = ADVANTAGES[algo.advantage](
             AdvantageInputs(batch.rewards_P_G, batch.loss_mask_B_T,
+                            token_rewards_B_T=token_rewards,
+                            values_B_T=old_values if critic is not None else None,
                             old_logp_B_T=batch.rollout.logp_B_T,
                             teacher_logp_B_T=batch.teacher_logp_B_T),
             AdvantageParams(algo.eps, algo.scale_by_std, algo.gamma, algo.lam,
-                            algo.reward_weight, algo.distill_loss == "exact")).adv_B_T
+                            algo.reward_weight, algo.distill_loss == "exact"))
+        adv = adv_out.adv_B_T
+        if critic is not None:
+            targets = ValueTargets(old_values, adv_out.returns_B_T)
+            metrics.update(critic_metrics(batch, adv, targets, token_rewards))
+        if algo.whiten_advantages:
+            adv = whiten(adv, batch.loss_mask_B_T)
 
-        # 4. several clipped updates on the batch
+        # 4. several clipped updates on the batch (the critic learns on the same minibatches)
         t0 = time.perf_counter()
+        warming_up = critic is not None and step <= cfg.critic.warmup_steps
         metrics.update(update_policy(model, optimizer, scheduler, batch, adv, cfg, algo, generator,
-                                     teachers.single() if teachers is not None else None))
+                                     teachers.single() if teachers is not None else None,
+                                     critic, targets, train_policy=not warming_up, world=world))
         timings["update"] += time.perf_counter() - t0
         engine.sync_weights()
 
         # 5. log
-        step_s = time.perf_counter() - t_step
+        step_s = global_max(time.perf_counter() - t_step, world)   # ranks stop at the same step
         train_seconds += step_s
         metrics.update(rollout_metrics(batch, adv))
         gen_tokens = batch.rollout.response_mask_B_T.sum().item()
@@ -545,23 +692,30 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
         metrics.update({"perf/step_s": step_s, "perf/train_minutes": train_seconds / 60,
                         "perf/generated_tokens_per_s": gen_tokens / max(timings["generate"], 1e-9),
                         "perf/samples": sampler.position})
+        metrics = mean_metrics(metrics, world)
         logger.log(step, metrics)
-        with open(run_dir / "samples.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "samples": [
-                {"prompt": p.prompt, "completion": c, "reward": r}
-                for p, c, r in zip(batch.problems[:cfg.log_samples], batch.completions[:cfg.log_samples],
-                                   batch.rewards_B[:cfg.log_samples].tolist())]}) + "\n")
+        if world.main:
+            with open(run_dir / "samples.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "samples": [
+                    {"prompt": p.prompt, "completion": c, "reward": r}
+                    for p, c, r in zip(batch.problems[:cfg.log_samples],
+                                       batch.completions[:cfg.log_samples],
+                                       batch.rewards_B[:cfg.log_samples].tolist())]}) + "\n")
         bar.set_postfix_str(console_line(step, cfg.steps, metrics).split(" | ", 1)[-1])
         bar.update(1)
-        if not show_progress:
+        if not show_progress and world.main:
             log.info(console_line(step, cfg.steps, metrics))
 
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and eval_problems:
             run_eval(step, f"step {step}")
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            extra = {"data_position": sampler.position, "train_seconds": train_seconds}
+            if critic is not None:
+                extra["critic_optimizer"] = critic.optimizer.state_dict()
             save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, generator,
-                            {"data_position": sampler.position, "train_seconds": train_seconds},
-                            cfg.to_dict())
+                            extra, cfg.to_dict(),
+                            extra_models={"critic": critic.save} if critic is not None else None,
+                            world=world)
     bar.close()
 
     if eval_problems:
@@ -569,16 +723,57 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
     summary["steps"] = step
     summary["train_minutes"] = train_seconds / 60
     t0 = time.perf_counter()
-    save_model(model, tokenizer, run_dir / "final_model")
+    if lora:   # the final model is the base with the adapters merged in: a plain HF model
+        model = model.merge_and_unload()
+    weights = full_state_dict(model, world)           # FSDP: gathered from the shards
+    if world.main:
+        save_model(model, tokenizer, run_dir / "final_model", weights)
     summary["final_model"] = str(run_dir / "final_model")
+    if critic is not None and world.main:   # a shared value head sits beside the policy it reads
+        value_dir = run_dir / ("final_model" if critic.shared else "final_value_model")
+        critic.save(value_dir, tokenizer)
+        summary["value_model"] = str(value_dir)
     summary["save_s"] = time.perf_counter() - t0
     logger.close()
-    try:
-        summary["plot"] = str(plot_run(run_dir))
-    except Exception as e:  # noqa: BLE001 - a plotting problem must not lose a finished run
-        log.warning("could not plot the run: %s", e)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    if world.main:
+        try:
+            summary["plot"] = str(plot_run(run_dir))
+        except Exception as e:  # noqa: BLE001 - a plotting problem must not lose a finished run
+            log.warning("could not plot the run: %s", e)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    barrier(world)
     return summary
+
+
+def ppo_token_rewards(batch: ScoredBatch, algo: AlgorithmConfig) -> Tensor:
+    """Dense rewards for GAE (§5): -beta * kl_t on every token, the score added on the last one.
+    The KL is that of the sampled tokens, log pi_old - log pi_ref with the default k1 estimator."""
+    mask = batch.loss_mask_B_T
+    if algo.kl_in == "reward" and batch.ref_logp_B_T is not None:
+        kl = KL_ESTIMATORS[algo.kl_estimator](batch.rollout.logp_B_T, batch.ref_logp_B_T)
+        return kl_penalized_rewards(batch.rewards_B, kl, mask, algo.kl_coef)
+    return kl_penalized_rewards(batch.rewards_B, torch.zeros_like(mask), mask, 0.0)
+
+
+def critic_metrics(batch: ScoredBatch, adv_B_T: Tensor, targets: ValueTargets,
+                   token_rewards_B_T: Tensor) -> dict[str, float]:
+    """How good the value model was on this batch before its update, and where advantage sits."""
+    mask = batch.loss_mask_B_T
+    out = {"critic/explained_variance": explained_variance(
+               targets.old_values_B_T, targets.returns_B_T, mask).item(),
+           "critic/value_mean": _mean(targets.old_values_B_T, mask),
+           "critic/return_mean": _mean(targets.returns_B_T, mask)}
+    # mean (un-whitened) advantage by response position: first tokens, and the last token
+    for t in range(min(3, mask.shape[1])):
+        if mask[:, t].sum() > 0:
+            out[f"advantage/mean_t{t}"] = _mean(adv_B_T[:, t], mask[:, t])
+    last = (torch.arange(mask.shape[1], device=mask.device) * (mask > 0)).amax(-1)
+    has = mask.sum(-1) > 0
+    if has.any():
+        out["advantage/mean_last"] = adv_B_T[has, last[has]].mean().item()
+    kl_part = token_rewards_B_T - kl_penalized_rewards(batch.rewards_B, torch.zeros_like(mask), mask, 0.0)
+    out["reward/kl_penalty"] = (kl_part.sum(-1)).mean().item()
+    return out
 
 
 def per_domain(batch: ScoredBatch, kl_B_T: Tensor) -> dict[str, float]:

@@ -23,13 +23,14 @@ def tokenizer(embedded_dir):
     return load_tokenizer(embedded_dir)
 
 
-def make_tiny_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 32):
+def make_tiny_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 32,
+                    init_range: float = 0.02):
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
                       max_position_embeddings=256, tie_word_embeddings=True,
                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id)
+                      pad_token_id=tokenizer.pad_token_id, initializer_range=init_range)
     model = LlamaForCausalLM(cfg)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model

@@ -13,6 +13,8 @@ def test_presets_are_configurations_of_the_parts():
     assert PRESETS["rloo"].advantage == "rloo"
     assert PRESETS["reinforce"].policy_loss == "vanilla"
     assert PRESETS["opd"].advantage == "reverse_kl" and PRESETS["opd"].kl_in == "none"
+    ppo = PRESETS["ppo"]
+    assert (ppo.advantage, ppo.kl_in, ppo.kl_estimator, ppo.whiten_advantages) == ("gae", "reward", "k1", True)
 
 
 def test_yaml_then_overrides(tmp_path):
@@ -32,7 +34,9 @@ def test_yaml_then_overrides(tmp_path):
     (["--algorithm.clip_hi", "0.3"], "algorithm.clip_hi is not a field"),
     (["--algorithm.aggregation", "mean"], "algorithm.aggregation='mean' is not valid; accepted: "
                                           "\\['seq_mean_token_mean'"),
-    (["--algorithm.advantage", "gae"], "needs a value model"),
+    (["--critic.clip", "0"], "critic.clip=0.0 must be > 0"),
+    (["--preset", "ppo", "--critic.path", "/nonexistent"], "critic.path='/nonexistent' is not a folder"),
+    (["--critic.path", ".", "--critic.shared_backbone", "true"], "cannot be combined"),
     (["--algorithm.kl_in", "reward"], "kl_in='reward'"),
     (["--rollout.temperature", "0"], "rollout.temperature=0.0 must be > 0"),
     (["--optim.minibatches", "3"], "optim.minibatches=3 must split"),

@@ -122,9 +122,10 @@ def test_broken_reward_functions_are_survived(tmp_path, tokenizer, fn, status):
     assert all(r["reward/mean"] <= 0.5 for r in rows)   # fallback -0.5 + at most 1
 
 
-def test_checkpoint_resume_continues_identically(tmp_path, tokenizer):
+@pytest.mark.parametrize("preset", ["grpo", "ppo"])
+def test_checkpoint_resume_continues_identically(tmp_path, tokenizer, preset):
     common = ["--steps", "4", "--checkpoint_every", "2", "--optim.lr", "1e-2",
-              "--algorithm.kl_coef", "0.05"]
+              "--algorithm.kl_coef", "0.05", "--preset", preset, "--optim.minibatches", "2"]
     full = toy_config(tmp_path / "a", *common)
     train(full, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
 
@@ -143,6 +144,12 @@ def test_checkpoint_resume_continues_identically(tmp_path, tokenizer):
     wb = AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "run" / "final_model").state_dict()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
+    if preset == "ppo":   # the value model and its optimizer resume too
+        from transformers import AutoModelForTokenClassification
+        va = AutoModelForTokenClassification.from_pretrained(tmp_path / "a" / "run" / "final_value_model")
+        vb = AutoModelForTokenClassification.from_pretrained(tmp_path / "b" / "run" / "final_value_model")
+        for k, v in va.state_dict().items():
+            torch.testing.assert_close(v, vb.state_dict()[k], rtol=0, atol=0)
 
 
 def test_bf16_autocast_keeps_logprobs_close_and_head_in_float32(tokenizer, tiny_model):

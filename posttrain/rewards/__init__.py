@@ -21,20 +21,44 @@ class RewardResult:
     rewards_B: Tensor                   # total reward per response, float32
     correct_B: Tensor                   # verifier verdict, bool
     failures: Counter = field(default_factory=Counter)   # 'timeout' / 'error' / 'nonfinite' counts
+    model_scores_B: Tensor | None = None   # reward model scores (normalised), when one is used
 
 
 class Scorer:
-    """reward = correct_reward * verified + format_weight * well_formatted + sum(user functions)."""
+    """reward = correct_reward * verified + format_weight * well_formatted + sum(user functions)
+              + model_weight * reward_model(prompt, completion)."""
 
-    def __init__(self, cfg: RewardConfig, task_verifier: str = "math") -> None:
+    def __init__(self, cfg: RewardConfig, task_verifier: str = "math",
+                 system_prompt: str | None = None) -> None:
         self.cfg = cfg
         name = task_verifier if cfg.verifier == "math" and task_verifier != "math" else cfg.verifier
         self.verify = None if name == "none" else VERIFIERS[name]
         self.per_problem = cfg.verifier == "math"   # a task mixture names each problem's verifier
         # Loaded now, so a wrong 'module:function' fails before any model is loaded.
         self.functions = [(spec, load_function(spec)) for spec in cfg.functions]
+        self.system_prompt = system_prompt
+        self._reward_model = None
 
-    def __call__(self, problems: list[Problem], completions: list[str]) -> RewardResult:
+    @property
+    def reward_model(self):
+        """The RLHF reward model, loaded on first use (evaluation never needs it)."""
+        if self._reward_model is None and self.cfg.model:
+            from posttrain.rewards.model import RewardModel
+            self._reward_model = RewardModel(self.cfg.model, self.cfg.model_normalize,
+                                             self.cfg.model_batch_size,
+                                             system_prompt=self.system_prompt)
+        return self._reward_model
+
+    def __call__(self, problems: list[Problem], completions: list[str],
+                 with_model: bool = True) -> RewardResult:
+        result = self.verify_and_functions(problems, completions)
+        if with_model and self.cfg.model:
+            scores = self.reward_model([p.prompt for p in problems], completions)
+            result.model_scores_B = scores
+            result.rewards_B = result.rewards_B + self.cfg.model_weight * scores
+        return result
+
+    def verify_and_functions(self, problems: list[Problem], completions: list[str]) -> RewardResult:
         rewards, correct, failures = [], [], Counter()
         for problem, text in zip(problems, completions, strict=True):
             verify = self.verify

@@ -78,8 +78,9 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
 
 class RolloutEngine(Protocol):
     def generate(self, prompts: list[list[int]], group_size: int, params: SamplingParams,
-                 generator: torch.Generator | None = None) -> Rollout:
-        """Sample `group_size` responses for each prompt (token ids, chat template applied)."""
+                 generator: torch.Generator | None = None, seeds: Tensor | None = None) -> Rollout:
+        """Sample `group_size` responses for each prompt (token ids, chat template applied);
+        `seeds`, one int64 per response, make each response depend on its own seed only."""
         ...
 
     def sync_weights(self) -> None:

@@ -32,9 +32,48 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     return ids, mask
 
 
-def sample_next(logits_B_V: Tensor, params: SamplingParams,
-                generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """Draw one token per row; return (token_B, logp_B) with logp under softmax(z / temperature)."""
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
+                                               0x94D049BB133111EB))
+
+
+def _shr(x: Tensor, k: int) -> Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def hash_uniform(seeds_B: Tensor, t: int) -> Tensor:
+    """One Uniform(0, 1) number per row for step t, from a counter-based hash (splitmix64).
+
+    Why not torch.Generator: one generator's draws depend on how rows are batched, so the samples
+    would change with the batch composition, the micro-batching or the number of ranks. A number
+    that is a pure function of (row seed, t) makes a response depend only on its own seed: a run
+    on 2 ranks samples exactly the responses of the same run on 1 rank, and a resumed run needs
+    no RNG state. Integer tensor ops, so it runs wherever the logits are (CPU or GPU).
+    """
+    x = seeds_B * _GOLDEN + torch.full_like(seeds_B, t + 1) * _MIX2   # wraps mod 2^64
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    x = x ^ _shr(x, 31)
+    return (_shr(x, 11).double() + 0.5) / float(1 << 53)     # 53 bits, never 0 or 1
+
+
+def row_seeds(seed: int, prompt_indices: list[int], group_size: int) -> Tensor:
+    """One seed per response: a function of the run seed, the prompt's global index and g."""
+    base = torch.tensor([(seed * 1_000_003 + i) * group_size for i in prompt_indices], dtype=torch.int64)
+    return (base[:, None] + torch.arange(group_size)).reshape(-1)
+
+
+def sample_next(logits_B_V: Tensor, params: SamplingParams, generator: torch.Generator | None,
+                seeds_B: Tensor | None = None, t: int = 0) -> tuple[Tensor, Tensor]:
+    """Draw one token per row; return (token_B, logp_B) with logp under softmax(z / temperature).
+    With `seeds_B`, the draw inverts the CDF at a hashed uniform (batch-invariant, hash_uniform)."""
     if params.greedy:
         tok = logits_B_V.argmax(-1)
         logp = torch.log_softmax(logits_B_V.float(), -1).gather(-1, tok[:, None]).squeeze(-1)
@@ -47,12 +86,19 @@ def sample_next(logits_B_V: Tensor, params: SamplingParams,
         drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if seeds_B is not None:   # inverse CDF: the first token whose cumulative mass exceeds u
+        cdf = probs.double().cumsum(-1)
+        u = hash_uniform(seeds_B, t)[:, None] * cdf[:, -1:]
+        tok = torch.searchsorted(cdf, u).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+    else:
+        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tok, logp_B_V.gather(-1, tok[:, None]).squeeze(-1)
 
 
 def cache_kwarg(model: PreTrainedModel) -> str:
     """transformers renamed `past_key_values` to `cache`; use whichever this version takes."""
+    if hasattr(model, "get_base_model"):    # a peft (LoRA) wrapper forwards **kwargs to the model
+        model = model.get_base_model()
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
@@ -81,7 +127,9 @@ class HFRolloutEngine:
 
     @torch.no_grad()  # not inference_mode: the trainer reuses these tensors under autograd
     def generate(self, prompts: list[list[int]], group_size: int, params: SamplingParams,
-                 generator: torch.Generator | None = None) -> Rollout:
+                 generator: torch.Generator | None = None, seeds: Tensor | None = None) -> Rollout:
+        """`seeds` (one per response, see row_seeds) make every response a function of its own
+        seed only; without them sampling draws from `generator`."""
         model = self.model
         was_training = model.training
         model.eval()
@@ -106,8 +154,10 @@ class HFRolloutEngine:
         eos = torch.tensor(sorted(self.eos_ids), device=device)
         active = torch.arange(B, device=device)     # rows still writing, in cache order
         stopped = torch.zeros(B, dtype=torch.bool, device=device)
+        row_seed = seeds.to(device) if seeds is not None else None
         for t in range(T):
-            tok, logp = sample_next(logits, params, generator)
+            tok, logp = sample_next(logits, params, generator,
+                                    row_seed[active] if row_seed is not None else None, t)
             tokens[active, t] = tok
             logps[active, t] = logp
             done = torch.isin(tok, eos)

@@ -1,0 +1,137 @@
+"""A Bradley-Terry reward model as a reward source (RLHF).  ALGORITHMS.md §1.
+
+The model is an `AutoModelForSequenceClassification` with one label: r(x, y) is the score head
+on the last token of (chat-templated prompt + response). `posttrain reward-model` trains one
+(stages.reward_model) and saves `reward_stats.json` beside it (mean and std of its scores on
+held-out responses) so the trainer can normalise scores to about zero mean and unit spread.
+
+The reward model reads text, not the policy's token ids: the completion is decoded and
+re-tokenised with the reward model's own tokenizer, so a reward model from another family works.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForSequenceClassification
+
+from posttrain.data.tasks import Problem
+from posttrain.models import load_tokenizer
+
+log = logging.getLogger("posttrain")
+
+STATS_FILE = "reward_stats.json"
+
+
+def encode_parts(tokenizer, prompts: list[str], responses: list[str],
+                 system_prompt: str | None = None) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids of the chat-templated prompt (with generation prompt) and of the response text."""
+    from posttrain.trainer import encode_prompts   # the policy's own prompt format
+    heads = encode_prompts(tokenizer, [Problem(p, "") for p in prompts], system_prompt)
+    return heads, [tokenizer(r, add_special_tokens=False)["input_ids"] for r in responses]
+
+
+def encode_scored(tokenizer, prompts: list[str], responses: list[str],
+                  system_prompt: str | None = None) -> list[list[int]]:
+    """Token ids of (chat-templated prompt with generation prompt) + response text."""
+    heads, tails = encode_parts(tokenizer, prompts, responses, system_prompt)
+    return [h + t for h, t in zip(heads, tails)]
+
+
+def sequence_scores(model, ids: list[list[int]], pad_id: int, autocast: str = "none") -> Tensor:
+    """r(x, y) for each sequence: the score head on its last token. (N,) float32, with gradients.
+
+    Sequences are left-padded so the last column is every row's last token (no gather needed,
+    and no dependence on which id is the pad token)."""
+    from posttrain.rollout.hf import left_pad
+    input_ids, mask = left_pad(ids, pad_id)
+    device = next(model.parameters()).device
+    input_ids, mask = input_ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast == "bfloat16"):
+        hidden = model.base_model(input_ids=input_ids, attention_mask=mask,
+                                  position_ids=positions).last_hidden_state[:, -1]
+    with torch.autocast(device.type, enabled=False):
+        return model.score(hidden.to(model.score.weight.dtype)).squeeze(-1).float()
+
+
+def pair_scores(model, prompt_ids: list[list[int]], chosen_ids: list[list[int]],
+                rejected_ids: list[list[int]], pad_id: int, autocast: str = "none"
+                ) -> tuple[Tensor, Tensor]:
+    """r(x, y_chosen), r(x, y_rejected) for each pair, with the prompt run once per pair (the
+    trainer's prompt-shared forward with groups of 2); equal to `sequence_scores` of the full
+    sequences. Used for training, where the prompt is most of the tokens."""
+    from dataclasses import replace
+
+    from posttrain.forward import response_hidden
+    from posttrain.stages import pack
+    n = len(prompt_ids)
+    tails = [t for pair in zip(chosen_ids, rejected_ids) for t in pair]   # c0, r0, c1, r1, ...
+    # one dummy token after each response: the hidden state that "predicts" it is the one at
+    # the response's last token, the one the score head reads
+    rollout = replace(pack(_Pad(pad_id), [p for p in prompt_ids for _ in (0, 1)],
+                           [t + [pad_id] for t in tails]), group_size=2)
+    device = next(model.parameters()).device
+    hidden = response_hidden(model.base_model, rollout.prompt_ids_B_L.to(device),
+                             rollout.prompt_mask_B_L.to(device), rollout.response_ids_B_T.to(device),
+                             rollout.response_mask_B_T.to(device), autocast, 2)
+    last = torch.tensor([len(t) for t in tails], device=device)
+    h_last = hidden[torch.arange(2 * n, device=device), last]
+    with torch.autocast(device.type, enabled=False):
+        scores = model.score(h_last.to(model.score.weight.dtype)).squeeze(-1).float()
+    return scores[0::2], scores[1::2]
+
+
+class _Pad:
+    """The one tokenizer attribute `pack` reads."""
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad_token_id = pad_token_id
+
+
+class RewardModel:
+    """Scores (prompt, completion) texts with a trained reward model; no gradients."""
+
+    def __init__(self, path: str | Path, normalize: bool = True, batch_size: int = 32,
+                 autocast: str = "none", system_prompt: str | None = None) -> None:
+        path = Path(path)
+        self.tokenizer = load_tokenizer(path)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).eval()
+        self.model.requires_grad_(False)
+        self.batch_size, self.autocast, self.system_prompt = batch_size, autocast, system_prompt
+        self.mean, self.std = 0.0, 1.0
+        stats = path / STATS_FILE
+        if normalize:
+            if not stats.is_file():
+                raise FileNotFoundError(f"reward.model_normalize is on but {stats} is missing; "
+                                        "set reward.model_normalize false or retrain the model")
+            s = json.loads(stats.read_text())
+            self.mean, self.std = float(s["mean"]), max(float(s["std"]), 1e-6)
+
+    def check_tokenizer(self, policy_tokenizer) -> None:
+        """Say in the log when the reward model reads text differently from the policy."""
+        from posttrain.models import check_same_tokenizer
+        try:
+            check_same_tokenizer(policy_tokenizer, self.tokenizer)
+        except ValueError as e:
+            log.info("the reward model's tokenizer differs from the policy's (%s): completions are "
+                     "decoded and re-tokenised with the reward model's tokenizer",
+                     str(e).split(": ", 1)[-1].split(". On-policy")[0])
+            return
+        log.info("the reward model shares the policy's tokenizer")
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], completions: list[str]) -> Tensor:
+        out = []
+        for i in range(0, len(prompts), self.batch_size):
+            ids = encode_scored(self.tokenizer, prompts[i:i + self.batch_size],
+                                completions[i:i + self.batch_size], self.system_prompt)
+            out.append(sequence_scores(self.model, ids, self.tokenizer.pad_token_id, self.autocast))
+        scores = torch.cat(out) if out else torch.zeros(0)
+        return (scores.cpu() - self.mean) / self.std

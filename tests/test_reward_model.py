@@ -1,0 +1,147 @@
+"""Bradley-Terry reward models (ALGORITHMS.md §1): synthetic pairs, training, use as a reward."""
+
+import json
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, LlamaConfig
+
+from posttrain.cli import main
+from posttrain.config import load_config
+from posttrain.data.preferences import synthetic_preferences
+from posttrain.data.tasks import make_task
+from posttrain.rewards.model import RewardModel
+from posttrain.rewards.verifiers import final_answer
+from posttrain.stages import StageConfig, reward_model
+from posttrain.trainer import train
+from tests.conftest import make_tiny_model
+from tests.test_trainer import toy_config
+
+
+def test_synthetic_pairs_follow_the_ground_truth():
+    task = make_task("addition", 2)
+    task.build_eval(50, 1234)
+    train_rows = synthetic_preferences(task, 400, seed=0)
+    held_out = synthetic_preferences(task, 100, seed=0, held_out=True)
+    assert {r["kind"] for r in train_rows} == {"correct>wrong", "concise>rambling", "answer>no_answer"}
+    assert not {r["prompt"] for r in train_rows} & {r["prompt"] for r in held_out}
+    for row in train_rows + held_out:
+        a, b = (int(x) for x in row["prompt"][len("What is "):-1].split(" + "))
+        assert final_answer(row["chosen"]) == str(a + b), row
+        assert row["chosen"] != row["rejected"]
+        if row["kind"] == "correct>wrong":
+            assert final_answer(row["rejected"]) not in (None, str(a + b)), row
+        elif row["kind"] == "concise>rambling":
+            assert final_answer(row["rejected"]) == str(a + b)
+            assert len(row["rejected"]) > len(row["chosen"]) + 40
+        else:
+            assert str(a + b) not in row["rejected"]
+    with pytest.raises(ValueError, match="What is <expression>"):
+        synthetic_preferences(make_task("countdown", 3), 3)
+
+
+@pytest.mark.parametrize("row, msg", [
+    ({"prompt": "p", "chosen": "a"}, "line 2: field 'rejected' is missing or empty"),
+    ({"prompt": "p", "chosen": "  ", "rejected": "b"}, "line 2: field 'chosen' is missing or empty"),
+    ({"prompt": "p", "chosen": "same", "rejected": "same"}, "line 2: 'chosen' and 'rejected' are identical"),
+])
+def test_bad_preference_files_are_reported_with_file_line_and_field(tmp_path, capsys, row, msg):
+    path = tmp_path / "prefs.jsonl"
+    path.write_text(json.dumps({"prompt": "q", "chosen": "x", "rejected": "y"}) + "\n" + json.dumps(row) + "\n")
+    # the data are checked before any model is loaded (the model path does not even exist)
+    assert main(["reward-model", "--data", str(path), "--model", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and msg in err
+
+
+def tiny_reward_model(tokenizer):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=256, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    return AutoModelForSequenceClassification.from_config(cfg)
+
+
+@pytest.fixture(scope="module")
+def trained_rm(tmp_path_factory, tokenizer):
+    """A tiny reward model trained on synthetic pairs (it learns at least the easy kinds)."""
+    run = tmp_path_factory.mktemp("rm")
+    cfg = StageConfig(synthetic="addition", n_pairs=320, eval_size=60, lr=3e-3, batch_size=16,
+                      run_dir=str(run), system_prompt="Be brief.")
+    out = reward_model(cfg, model=tiny_reward_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    return out
+
+
+def test_reward_model_training_raises_held_out_pairwise_accuracy(trained_rm):
+    before, after = trained_rm["eval_before"], trained_rm["eval_after"]
+    assert before["rm/eval_accuracy"] < 0.6                  # zero head: every pair is a tie
+    assert after["rm/eval_accuracy"] > 0.6, after
+    assert after["rm/eval_accuracy@answer>no_answer"] > 0.9, after
+    assert after["rm/eval_margin"] > 0
+
+
+def test_saved_reward_model_loads_with_transformers_and_normalises(trained_rm, tokenizer):
+    folder = trained_rm["final_model"]
+    hf = AutoModelForSequenceClassification.from_pretrained(folder)
+    assert hf.config.num_labels == 1 and hf.config.pad_token_id == tokenizer.pad_token_id
+    task = make_task("addition", 2)
+    task.build_eval(60, 1234)
+    rows = synthetic_preferences(task, 60, seed=0, held_out=True)
+    rm = RewardModel(folder, normalize=True, system_prompt="Be brief.")
+    scores = rm([r["prompt"] for r in rows] * 2, [r["chosen"] for r in rows] + [r["rejected"] for r in rows])
+    # normalised with the held-out statistics saved at training time: mean 0, std 1 on that set
+    assert abs(scores.mean().item()) < 1e-3 and abs(scores.std().item() - 1) < 1e-3
+    raw = RewardModel(folder, normalize=False, system_prompt="Be brief.")
+    s = raw(["What is 1 + 2?"], ["3"])
+    stats = json.loads(open(f"{folder}/reward_stats.json").read())
+    torch.testing.assert_close(rm(["What is 1 + 2?"], ["3"]), (s - stats["mean"]) / stats["std"])
+
+
+def test_trainer_uses_the_reward_model_as_reward(tmp_path, trained_rm, tokenizer, caplog):
+    cfg = toy_config(tmp_path, "--steps", "2", "--reward.model", trained_rm["final_model"],
+                     "--reward.functions", "", "--reward.verifier", "math",
+                     "--reward.correct_reward", "0", "--reward.model_weight", "2.0",
+                     "--data.system_prompt", "Be brief.")
+    with caplog.at_level(logging.INFO, logger="posttrain"):
+        train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    assert "shares the policy's tokenizer" in caplog.text
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    for r in rows:   # the reward is exactly 2 x the normalised reward-model score
+        assert r["reward/mean"] == pytest.approx(2.0 * r["reward/model_score"], abs=1e-5)
+        assert "reward/accuracy" in r        # the truth is still measured beside the proxy
+
+
+def test_a_reward_model_with_another_tokenizer_is_fed_retokenised_text(tmp_path, trained_rm,
+                                                                       tokenizer, caplog):
+    import shutil
+    other = tmp_path / "rm"
+    shutil.copytree(trained_rm["final_model"], other)
+    tok = type(tokenizer).from_pretrained(other)
+    tok.add_tokens(["<extra_token_for_test>"])
+    tok.save_pretrained(other)
+    rm = RewardModel(other, system_prompt="Be brief.")
+    with caplog.at_level(logging.INFO, logger="posttrain"):
+        rm.check_tokenizer(tokenizer)
+    assert "re-tokenised" in caplog.text and "vocabulary sizes differ" in caplog.text
+    same = RewardModel(trained_rm["final_model"], system_prompt="Be brief.")
+    torch.testing.assert_close(rm(["What is 1 + 2?"], ["3"]), same(["What is 1 + 2?"], ["3"]))
+
+
+def test_pair_scores_share_the_prompt_and_equal_full_sequence_scores(tokenizer):
+    from posttrain.rewards.model import encode_parts, pair_scores, sequence_scores
+    model = tiny_reward_model(tokenizer).double()
+    torch.nn.init.normal_(model.score.weight)
+    prompts = ["What is 12 + 30?", "What is 5 + 7? Answer briefly please."]
+    heads, chosen = encode_parts(tokenizer, prompts, ["42", "The answer is 12."])
+    _, rejected = encode_parts(tokenizer, prompts, ["I am not sure how to add numbers.", "13"])
+    c, r = pair_scores(model, heads, chosen, rejected, tokenizer.pad_token_id)
+    full = sequence_scores(model, [h + t for h, t in zip(heads + heads, chosen + rejected)],
+                           tokenizer.pad_token_id)
+    torch.testing.assert_close(torch.cat([c, r]), full.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_reward_model_config_errors(tmp_path):
+    from posttrain.config import ConfigError
+    with pytest.raises(ConfigError, match="reward.model="):
+        load_config(None, ["--reward.model", str(tmp_path / "missing")])
