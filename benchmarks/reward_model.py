@@ -4,7 +4,10 @@
 
 Trains SmolLM2-135M-Instruct with a scalar head on pairs built from 2-digit addition (correct >
 wrong, concise > rambling, answer > no answer), then prints held-out pairwise accuracy (overall and
-per kind) and the training wall time. Any StageConfig field can be overridden as --field VALUE.
+per kind) and the training wall time. Any StageConfig field can be overridden as --field VALUE
+(e.g. --model PATH to start from another checkpoint). Measured 2026-11-30 on the reference
+machine: 0.0% -> 89.0% held-out (correct > wrong 78%, both style kinds 100%), 8.2 min of
+training, 9.1 min in all; see docs/ppo-rlhf.md.
 """
 
 import json
@@ -15,8 +18,8 @@ from posttrain.config import build_config, parse_overrides
 from posttrain.perf import tune_malloc
 from posttrain.stages import StageConfig, reward_model
 
-DEFAULTS = {"synthetic": "addition", "n_pairs": 1600, "eval_size": 200, "lr": 3e-5,
-            "batch_size": 16, "autocast": "bfloat16", "run_dir": "runs/reward-model-bench"}
+DEFAULTS = {"synthetic": "addition", "n_pairs": 1600, "eval_size": 200, "lr": 5e-5,
+            "batch_size": 8, "autocast": "bfloat16", "run_dir": "runs/reward-model-bench"}
 
 if __name__ == "__main__":
     tune_malloc()

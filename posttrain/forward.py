@@ -52,6 +52,10 @@ def response_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_i
     """
     G, T = group_size, response_ids.shape[1]
     device_type = prompt_ids.device.type
+    if getattr(decoder, "gradient_checkpointing", False) and decoder.training:
+        # recomputation in backward cannot share a KV cache: one full-sequence pass per row
+        return _full_sequence_hidden(decoder, prompt_ids, prompt_mask, response_ids,
+                                     response_mask, autocast)
     p_ids, p_mask = prompt_ids[::G], prompt_mask[::G]                   # (b/G, L)
     p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
@@ -66,6 +70,19 @@ def response_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_i
                          use_cache=True, **{cache_kwarg(decoder): cache}).last_hidden_state
         hidden = torch.cat([last_prompt_h, resp_h[:, :-1]], dim=1)       # (b, T, H)
     return hidden.float() if autocast != "none" else hidden
+
+
+def _full_sequence_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                          response_mask: Tensor, autocast: str) -> Tensor:
+    """The same hidden states from one pass over [prompt, response] per row (no cache)."""
+    L, T = prompt_ids.shape[1], response_ids.shape[1]
+    ids = torch.cat([prompt_ids, response_ids], dim=1)
+    mask = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with _autocast(prompt_ids.device.type, autocast):
+        h = decoder(input_ids=ids, attention_mask=mask, position_ids=pos,
+                    use_cache=False).last_hidden_state[:, L - 1:L + T - 1]
+    return h.float() if autocast != "none" else h
 
 
 def response_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,

@@ -512,7 +512,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
     world = init_world(cfg.parallel.strategy)         # torchrun: join the process group
     check_world(cfg, world)
     scorer_task = build_task(cfg)                     # data errors surface before model loading
-    scorer = Scorer(cfg.reward, scorer_task.verifier, cfg.data.system_prompt)
+    scorer = Scorer(cfg.reward, scorer_task.verifier, cfg.data.system_prompt, cfg.model.autocast)
     run_dir = Path(resume) if resume else Path(
         cfg.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     if world.main:
@@ -541,6 +541,8 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
         tokenizer.pad_token = tokenizer.eos_token
     device = device_for(world) if cfg.model.device == "auto" else torch.device(cfg.model.device)
     model.to(device)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if world.main:
         n_params = sum(p.numel() for p in model.parameters())
         n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad) if lora else None

@@ -139,6 +139,14 @@ def test_pair_scores_share_the_prompt_and_equal_full_sequence_scores(tokenizer):
     full = sequence_scores(model, [h + t for h, t in zip(heads + heads, chosen + rejected)],
                            tokenizer.pad_token_id)
     torch.testing.assert_close(torch.cat([c, r]), full.float(), atol=1e-5, rtol=1e-5)
+    # groups of 3 responses per prompt (a rollout), as the trainer's reward model call sees them
+    from posttrain.rewards.model import _group_size, group_scores
+    tails = chosen[:1] + rejected[:1] + [chosen[1]] + chosen[1:] + rejected[1:] + [chosen[0]]
+    g = group_scores(model, heads, tails, 3, tokenizer.pad_token_id)
+    full = sequence_scores(model, [heads[i // 3] + t for i, t in enumerate(tails)], tokenizer.pad_token_id)
+    torch.testing.assert_close(g, full.float(), atol=1e-5, rtol=1e-5)
+    assert _group_size(["a", "a", "b", "b"]) == 2 and _group_size(["a", "b", "a", "b"]) == 1
+    assert _group_size(["a", "a", "a"]) == 3 and _group_size(["a", "a", "b"]) == 1
 
 
 def test_reward_model_config_errors(tmp_path):

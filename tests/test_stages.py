@@ -46,7 +46,7 @@ def test_dpo_learns_the_preference(tmp_path, tokenizer):
     assert metrics[-1]["dpo/margin"] > 0.1 and out["reward_accuracy_last"] == 1.0
 
 
-@pytest.mark.parametrize("row,msg", [({"prompt": "p", "chosen": "a"}, "row 1: field 'rejected'"),
+@pytest.mark.parametrize("row,msg", [({"prompt": "p", "chosen": "a"}, "line 1: field 'rejected'"),
                                      ({"prompt": "p", "chosen": "a", "rejected": "a"}, "identical"),
                                      ({"prompt": " ", "chosen": "a", "rejected": "b"}, "'prompt'")])
 def test_bad_preference_rows_are_named(tmp_path, tokenizer, row, msg):

@@ -29,14 +29,14 @@ class Scorer:
               + model_weight * reward_model(prompt, completion)."""
 
     def __init__(self, cfg: RewardConfig, task_verifier: str = "math",
-                 system_prompt: str | None = None) -> None:
+                 system_prompt: str | None = None, autocast: str = "none") -> None:
         self.cfg = cfg
         name = task_verifier if cfg.verifier == "math" and task_verifier != "math" else cfg.verifier
         self.verify = None if name == "none" else VERIFIERS[name]
         self.per_problem = cfg.verifier == "math"   # a task mixture names each problem's verifier
         # Loaded now, so a wrong 'module:function' fails before any model is loaded.
         self.functions = [(spec, load_function(spec)) for spec in cfg.functions]
-        self.system_prompt = system_prompt
+        self.system_prompt, self.autocast = system_prompt, autocast
         self._reward_model = None
 
     @property
@@ -45,7 +45,7 @@ class Scorer:
         if self._reward_model is None and self.cfg.model:
             from posttrain.rewards.model import RewardModel
             self._reward_model = RewardModel(self.cfg.model, self.cfg.model_normalize,
-                                             self.cfg.model_batch_size,
+                                             self.cfg.model_batch_size, self.autocast,
                                              system_prompt=self.system_prompt)
         return self._reward_model
 

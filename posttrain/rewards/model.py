@@ -59,31 +59,49 @@ def sequence_scores(model, ids: list[list[int]], pad_id: int, autocast: str = "n
         return model.score(hidden.to(model.score.weight.dtype)).squeeze(-1).float()
 
 
-def pair_scores(model, prompt_ids: list[list[int]], chosen_ids: list[list[int]],
-                rejected_ids: list[list[int]], pad_id: int, autocast: str = "none"
-                ) -> tuple[Tensor, Tensor]:
-    """r(x, y_chosen), r(x, y_rejected) for each pair, with the prompt run once per pair (the
-    trainer's prompt-shared forward with groups of 2); equal to `sequence_scores` of the full
-    sequences. Used for training, where the prompt is most of the tokens."""
+def group_scores(model, prompt_ids: list[list[int]], responses: list[list[int]], group_size: int,
+                 pad_id: int, autocast: str = "none") -> Tensor:
+    """r(x, y) for groups of `group_size` responses to one prompt (responses of prompt i at rows
+    i*G .. i*G+G-1), with each prompt run once (the trainer's prompt-shared forward). Equal to
+    `sequence_scores` of the full sequences; cheaper when the prompt is most of the tokens."""
     from dataclasses import replace
 
     from posttrain.forward import response_hidden
     from posttrain.stages import pack
-    n = len(prompt_ids)
-    tails = [t for pair in zip(chosen_ids, rejected_ids) for t in pair]   # c0, r0, c1, r1, ...
+    G = group_size
     # one dummy token after each response: the hidden state that "predicts" it is the one at
     # the response's last token, the one the score head reads
-    rollout = replace(pack(_Pad(pad_id), [p for p in prompt_ids for _ in (0, 1)],
-                           [t + [pad_id] for t in tails]), group_size=2)
+    rollout = replace(pack(_Pad(pad_id), [p for p in prompt_ids for _ in range(G)],
+                           [t + [pad_id] for t in responses]), group_size=G)
     device = next(model.parameters()).device
     hidden = response_hidden(model.base_model, rollout.prompt_ids_B_L.to(device),
                              rollout.prompt_mask_B_L.to(device), rollout.response_ids_B_T.to(device),
-                             rollout.response_mask_B_T.to(device), autocast, 2)
-    last = torch.tensor([len(t) for t in tails], device=device)
-    h_last = hidden[torch.arange(2 * n, device=device), last]
+                             rollout.response_mask_B_T.to(device), autocast, G)
+    last = torch.tensor([len(t) for t in responses], device=device)
+    h_last = hidden[torch.arange(len(responses), device=device), last]
     with torch.autocast(device.type, enabled=False):
-        scores = model.score(h_last.to(model.score.weight.dtype)).squeeze(-1).float()
+        return model.score(h_last.to(model.score.weight.dtype)).squeeze(-1).float()
+
+
+def pair_scores(model, prompt_ids: list[list[int]], chosen_ids: list[list[int]],
+                rejected_ids: list[list[int]], pad_id: int, autocast: str = "none"
+                ) -> tuple[Tensor, Tensor]:
+    """r(x, y_chosen), r(x, y_rejected) for each pair, the prompt run once per pair."""
+    tails = [t for pair in zip(chosen_ids, rejected_ids) for t in pair]   # c0, r0, c1, r1, ...
+    scores = group_scores(model, prompt_ids, tails, 2, pad_id, autocast)
     return scores[0::2], scores[1::2]
+
+
+def _group_size(prompts: list[str]) -> int:
+    """G when the prompts come in equal runs of G identical ones (a rollout's groups), else 1."""
+    if not prompts:
+        return 1
+    G = 1
+    while G < len(prompts) and prompts[G] == prompts[0]:
+        G += 1
+    if len(prompts) % G or any(prompts[i] != prompts[i - i % G] for i in range(len(prompts))):
+        return 1
+    return G
 
 
 class _Pad:
@@ -128,10 +146,13 @@ class RewardModel:
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], completions: list[str]) -> Tensor:
+        G = _group_size(prompts)     # a rollout's groups share their prompt: run it once
+        step = max(self.batch_size // G, 1) * G
         out = []
-        for i in range(0, len(prompts), self.batch_size):
-            ids = encode_scored(self.tokenizer, prompts[i:i + self.batch_size],
-                                completions[i:i + self.batch_size], self.system_prompt)
-            out.append(sequence_scores(self.model, ids, self.tokenizer.pad_token_id, self.autocast))
+        for i in range(0, len(prompts), step):
+            heads, tails = encode_parts(self.tokenizer, prompts[i:i + step:G],
+                                        completions[i:i + step], self.system_prompt)
+            out.append(group_scores(self.model, heads, tails, G, self.tokenizer.pad_token_id,
+                                    self.autocast))
         scores = torch.cat(out) if out else torch.zeros(0)
         return (scores.cpu() - self.mean) / self.std
