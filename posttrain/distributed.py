@@ -98,7 +98,7 @@ def mean_metrics(metrics: dict[str, float], world: World) -> dict[str, float]:
     counts = torch.zeros(len(union), dtype=torch.float64)
     for i, k in enumerate(union):
         v = metrics.get(k)
-        if isinstance(v, (int, float)) and v is not None:
+        if isinstance(v, (int, float)):
             values[i], counts[i] = float(v), 1.0
     dist.all_reduce(values)
     dist.all_reduce(counts)

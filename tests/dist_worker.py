@@ -25,7 +25,7 @@ if __name__ == "__main__":
                  "--tensorboard", "false", "--run_dir", run_dir, "--parallel.strategy", strategy,
                  "--steps", steps, "--checkpoint_every", "2", "--optim.lr", "1e-2",
                  "--algorithm.kl_coef", "0.05", "--rollout.prompts_per_step", "4", "--preset", preset,
-                 "--optim.epochs", "2", "--reward.verifier", "none", "--eval_every", "0"]
+                 "--optim.epochs", "2", "--eval_every", "0"]
     cfg = load_config(None, overrides)
     train(cfg, resume=run_dir if resume else None, model=make_tiny_model(tokenizer),
           tokenizer=tokenizer, show_progress=False)

@@ -49,7 +49,7 @@ def test_lora_trains_only_adapters_and_saves_merged(tmp_path, tokenizer):
     # training touched only adapters: merging is the only way the base weights changed, and the
     # merged model differs from the start exactly in the adapted projection matrices
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final_model").state_dict()
-    assert set(merged) == set(start) or set(merged) <= set(start)
+    assert set(merged) <= set(start)     # a plain model again (lm_head may be tied, not saved)
     changed = {k for k in merged if not torch.equal(merged[k], start[k])}
     assert changed and all(k.endswith("proj.weight") for k in changed), changed
     assert not any("lora" in k for k in merged)

@@ -128,8 +128,17 @@ def test_a_reward_model_with_another_tokenizer_is_fed_retokenised_text(tmp_path,
     torch.testing.assert_close(rm(["What is 1 + 2?"], ["3"]), same(["What is 1 + 2?"], ["3"]))
 
 
+def sequence_scores(model, ids, pad_id):
+    """The plain definition: left-pad whole sequences, score head on the last column."""
+    from posttrain.rollout.hf import left_pad
+    input_ids, mask = left_pad(ids, pad_id)
+    hidden = model.base_model(input_ids=input_ids, attention_mask=mask,
+                              position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).last_hidden_state
+    return model.score(hidden[:, -1]).squeeze(-1)
+
+
 def test_pair_scores_share_the_prompt_and_equal_full_sequence_scores(tokenizer):
-    from posttrain.rewards.model import encode_parts, pair_scores, sequence_scores
+    from posttrain.rewards.model import encode_parts, pair_scores
     model = tiny_reward_model(tokenizer).double()
     torch.nn.init.normal_(model.score.weight)
     prompts = ["What is 12 + 30?", "What is 5 + 7? Answer briefly please."]

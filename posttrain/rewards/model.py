@@ -35,35 +35,11 @@ def encode_parts(tokenizer, prompts: list[str], responses: list[str],
     return heads, [tokenizer(r, add_special_tokens=False)["input_ids"] for r in responses]
 
 
-def encode_scored(tokenizer, prompts: list[str], responses: list[str],
-                  system_prompt: str | None = None) -> list[list[int]]:
-    """Token ids of (chat-templated prompt with generation prompt) + response text."""
-    heads, tails = encode_parts(tokenizer, prompts, responses, system_prompt)
-    return [h + t for h, t in zip(heads, tails)]
-
-
-def sequence_scores(model, ids: list[list[int]], pad_id: int, autocast: str = "none") -> Tensor:
-    """r(x, y) for each sequence: the score head on its last token. (N,) float32, with gradients.
-
-    Sequences are left-padded so the last column is every row's last token (no gather needed,
-    and no dependence on which id is the pad token)."""
-    from posttrain.rollout.hf import left_pad
-    input_ids, mask = left_pad(ids, pad_id)
-    device = next(model.parameters()).device
-    input_ids, mask = input_ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast == "bfloat16"):
-        hidden = model.base_model(input_ids=input_ids, attention_mask=mask,
-                                  position_ids=positions).last_hidden_state[:, -1]
-    with torch.autocast(device.type, enabled=False):
-        return model.score(hidden.to(model.score.weight.dtype)).squeeze(-1).float()
-
-
 def group_scores(model, prompt_ids: list[list[int]], responses: list[list[int]], group_size: int,
                  pad_id: int, autocast: str = "none") -> Tensor:
     """r(x, y) for groups of `group_size` responses to one prompt (responses of prompt i at rows
     i*G .. i*G+G-1), with each prompt run once (the trainer's prompt-shared forward). Equal to
-    `sequence_scores` of the full sequences; cheaper when the prompt is most of the tokens."""
+    scoring each full sequence's last token; cheaper when the prompt is most of the tokens."""
     from dataclasses import replace
 
     from posttrain.forward import response_hidden
