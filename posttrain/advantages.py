@@ -210,11 +210,12 @@ def _reverse_kl(inp: AdvantageInputs, p: AdvantageParams) -> Advantages:
     instead, and only the optional reward part is an advantage.
     """
     from posttrain.losses import distillation_advantage
-    if inp.old_logp_B_T is None or inp.teacher_logp_B_T is None:
-        raise ValueError("the 'reverse_kl' estimator needs the student's and the teacher's log-probs")
     if p.kl_in_loss:
         adv = torch.zeros_like(inp.mask_B_T)
     else:
+        if inp.old_logp_B_T is None or inp.teacher_logp_B_T is None:
+            raise ValueError("the 'reverse_kl' estimator needs the student's and the teacher's "
+                             "log-probs")
         rewards = distillation_advantage(inp.old_logp_B_T, inp.teacher_logp_B_T, inp.mask_B_T)
         adv = discounted_returns(rewards, inp.mask_B_T, p.gamma)
     if p.reward_weight:

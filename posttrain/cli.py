@@ -109,7 +109,8 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from posttrain.models import load_policy, load_tokenizer, resolve_model_path
     from posttrain.rewards import Scorer
     from posttrain.rollout import make_engine
-    from posttrain.trainer import build_task, evaluate
+    from posttrain.distributed import SINGLE
+    from posttrain.trainer import build_task, evaluate, vllm_options
 
     overrides = [*overrides, "--model.path", args.model]
     if args.task:
@@ -120,7 +121,8 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     scorer = Scorer(cfg.reward, task.verifier)
     path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     tokenizer, model = load_tokenizer(path), load_policy(path, cfg.model.dtype)
-    engine = make_engine(cfg.rollout.backend, model, tokenizer)
+    engine = make_engine(cfg.rollout.backend, model, tokenizer,
+                         **vllm_options(cfg, path, model, SINGLE))
     res = evaluate(model, tokenizer, engine, task.eval_problems, scorer, cfg)
     samples = res.pop("_samples")
     if args.k > 1:
@@ -142,9 +144,10 @@ def cmd_stage(args: argparse.Namespace, overrides: list[str]) -> int:
 
     tune_malloc()
     cfg = build_config(StageConfig, parse_overrides(overrides), "")
-    if not cfg.data and not (args.command == "reward-model" and cfg.synthetic):
+    pairs = args.command in ("reward-model", "dpo")
+    if not cfg.data and not (pairs and cfg.synthetic):
         raise ConfigError("--data FILE is required (JSONL, CSV, Parquet or a datasets folder)"
-                          + (" or --synthetic TASK" if args.command == "reward-model" else ""))
+                          + (" or --synthetic TASK" if pairs else ""))
     out = {"sft": sft, "dpo": dpo, "reward-model": reward_model}[args.command](cfg)
     print(json.dumps(out, indent=2))
     return 0
@@ -204,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=stage_help)
     p.set_defaults(fn=cmd_stage)
     p = sub.add_parser("dpo", help="DPO on prompt/chosen/rejected preference pairs",
-                       epilog=stage_help)
+                       epilog=stage_help + " --synthetic TASK --n_pairs --eval_data --eval_size "
+                       "--autocast. Example: posttrain dpo --synthetic addition --beta 0.1")
     p.set_defaults(fn=cmd_stage)
 
     p = sub.add_parser("reward-model", help="train a Bradley-Terry reward model on preference pairs",

@@ -150,8 +150,14 @@ class TeacherConfig:
     # MOPD: one teacher per prompt domain (the data's `domain` field; task mixtures such as
     # 'addition+countdown' use the task names), e.g. {addition: runs/a/final_model, countdown: ...}
     domains: dict[str, str] = field(default_factory=dict)
+    # the teacher's distribution is softmax(z_T / temperature); None: the sampling temperature.
+    # Below it, the student is distilled toward a sharpened teacher (its modes, not its spread):
+    # OPSD needs this when privileged context leaves the teacher unsure about style tokens.
+    temperature: float | None = None
 
     def validate(self) -> None:
+        if self.temperature is not None:
+            _check_range("teacher.temperature", self.temperature, 0.0, lo_open=True)
         if self.domains and self.path:
             raise ConfigError("set either teacher.path (one teacher) or teacher.domains (one per "
                               "domain, MOPD), not both")
@@ -211,13 +217,22 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    backend: Literal["hf"] = "hf"       # in-process transformers sampling (vLLM: see issue on scale)
+    # 'hf': in-process transformers sampling (exact pi_old, any device); 'vllm': a vLLM engine on
+    # the same GPU (pip install posttrain[vllm]), weights synced after every update
+    backend: Literal["hf", "vllm"] = "hf"
     prompts_per_step: int = 8           # P prompts per generated batch
     group_size: int = 4                 # G responses per prompt
     max_new_tokens: int = 24
     temperature: float = 1.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()          # stop strings, also used by evaluation (e.g. "\n\n")
+    # Another engine's log-probs differ from the trainer's for the same weights: each token's
+    # policy-gradient term is weighted by min(pi_trainer / pi_engine, tis_cap) (None: no
+    # correction; the mismatch is logged either way). Only used when the backend is not 'hf'.
+    tis_cap: float | None = 2.0
+    vllm_gpu_memory_utilization: float = 0.3   # share of the GPU vLLM may take (colocated)
+    vllm_sleep: bool = True             # free vLLM's weights and KV cache while the trainer updates
+    vllm_server: str | None = None      # 'http://host:port' of `posttrain vllm-serve`; None: colocated
 
 
 @dataclass(frozen=True)
@@ -328,6 +343,16 @@ class TrainConfig:
             _check_range(f"rollout.{name}", getattr(r, name), 1)
         _check_range("rollout.temperature", r.temperature, 0.0, lo_open=True)
         _check_range("rollout.top_p", r.top_p, 0.0, 1.0, lo_open=True)
+        _check_range("rollout.vllm_gpu_memory_utilization", r.vllm_gpu_memory_utilization, 0.0,
+                     1.0, lo_open=True)
+        if r.tis_cap is not None:
+            _check_range("rollout.tis_cap", r.tis_cap, 1.0)
+        if r.vllm_server is not None and not r.vllm_server.startswith(("http://", "https://")):
+            raise ConfigError(f"rollout.vllm_server={r.vllm_server!r} must be a URL such as "
+                              "http://host:8000")
+        if r.backend == "vllm" and self.lora.rank:
+            raise ConfigError("rollout.backend='vllm' with LoRA (lora.rank > 0) is not supported "
+                              "yet; use rollout.backend=hf")
         _check_range("optim.lr", o.lr, 0.0)
         _check_range("optim.epochs", o.epochs, 1)
         _check_range("optim.minibatches", o.minibatches, 1)
@@ -359,9 +384,6 @@ class TrainConfig:
         if algo.advantage in NEEDS_TEACHER and not (self.teacher.path or self.teacher.domains):
             raise ConfigError(f"algorithm.advantage={algo.advantage!r} distils from a teacher: "
                               "set teacher.path to a model folder (or teacher.domains)")
-        if self.teacher.domains and algo.distill_loss == "exact":
-            raise ConfigError("algorithm.distill_loss='exact' with teacher.domains (MOPD) is not "
-                              "supported yet; use 'sampled'")
         if self.data.task == "file" and not self.data.train_path:
             raise ConfigError("data.task='file' needs data.train_path")
         return self

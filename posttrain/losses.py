@@ -177,6 +177,21 @@ def ratio_stats(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, mask_B_
         )
 
 
+def truncated_is_weights(trainer_logp_B_T: Tensor, engine_logp_B_T: Tensor,
+                         cap: float) -> Tensor:
+    """Truncated importance weights for samples drawn by another engine (vLLM).  §3.
+
+        w_t = min( pi_old^trainer(y_t) / pi_old^engine(y_t), C )      (no gradient)
+
+    The engine samples with its own kernels, so its probabilities differ slightly from the
+    trainer's for the very same weights: the batch is then a little off-policy. Multiplying each
+    token's policy-gradient term by w_t corrects for it (§3's importance sampling); the cap C bounds
+    the variance a rare large ratio would add (Yao et al. 2025, "truncated IS").
+    """
+    log_ratio = (trainer_logp_B_T - engine_logp_B_T).detach().float()
+    return log_ratio.clamp(max=_MAX_LOG_RATIO).exp().clamp(max=cap)
+
+
 # ---------------------------------------------------------------------------------------------
 # Loss aggregation (§6, §7): per-token weights, so the length bias is visible in one tensor
 # ---------------------------------------------------------------------------------------------

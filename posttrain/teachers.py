@@ -58,9 +58,23 @@ class Teachers:
                 False).to(getattr(self, "device", "cpu"))
         return self._models[name]
 
-    def single(self):
-        """The one teacher when there is no routing (exact-KL distillation needs it in the update)."""
-        return self.model_for("*") if "*" in self.routes else None
+    def response_logits(self, view, rows: Tensor, domains: list[str], autocast: str) -> Tensor:
+        """Full-vocabulary teacher logits (b, T, V) of responses `rows` (whole groups) of `view`,
+        each group from its domain's teacher: exact-KL distillation computes them micro-batch by
+        micro-batch in the update instead of holding (B, T, V) for the whole batch."""
+        from posttrain.forward import response_logits
+        row_domains = [domains[int(r)] for r in rows]
+        out = None
+        for domain in sorted(set(row_domains)):
+            sel = torch.tensor([k for k, d in enumerate(row_domains) if d == domain])
+            sub = rows[sel]
+            logits = response_logits(self.model_for(domain), view.prompt_ids_B_L[sub],
+                                     view.prompt_mask_B_L[sub], view.response_ids_B_T[sub],
+                                     view.response_mask_B_T[sub], autocast, view.group_size)
+            if out is None:
+                out = logits.new_empty((len(rows), *logits.shape[1:]))
+            out[sel] = logits
+        return out
 
     def logprobs(self, view, domains: list[str], scorer) -> Tensor:
         """Teacher log-probs of every response in `view`, each group scored by its domain's teacher.

@@ -43,8 +43,8 @@ from posttrain.data.tasks import MixedTask
 from posttrain.logging import MetricsLogger, NullLogger, console_line, plot_run
 from posttrain.losses import (AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate,
                               explained_variance, kl_penalized_rewards, kl_penalty_in_loss,
-                              ratio_stats, value_loss,
-                              reverse_kl_from_logits, sampled_reverse_kl)
+                              ratio_stats, reverse_kl_from_logits, sampled_reverse_kl,
+                              truncated_is_weights, value_loss)
 from posttrain.memory import estimate as estimate_memory
 from posttrain.models import (add_lora, load_policy, load_tokenizer, resolve_model_path,
                               save_model)
@@ -60,7 +60,7 @@ from posttrain.distributed import (SINGLE, World, all_true, average_gradients, b
                                    global_aggregation_weights, global_max, init_world,
                                    load_optimizer_state, mean_metrics, wrap)
 from posttrain.forward import (PolicyForward, decoder_and_head, frozen_logprobs,  # noqa: F401
-                               group_chunks, response_hidden, response_logits, sequence_logprobs)
+                               group_chunks, response_hidden, sequence_logprobs)
 
 log = logging.getLogger("posttrain")
 
@@ -100,6 +100,14 @@ class ScoredBatch:
     ref_logp_B_T: Tensor | None = None
     teacher_logp_B_T: Tensor | None = None
     teacher_view: Rollout | None = None   # the same responses after the teacher's own prompts
+    # another engine sampled (vLLM): rollout.logp_B_T are its log-probs, these the trainer's for
+    # pi_old (only needed with several updates per batch; a single update reads its own forward)
+    trainer_old_logp_B_T: Tensor | None = None
+
+    @property
+    def old_logp_B_T(self) -> Tensor:
+        """log pi_old of the sampled tokens as the trainer computes them."""
+        return self.rollout.logp_B_T if self.trainer_old_logp_B_T is None else self.trainer_old_logp_B_T
 
     @property
     def rewards_P_G(self) -> Tensor:
@@ -251,7 +259,8 @@ class ValueTargets:
 
 def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tensor,
                   cfg: TrainConfig, algo: AlgorithmConfig, generator: torch.Generator,
-                  teacher=None, critic: Critic | None = None, targets: ValueTargets | None = None,
+                  teachers: Teachers | None = None, critic: Critic | None = None,
+                  targets: ValueTargets | None = None,
                   train_policy: bool = True, world: World = SINGLE) -> dict[str, float]:
     """Epochs x minibatches of clipped updates; the critic (PPO) learns on the same minibatches.
     With train_policy=False (critic warm-up) only the critic is updated."""
@@ -262,7 +271,15 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
     # With a single update the policy cannot have moved since sampling: pi_old = pi_theta exactly,
     # the ratio is 1 and the recorded log-probs are not needed (§3).
     single_update = o.epochs == 1 and o.minibatches == 1
-    old_logp = rollout.logp_B_T
+    # Another engine sampled (vLLM): its log-probs are not the trainer's. The ratio is taken
+    # against the trainer's own pi_old, and each token's policy-gradient term is weighted by the
+    # truncated importance ratio pi_trainer / pi_engine (§3, losses.truncated_is_weights).
+    foreign = cfg.rollout.backend != "hf"
+    if foreign and not single_update and batch.trainer_old_logp_B_T is None:
+        raise ValueError("several updates on another engine's samples need the trainer's pi_old "
+                         "log-probs (batch.trainer_old_logp_B_T)")
+    old_logp = batch.old_logp_B_T
+    tis_cap = cfg.rollout.tis_cap if foreign else None
     policy_loss = POLICY_LOSSES[algo.policy_loss]
     kl_fn = KL_ESTIMATORS[algo.kl_estimator] if batch.ref_logp_B_T is not None else None
     kl_in_loss = kl_fn is not None and algo.kl_in == "loss"
@@ -272,7 +289,8 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
     # minibatch, so the update is the same as with those groups in: only cheaper. Late in a
     # GRPO run most groups are all-correct, and this removes most of the update's compute.
     has_signal = (adv_B_T.abs().sum(-1).reshape(-1, G) > 0).any(-1).repeat_interleave(G).cpu()
-    exact_distill = teacher is not None and algo.distill_loss == "exact"
+    exact_distill = teachers is not None and algo.distill_loss == "exact"
+    domains = [p.domain for p in batch.problems]
     # (FSDP2: every rank must run the same forwards, whose layers gather weights collectively)
     if kl_in_loss or exact_distill or critic is not None or world.strategy == "fsdp":
         has_signal = torch.ones_like(has_signal)
@@ -309,16 +327,25 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
                     old = logp.detach() if single_update else old_logp[rows]
                     loss_t = policy_loss(logp, old, adv_B_T[rows], clip_low=algo.clip_low,
                                          clip_high=algo.clip_high, dual_clip=algo.dual_clip)
+                    if tis_cap is not None:
+                        w = truncated_is_weights(old, rollout.logp_B_T[rows], tis_cap)
+                        loss_t = loss_t * w
+                        sums["rollout/tis_weight_mean"] += _mean(w, m) * len(rows)
+                        sums["rollout/tis_capped_frac"] += _mean((w >= tis_cap).float(), m) * len(rows)
                     if exact_distill:   # §8: the full-vocabulary reverse KL is itself the loss
                         tv = batch.teacher_view or rollout
                         with torch.no_grad():
-                            t_logits = response_logits(
-                                teacher, tv.prompt_ids_B_L[rows], tv.prompt_mask_B_L[rows],
-                                tv.response_ids_B_T[rows], tv.response_mask_B_T[rows],
-                                cfg.model.autocast, G)
+                            t_logits = teachers.response_logits(tv, rows, domains,
+                                                                cfg.model.autocast)
+                            if cfg.teacher.temperature:   # a sharpened (or flattened) teacher
+                                t_logits = t_logits * (temperature / cfg.teacher.temperature)
                         kl_exact = reverse_kl_from_logits(logits, t_logits, temperature)
                         loss_t = loss_t + kl_exact
                         sums["distill/reverse_kl_exact"] += _mean(kl_exact.detach(), m) * len(rows)
+                        for d in set(domains[int(r)] for r in rows) if len(set(domains)) > 1 else ():
+                            k = torch.tensor([domains[int(r)] == d for r in rows])
+                            sums[f"_kl@{d}"] += (kl_exact.detach()[k] * m[k]).sum().item()
+                            sums[f"_tokens@{d}"] += m[k].sum().item()
                     if kl_fn is not None:
                         kl_t = kl_fn(logp, batch.ref_logp_B_T[rows])
                         if kl_in_loss:
@@ -327,8 +354,12 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
                     loss = aggregate(loss_t, weights[micro])
                     sums["loss/policy"] += loss.item()
                     if n_updates == 0:   # policy not yet moved: sampler vs trainer numerics only
-                        sums["_mismatch"] += _mean((logp.detach() - old_logp[rows]).abs(), m) * len(rows)
+                        diff = logp.detach() - rollout.logp_B_T[rows]
+                        sums["_mismatch"] += _mean(diff.abs(), m) * len(rows)
                         sums["_rows_first"] += len(rows)
+                        big = torch.where(m > 0, diff, torch.full_like(diff, -1e9)).max().item()
+                        sums["rollout/is_ratio_max"] = max(sums["rollout/is_ratio_max"],
+                                                           math.exp(min(big, 50.0)))
                     st = ratio_stats(logp, old, adv_B_T[rows], m, algo.clip_low, algo.clip_high)
                     for name in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio_mean"):
                         sums[f"policy/{name}"] += getattr(st, name).item() * len(rows)
@@ -359,15 +390,22 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
             if critic is not None:
                 sums["critic/grad_norm"] += critic.step(world)
             n_updates += 1
+    per_domain_kl = {}   # MOPD: the exact reverse KL to each domain's teacher, per token
+    for key in [k for k in sums if k.startswith("_kl@")]:
+        d = key[len("_kl@"):]
+        per_domain_kl[f"distill/reverse_kl_exact@{d}"] = sums.pop(key) / max(sums.pop(f"_tokens@{d}"), 1)
     rows_seen, skipped = sums.pop("_rows", 0), sums.pop("policy/skipped_rows", 0)
     mismatch, rows_first = sums.pop("_mismatch", 0.0), sums.pop("_rows_first", 0)
     per_update = ("loss/policy", "loss/value", "policy/grad_norm", "critic/grad_norm")
+    maxima = ("policy/ratio_max", "rollout/is_ratio_max")
     out = {k: v / max(rows_seen, 1) for k, v in sums.items()
-           if k not in per_update and k != "policy/ratio_max"}
+           if k not in per_update and k not in maxima}
     out.update({k: sums[k] / max(n_updates, 1) for k in per_update if k in sums})
+    out.update(per_domain_kl)
     out["policy/skipped_rows_frac"] = skipped / max(skipped + rows_seen, 1)
     if rows_first:   # mean |log pi_trainer - log pi_sampler| of the sampled tokens (§3)
         out["rollout/logp_mismatch"] = mismatch / rows_first
+        out["rollout/is_ratio_max"] = sums["rollout/is_ratio_max"]
     if train_policy:
         out["policy/ratio_max"] = sums["policy/ratio_max"]
     out["optim/lr"] = scheduler.get_last_lr()[0]
@@ -454,10 +492,16 @@ def build_task(cfg: TrainConfig) -> Task:
             held_out = [pool[i] for i in order[:n_eval]]
             pool = [pool[i] for i in order[n_eval:]]
         return Task("file", lambda rng: pool[0], train_pool=pool, eval_problems=held_out[:d.eval_size])
-    try:
-        parts = [make_task(name, d.difficulty) for name in d.task.split("+")]
-    except KeyError as e:
-        raise ConfigError(f"data.task={d.task!r} is not valid; {e.args[0]}") from None
+    parts = []
+    for spec in d.task.split("+"):   # 'addition+arithmetic:1': a mixture, difficulty per task
+        name, _, level = spec.partition(":")
+        if level and not level.isdigit():
+            raise ConfigError(f"data.task={d.task!r}: {spec!r} must be NAME or NAME:DIFFICULTY "
+                              "(an integer)")
+        try:
+            parts.append(make_task(name, int(level) if level else d.difficulty))
+        except KeyError as e:
+            raise ConfigError(f"data.task={d.task!r} is not valid; {e.args[0]}") from None
     task = parts[0] if len(parts) == 1 else MixedTask(parts)
     task.build_eval(d.eval_size, d.eval_seed)
     return task
@@ -490,8 +534,22 @@ def check_world(cfg: TrainConfig, world: World) -> None:
     if cfg.algo.dynamic_sampling:
         raise ConfigError("algorithm.dynamic_sampling is not supported under torchrun yet (ranks "
                           "would keep different numbers of groups); run it on one process")
-    if cfg.rollout.backend != "hf":
-        raise ConfigError(f"rollout.backend={cfg.rollout.backend!r} under torchrun is not supported")
+    if cfg.rollout.backend == "vllm" and not cfg.rollout.vllm_server:
+        raise ConfigError("rollout.backend='vllm' colocated under torchrun is not supported yet: "
+                          "start `vllm serve` (see posttrain/rollout/vllm.py) and set "
+                          "rollout.vllm_server, or run on one process")
+
+
+def vllm_options(cfg: TrainConfig, model_path, model, world: World) -> dict[str, Any]:
+    """What a vLLM engine needs besides the policy: the folder it reads the architecture and
+    first weights from, and the sampling set-up (rollout/vllm.py)."""
+    if cfg.rollout.backend != "vllm":
+        return {}
+    # the engine samples in bf16 when the trainer computes in bf16 (its weights are cast on sync)
+    dtype = "bfloat16" if cfg.model.autocast == "bfloat16" else cfg.model.dtype
+    return dict(model_path=str(model_path), rollout_cfg=cfg.rollout, dtype=dtype,
+                seed=cfg.seed, rank=world.rank, world_size=world.size,
+                max_model_len=min(getattr(model.config, "max_position_embeddings", 4096), 4096))
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -525,6 +583,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
     t_setup = time.perf_counter()
     uses_teacher = algo.advantage in NEEDS_TEACHER
     lora = cfg.lora.rank > 0
+    path = cfg.model.path
     if model is None:   # (LoRA: the base model never changes; checkpoints hold the adapters)
         path = ckpt / "model" if ckpt and not lora else resolve_model_path(cfg.model.path,
                                                                             cfg.model.cache_dir)
@@ -567,7 +626,8 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
     if scorer.cfg.model:
         scorer.reward_model.check_tokenizer(tokenizer)
     model = wrap(model, world)                        # FSDP2: shard the layers, in place
-    engine = make_engine(cfg.rollout.backend, model, tokenizer)
+    engine = make_engine(cfg.rollout.backend, model, tokenizer, **vllm_options(cfg, path, model,
+                                                                             world))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,
                                   betas=(cfg.optim.beta1, cfg.optim.beta2),
                                   weight_decay=cfg.optim.weight_decay,
@@ -633,6 +693,16 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
             bar.update(1)
             continue
 
+        # 1b. another engine sampled (vLLM): the trainer's own log pi_old, for the ratios and
+        # advantages (the engine's differ slightly; the update reweights by their ratio, §3)
+        if cfg.rollout.backend != "hf":
+            t0 = time.perf_counter()
+            batch.trainer_old_logp_B_T = frozen_logprobs(model, batch.rollout,
+                                                         cfg.rollout.temperature,
+                                                         cfg.optim.micro_batch_size,
+                                                         cfg.model.autocast)
+            timings["old_logprobs"] += time.perf_counter() - t0
+
         # 2. the frozen reference, for the KL penalty
         t0 = time.perf_counter()
         if uses_ref:
@@ -646,13 +716,19 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
         t0 = time.perf_counter()
         if teachers is not None:
             batch.teacher_view = teacher_view(batch, cfg, tokenizer)
+        # (exact reverse KL: the update runs the teacher itself, micro-batch by micro-batch, and
+        # logs distill/reverse_kl_exact; a separate pass for the sampled KL would be wasted)
+        if teachers is not None and algo.distill_loss != "exact":
             batch.teacher_logp_B_T = teachers.logprobs(
                 batch.teacher_view, [p.domain for p in batch.problems],
-                lambda m, view: frozen_logprobs(m, view, cfg.rollout.temperature,
+                lambda m, view: frozen_logprobs(m, view,
+                                                cfg.teacher.temperature or cfg.rollout.temperature,
                                                 cfg.optim.micro_batch_size, cfg.model.autocast))
-            kl = sampled_reverse_kl(batch.rollout.logp_B_T, batch.teacher_logp_B_T)
+            kl = sampled_reverse_kl(batch.old_logp_B_T, batch.teacher_logp_B_T)
             metrics["distill/reverse_kl"] = _mean(kl, batch.loss_mask_B_T)
             metrics.update(per_domain(batch, kl))
+        elif teachers is not None:
+            metrics.update(per_domain(batch))
         timings["teacher"] += time.perf_counter() - t0
 
         # 3. advantages; PPO: the value model's V_old, the KL folded into per-token rewards, GAE
@@ -665,7 +741,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
             AdvantageInputs(batch.rewards_P_G, batch.loss_mask_B_T,
                             token_rewards_B_T=token_rewards,
                             values_B_T=old_values if critic is not None else None,
-                            old_logp_B_T=batch.rollout.logp_B_T,
+                            old_logp_B_T=batch.old_logp_B_T,
                             teacher_logp_B_T=batch.teacher_logp_B_T),
             AdvantageParams(algo.eps, algo.scale_by_std, algo.gamma, algo.lam,
                             algo.reward_weight, algo.distill_loss == "exact"))
@@ -680,7 +756,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
         t0 = time.perf_counter()
         warming_up = critic is not None and step <= cfg.critic.warmup_steps
         metrics.update(update_policy(model, optimizer, scheduler, batch, adv, cfg, algo, generator,
-                                     teachers.single() if teachers is not None else None,
+                                     teachers,
                                      critic, targets, train_policy=not warming_up, world=world))
         timings["update"] += time.perf_counter() - t0
         engine.sync_weights()
@@ -752,7 +828,7 @@ def ppo_token_rewards(batch: ScoredBatch, algo: AlgorithmConfig) -> Tensor:
     The KL is that of the sampled tokens, log pi_old - log pi_ref with the default k1 estimator."""
     mask = batch.loss_mask_B_T
     if algo.kl_in == "reward" and batch.ref_logp_B_T is not None:
-        kl = KL_ESTIMATORS[algo.kl_estimator](batch.rollout.logp_B_T, batch.ref_logp_B_T)
+        kl = KL_ESTIMATORS[algo.kl_estimator](batch.old_logp_B_T, batch.ref_logp_B_T)
         return kl_penalized_rewards(batch.rewards_B, kl, mask, algo.kl_coef)
     return kl_penalized_rewards(batch.rewards_B, torch.zeros_like(mask), mask, 0.0)
 
@@ -778,15 +854,16 @@ def critic_metrics(batch: ScoredBatch, adv_B_T: Tensor, targets: ValueTargets,
     return out
 
 
-def per_domain(batch: ScoredBatch, kl_B_T: Tensor) -> dict[str, float]:
-    """Accuracy and reverse KL per domain, when a batch mixes domains (MOPD)."""
+def per_domain(batch: ScoredBatch, kl_B_T: Tensor | None = None) -> dict[str, float]:
+    """Accuracy and sampled reverse KL per domain, when a batch mixes domains (MOPD)."""
     domains = [p.domain for p in batch.problems]
     if len(set(domains)) < 2:
         return {}
     out = {}
     for d in sorted(set(domains)):
         rows = torch.tensor([i for i, x in enumerate(domains) if x == d])
-        out[f"distill/reverse_kl@{d}"] = _mean(kl_B_T[rows], batch.loss_mask_B_T[rows])
+        if kl_B_T is not None:
+            out[f"distill/reverse_kl@{d}"] = _mean(kl_B_T[rows], batch.loss_mask_B_T[rows])
         out[f"reward/accuracy@{d}"] = batch.correct_B[rows].float().mean().item()
     return out
 

@@ -39,6 +39,20 @@ def test_unknown_task_lists_known_ones():
         make_task("nope", 1)
 
 
+def test_a_mixture_takes_a_difficulty_per_task():
+    from posttrain.config import ConfigError, load_config
+    from posttrain.trainer import build_task
+    task = build_task(load_config(None, ["--data.task", "addition+arithmetic:1",
+                                         "--data.eval_size", "10"]))
+    by_domain = {d: [p for p in task.eval_problems if p.domain == d]
+                 for d in ("addition", "arithmetic")}
+    assert len(by_domain["addition"]) == 5 and len(by_domain["arithmetic"]) == 5
+    assert all(len(p.prompt.split()[2]) == 2 for p in by_domain["addition"])       # 2 digits
+    assert all(len(p.prompt.split()[2]) == 1 for p in by_domain["arithmetic"])     # 1 digit
+    with pytest.raises(ConfigError, match="NAME:DIFFICULTY"):
+        build_task(load_config(None, ["--data.task", "addition:two"]))
+
+
 def test_jsonl_csv_parquet_files(tmp_path):
     rows = [{"question": f"q{i}", "solution": str(i), "domain": "math"} for i in range(5)]
     jl = tmp_path / "d.jsonl"

@@ -161,18 +161,70 @@ def test_mopd_routes_each_domain_to_its_teacher_loaded_lazily_and_shared(tmp_pat
     for i, d in enumerate(domains):
         torch.testing.assert_close(routed[i], (by_a if d == "addition" else by_b)[i])
     assert not torch.allclose(by_a, by_b)
+    # exact distillation: full teacher logits, routed the same way, for any subset of groups
+    from posttrain.forward import response_logits
+    rows = torch.arange(len(domains))[2:]
+    logits = teachers.response_logits(batch.rollout, rows, domains, "none")
+    r = batch.rollout
+    for k, i in enumerate(rows.tolist()):
+        m = a if domains[i] == "addition" else b
+        want = response_logits(m, r.prompt_ids_B_L[i:i + 1], r.prompt_mask_B_L[i:i + 1],
+                               r.response_ids_B_T[i:i + 1], r.response_mask_B_T[i:i + 1])[0]
+        n = int(r.lengths_B[i])
+        torch.testing.assert_close(logits[k, :n], want[:n], rtol=1e-4, atol=1e-4)
 
 
-def test_mopd_run_logs_per_domain_metrics(tmp_path, tokenizer):
+@pytest.mark.parametrize("loss", ["sampled", "exact"])
+def test_mopd_run_logs_per_domain_metrics(tmp_path, tokenizer, loss):
     save_model(make_tiny_model(tokenizer, seed=11), tokenizer, tmp_path / "a")
     save_model(make_tiny_model(tokenizer, seed=12), tokenizer, tmp_path / "b")
     cfg = load_config(None, [*OPD, "--teacher.domains.addition", str(tmp_path / "a"),
                              "--teacher.domains.countdown", str(tmp_path / "b"),
                              "--data.task", "addition+countdown", "--steps", "2",
+                             "--algorithm.distill_loss", loss,
                              "--data.eval_size", "4", "--run_dir", str(tmp_path / "run")])
     summary = train(cfg, model=make_tiny_model(tokenizer, seed=13), tokenizer=tokenizer,
                     show_progress=False)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    steps = [r for r in rows if "distill/reverse_kl" in r]
-    assert all("distill/reverse_kl@addition" in r and "reward/accuracy@countdown" in r for r in steps)
+    kl = "distill/reverse_kl" if loss == "sampled" else "distill/reverse_kl_exact"
+    steps = [r for r in rows if kl in r]
+    assert len(steps) == 2
+    assert all(f"{kl}@addition" in r and f"{kl}@countdown" in r and "reward/accuracy@countdown" in r
+               for r in steps)
     assert "eval/accuracy@countdown" in summary["eval_after"]
+
+
+@pytest.mark.parametrize("teacher_temperature", [None, 0.5])
+def test_exact_loss_targets_the_teacher_at_its_own_temperature(tmp_path, tokenizer,
+                                                               teacher_temperature):
+    """teacher.temperature: the exact loss is KL(softmax(z_S / T) || softmax(z_T / T_teacher))."""
+    from collections import Counter
+    from posttrain.forward import response_logits
+    from posttrain.losses import exact_kl_from_logits
+    from posttrain.rewards import Scorer
+    from posttrain.rollout import make_engine
+    from posttrain.teachers import Teachers
+    from posttrain.trainer import Sampler, build_task, generate_and_score, update_policy
+    extra = ["--teacher.temperature", str(teacher_temperature)] if teacher_temperature else []
+    cfg = load_config(None, [*OPD, "--teacher.path", "t", "--algorithm.distill_loss", "exact",
+                             "--rollout.temperature", "0.8", *extra])
+    student, teacher = sharpened(tokenizer, 20.0), sharpened(tokenizer, 10.0)
+    batch, _ = generate_and_score(make_engine("hf", student, tokenizer), tokenizer,
+                                  Sampler(build_task(cfg), 0), Scorer(cfg.reward), cfg, cfg.algo,
+                                  torch.Generator().manual_seed(0), Counter())
+    r, m = batch.rollout, batch.loss_mask_B_T
+    with torch.no_grad():
+        args = (r.prompt_ids_B_L, r.prompt_mask_B_L, r.response_ids_B_T, r.response_mask_B_T)
+        zs, zt = response_logits(student, *args), response_logits(teacher, *args)
+        t_teacher = teacher_temperature or 0.8
+        kl = exact_kl_from_logits(zs, zt * (0.8 / t_teacher), 0.8)
+    expected = ((kl * m).sum() / m.sum()).item()
+    opt = torch.optim.SGD(student.parameters(), lr=0.0)
+    stats = update_policy(student, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0),
+                          batch, torch.zeros_like(m), cfg, cfg.algo,
+                          torch.Generator().manual_seed(0),
+                          Teachers(cfg.teacher, tokenizer, preloaded=teacher))
+    assert stats["distill/reverse_kl_exact"] == pytest.approx(expected, rel=1e-4)
+    if teacher_temperature:   # a sharper target is further from this student than the plain one
+        plain = exact_kl_from_logits(zs, zt, 0.8)
+        assert expected != pytest.approx(((plain * m).sum() / m.sum()).item(), rel=1e-2)

@@ -1,0 +1,115 @@
+"""What the vLLM backend needs from the trainer, tested on CPU without vLLM: engine output packed
+into a Rollout, and the truncated importance-sampling correction for another engine's log-probs.
+(The engine itself runs in benchmarks/gpu_check.py --backend vllm.)"""
+
+import math
+from collections import Counter
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from posttrain.config import ConfigError, load_config
+from posttrain.losses import truncated_is_weights
+from posttrain.rewards import Scorer
+from posttrain.rollout import make_engine
+from posttrain.rollout.vllm import (Completion, completion_from_openai, completion_from_vllm,
+                                    request_seed, to_rollout)
+from posttrain.trainer import Sampler, build_task, generate_and_score, update_policy
+from tests.conftest import make_tiny_model
+from tests.test_trainer import toy_config
+
+
+def test_truncated_is_weights_by_hand():
+    trainer = torch.tensor([[-1.0, -2.0, -0.1]])
+    engine = torch.tensor([[-1.5, -1.0, -3.1]])
+    w = truncated_is_weights(trainer, engine, cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[math.exp(0.5), math.exp(-1.0), 2.0]]))
+    assert not w.requires_grad
+
+
+def test_vllm_and_openai_outputs_pack_into_a_rollout():
+    def step(tok, lp):   # vLLM: one {token_id: Logprob} dict per generated token
+        return {tok: SimpleNamespace(logprob=lp)}
+    outs = [SimpleNamespace(token_ids=[5, 6, 2], logprobs=[step(5, -0.5), step(6, -1.0), step(2, -0.1)],
+                            finish_reason="stop"),
+            SimpleNamespace(token_ids=[7], logprobs=[step(7, -2.0)], finish_reason="length")]
+    completions = [completion_from_vllm(o) for o in outs]
+    completions += [completion_from_openai({"index": 0, "token_ids": [9, 9],
+                                            "logprobs": {"token_logprobs": [-0.3, -0.4]},
+                                            "finish_reason": "length"}),
+                    Completion([], [], False)]
+    r = to_rollout([[1, 2, 3], [4]], 2, completions, pad_id=0)
+    assert r.prompt_ids_B_L.tolist() == [[1, 2, 3], [1, 2, 3], [0, 0, 4], [0, 0, 4]]
+    assert r.response_ids_B_T.tolist() == [[5, 6, 2], [7, 0, 0], [9, 9, 0], [0, 0, 0]]
+    assert r.response_mask_B_T.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]]
+    torch.testing.assert_close(r.logp_B_T, torch.tensor([[-0.5, -1.0, -0.1], [-2.0, 0, 0],
+                                                         [-0.3, -0.4, 0], [0, 0, 0]]))
+    assert r.truncated_B.tolist() == [False, True, True, False]
+    with pytest.raises(ValueError, match="3 completions for 2 prompts x 2"):
+        to_rollout([[1], [2]], 2, completions[:3], 0)
+    # a prompt's request seed is its first response's seed; vLLM gives child g the seed + g
+    seeds = torch.tensor([40, 41, 90, 91])
+    assert [request_seed(seeds, i, 2) for i in range(2)] == [40, 90]
+    assert request_seed(None, 0, 2) is None
+
+
+def _update(tokenizer, batch, cfg, adv):
+    model = make_tiny_model(tokenizer, seed=11)
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    stats = update_policy(model, opt, sched, batch, adv, cfg, cfg.algo, torch.Generator().manual_seed(0))
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return after - before, stats
+
+
+def test_another_engines_logprobs_reweight_the_update_by_the_capped_ratio(tmp_path, tokenizer):
+    """Engine log-probs lower than the trainer's by log 1.5 on every token: each token's gradient
+    is weighted by 1.5, or by the cap when it is lower; the mismatch is logged."""
+    cfg = toy_config(tmp_path, "--steps", "1", "--optim.max_grad_norm", "1e9")
+    batch, _ = generate_and_score(make_engine("hf", make_tiny_model(tokenizer, seed=11), tokenizer),
+                                  tokenizer, Sampler(build_task(cfg), 0), Scorer(cfg.reward), cfg,
+                                  cfg.algo, torch.Generator().manual_seed(0), Counter())
+    adv = torch.randn(batch.loss_mask_B_T.shape, generator=torch.Generator().manual_seed(1))
+    adv = adv * batch.loss_mask_B_T
+    plain, stats = _update(tokenizer, batch, cfg, adv)
+    assert stats["rollout/logp_mismatch"] < 1e-4 and "rollout/tis_weight_mean" not in stats
+
+    mask = batch.rollout.response_mask_B_T
+    foreign = replace(batch, rollout=replace(batch.rollout,
+                                             logp_B_T=(batch.rollout.logp_B_T - math.log(1.5)) * mask))
+    for cap, factor in ((2.0, 1.5), (1.2, 1.2)):
+        vcfg = replace(cfg, rollout=replace(cfg.rollout, backend="vllm", tis_cap=cap))
+        delta, stats = _update(tokenizer, foreign, vcfg, adv)
+        torch.testing.assert_close(delta, factor * plain, atol=1e-6, rtol=1e-4)
+        assert stats["rollout/logp_mismatch"] == pytest.approx(math.log(1.5), abs=1e-4)
+        assert stats["rollout/is_ratio_max"] == pytest.approx(1.5, rel=1e-3)
+        assert stats["rollout/tis_weight_mean"] == pytest.approx(factor, rel=1e-4)
+    # without the correction, a single update ignores the engine's numbers entirely
+    vcfg = replace(cfg, rollout=replace(cfg.rollout, backend="vllm", tis_cap=None))
+    delta, _ = _update(tokenizer, foreign, vcfg, adv)
+    torch.testing.assert_close(delta, plain, atol=1e-6, rtol=1e-4)
+
+
+def test_vllm_options_are_checked_before_anything_loads():
+    for args, message in ((["--rollout.tis_cap", "0.5"], "rollout.tis_cap=0.5 must be >= 1"),
+                          (["--rollout.vllm_server", "localhost:8000"], "must be a URL"),
+                          (["--rollout.backend", "vllm", "--lora.rank", "8"], "LoRA"),
+                          (["--rollout.vllm_gpu_memory_utilization", "1.5"], "must be <= 1")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, args)
+
+
+def test_without_vllm_the_backend_says_how_to_install_it(tokenizer):
+    pytest.importorskip("torch")
+    try:
+        import vllm  # noqa: F401
+        pytest.skip("vLLM is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(RuntimeError, match=r"pip install \"posttrain\[vllm\]\""):
+        make_engine("vllm", make_tiny_model(tokenizer), tokenizer, model_path="x",
+                    rollout_cfg=load_config(None, []).rollout, dtype="float32", seed=0,
+                    max_model_len=64)
