@@ -5,7 +5,6 @@ they share the trainer's prompt encoding, its response-only forward pass and its
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 import time
@@ -113,10 +112,12 @@ class _Stage:
     rng: random.Random
 
 
-def _start(cfg: StageConfig, model, tokenizer, fields: list[str]) -> _Stage:
+def _start(cfg: StageConfig, model, tokenizer, fields: list[str],
+           rows: list[dict] | None = None) -> _Stage:
     """Read and check the data (before any model loads), seed, load, open the run folder."""
-    rows = read_rows(cfg.data)
-    _check_rows(cfg.data, rows, fields)
+    if rows is None:
+        rows = read_rows(cfg.data)
+        _check_rows(cfg.data, rows, fields)
     seed_everything(cfg.seed)
     if model is None:
         path = resolve_model_path(cfg.model)
@@ -163,36 +164,150 @@ def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
 
 
 def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True) -> dict[str, Any]:
-    """DPO on (prompt, chosen, rejected) with a frozen copy of the starting model as reference."""
-    st = _start(cfg, model, tokenizer, [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field])
-    ref = copy.deepcopy(st.model).eval().requires_grad_(False)
-    chosen = [_response_ids(st.tokenizer, r[cfg.chosen_field], cfg.max_len) for r in st.rows]
-    rejected = [_response_ids(st.tokenizer, r[cfg.rejected_field], cfg.max_len) for r in st.rows]
-    lengths = [len(p) + max(len(c), len(r)) for p, c, r in zip(st.prompts, chosen, rejected)]
-    batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
+    """DPO (§9) on (prompt, chosen, rejected) pairs from --data or --synthetic TASK.
 
-    def seq_logp(m, batch: list[int]) -> tuple[Tensor, Tensor]:
+    The reference is the starting model, frozen: its log-probs of every pair are computed once
+    up front and the copy is dropped, so training holds one model (and epochs > 1 cost no extra
+    reference passes). Held-out pairs give the implicit-reward accuracy and margin (per pair kind);
+    with --synthetic, greedy answers to the held-out problems show the behaviour itself before and
+    after: accuracy, length, and how often an answer is given at all.
+    """
+    fields = [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
+    train_rows, eval_rows, source = preference_rows(cfg)
+    st = _start(cfg, model, tokenizer, fields, rows=train_rows)
+    tok = st.tokenizer
+
+    def encode(rows):
+        return (_encode(tok, cfg, [r[cfg.prompt_field] for r in rows]),
+                [_response_ids(tok, str(r[cfg.chosen_field]), cfg.max_len) for r in rows],
+                [_response_ids(tok, str(r[cfg.rejected_field]), cfg.max_len) for r in rows])
+
+    def seq_logp(m, data, batch: list[int]) -> tuple[Tensor, Tensor]:
         # chosen and rejected of each pair in one forward: rows [c_0..c_n, r_0..r_n]
-        r = pack(st.tokenizer, [st.prompts[i] for i in batch] * 2,
+        prompts, chosen, rejected = data
+        r = pack(tok, [prompts[i] for i in batch] * 2,
                  [chosen[i] for i in batch] + [rejected[i] for i in batch])
-        logp = sequence_logprobs(m, r, torch.arange(2 * len(batch)), 1.0).logp
+        logp = sequence_logprobs(m, r, torch.arange(2 * len(batch)), 1.0, autocast=cfg.autocast).logp
         seq = sequence_logprob(logp, r.response_mask_B_T)
         return seq[:len(batch)], seq[len(batch):]
 
+    @torch.no_grad()
+    def all_logp(m, data) -> tuple[Tensor, Tensor]:
+        was = m.training
+        m.eval()
+        parts = [seq_logp(m, data, list(range(i, min(i + 16, len(data[0])))))
+                 for i in range(0, len(data[0]), 16)]
+        m.train(was)
+        return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
+
+    train_data = (st.prompts, *encode(train_rows)[1:])
+    eval_data = encode(eval_rows)
+    t0 = time.perf_counter()
+    ref_train, ref_eval = all_logp(st.model, train_data), all_logp(st.model, eval_data)
+    ref_s = time.perf_counter() - t0
+
+    def evaluate_pairs() -> dict[str, float]:
+        c, r = all_logp(st.model, eval_data)
+        out = dpo_loss(c, r, *ref_eval, cfg.beta)
+        win = out.chosen_rewards > out.rejected_rewards
+        res = {"dpo/eval_reward_accuracy": win.float().mean().item(),
+               "dpo/eval_margin": (out.chosen_rewards - out.rejected_rewards).mean().item()}
+        for kind in sorted({row.get("kind") for row in eval_rows if row.get("kind")}):
+            idx = torch.tensor([i for i, row in enumerate(eval_rows) if row.get("kind") == kind])
+            res[f"dpo/eval_reward_accuracy@{kind}"] = win[idx].float().mean().item()
+        return res
+
+    task = synthetic_task(cfg) if cfg.synthetic else None
+    summary: dict[str, Any] = {"run_dir": str(st.run_dir), "source": source,
+                               "train_pairs": len(train_rows), "eval_pairs": len(eval_rows),
+                               "reference_s": ref_s}
+    if task is not None:
+        summary["behaviour_before"] = held_out_behaviour(st.model, tok, task, cfg)
+        st.logger.log(0, summary["behaviour_before"])
+    lengths = [len(p) + max(len(c), len(r)) for p, c, r in zip(*train_data)]
+    batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
+    t_start = time.perf_counter()
     acc = float("nan")
     for step, batch in enumerate(tqdm(batches, disable=not show_progress, desc="dpo"), start=1):
-        with torch.no_grad():
-            ref_c, ref_r = seq_logp(ref, batch)
-        pol_c, pol_r = seq_logp(st.model, batch)
-        out = dpo_loss(pol_c, pol_r, ref_c, ref_r, cfg.beta)
+        idx = torch.tensor(batch)
+        pol_c, pol_r = seq_logp(st.model, train_data, batch)
+        out = dpo_loss(pol_c, pol_r, ref_train[0][idx], ref_train[1][idx], cfg.beta)
         _step(st, out.loss.mean())
         acc = (out.chosen_rewards > out.rejected_rewards).float().mean().item()
         st.logger.log(step, {"loss/dpo": out.loss.mean().item(), "dpo/reward_accuracy": acc,
                              "dpo/margin": (out.chosen_rewards - out.rejected_rewards).mean().item(),
                              "dpo/chosen_reward": out.chosen_rewards.mean().item(),
                              "dpo/rejected_reward": out.rejected_rewards.mean().item()})
-    return {"run_dir": str(st.run_dir), "steps": len(batches), "final_model": _finish(st),
-            "reward_accuracy_last": acc}
+    summary["train_minutes"] = (time.perf_counter() - t_start) / 60
+    summary["eval_after"] = evaluate_pairs()
+    st.logger.log(len(batches), summary["eval_after"])
+    if task is not None:
+        summary["behaviour_after"] = held_out_behaviour(st.model, tok, task, cfg)
+        st.logger.log(len(batches), summary["behaviour_after"])
+    summary.update(steps=len(batches), reward_accuracy_last=acc, final_model=_finish(st))
+    (st.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+@torch.no_grad()
+def held_out_behaviour(model, tokenizer, task, cfg: StageConfig,
+                       max_new_tokens: int = 48) -> dict[str, float]:
+    """Greedy answers to the task's held-out problems (no stop string: the model must end its
+    answer itself): accuracy by the verifier, response length, share that gives a number."""
+    from posttrain.config import RewardConfig
+    from posttrain.rewards import Scorer
+    from posttrain.rewards.verifiers import final_answer
+    from posttrain.rollout import SamplingParams
+    from posttrain.rollout.hf import HFRolloutEngine
+
+    problems = task.eval_problems
+    engine = HFRolloutEngine(model, tokenizer)
+    scorer = Scorer(RewardConfig(), task.verifier)
+    correct, lengths, answered = [], [], []
+    for i in range(0, len(problems), 50):
+        chunk = problems[i:i + 50]
+        rollout = engine.generate(_encode(tokenizer, cfg, [p.prompt for p in chunk]), 1,
+                                  SamplingParams(max_new_tokens, greedy=True))
+        texts = tokenizer.batch_decode(rollout.response_ids_B_T.masked_fill(
+            rollout.response_mask_B_T == 0, tokenizer.pad_token_id), skip_special_tokens=True)
+        correct += scorer(chunk, texts, with_model=False).correct_B.tolist()
+        lengths += rollout.lengths_B.tolist()
+        answered += [final_answer(t) is not None for t in texts]
+    n = max(len(problems), 1)
+    return {"behaviour/accuracy": sum(correct) / n, "behaviour/length_mean": sum(lengths) / n,
+            "behaviour/answered": sum(answered) / n}
+
+
+def preference_rows(cfg: StageConfig) -> tuple[list[dict], list[dict], str]:
+    """(train pairs, held-out pairs, source) from --synthetic TASK or --data [--eval_data]; the
+    rows are checked (file, line, field) before any model loads."""
+    fields = [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
+    if cfg.synthetic:   # pairs from ground truth: train on training problems, test on held-out
+        from posttrain.data.preferences import synthetic_preferences
+        task = synthetic_task(cfg)
+        return (synthetic_preferences(task, cfg.n_pairs, cfg.seed),
+                synthetic_preferences(task, cfg.eval_size, cfg.seed, held_out=True),
+                f"synthetic:{cfg.synthetic}")
+    if not cfg.data:
+        raise ValueError("preference pairs: give --data FILE or --synthetic TASK")
+    train_rows = read_rows(cfg.data)
+    _check_rows(cfg.data, train_rows, fields)
+    if cfg.eval_data:
+        eval_rows = read_rows(cfg.eval_data)
+        _check_rows(cfg.eval_data, eval_rows, fields)
+    else:
+        order = random.Random(cfg.seed).sample(range(len(train_rows)), len(train_rows))
+        n_eval = min(cfg.eval_size, len(train_rows) // 5)
+        eval_rows = [train_rows[i] for i in order[:n_eval]]
+        train_rows = [train_rows[i] for i in order[n_eval:]]
+    return train_rows, eval_rows, cfg.data
+
+
+def synthetic_task(cfg: StageConfig):
+    from posttrain.data.tasks import make_task
+    task = make_task(cfg.synthetic, 2)
+    task.build_eval(cfg.eval_size, 1234)
+    return task
 
 
 def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
@@ -206,28 +321,7 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
     from posttrain.losses import bradley_terry_loss, pairwise_accuracy
     from posttrain.rewards.model import STATS_FILE, encode_parts, pair_scores
 
-    fields = [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
-    if cfg.synthetic:   # pairs from ground truth: train on training problems, test on held-out
-        from posttrain.data.preferences import synthetic_preferences
-        from posttrain.data.tasks import make_task
-        task = make_task(cfg.synthetic, 2)
-        task.build_eval(cfg.eval_size, 1234)
-        train_rows = synthetic_preferences(task, cfg.n_pairs, cfg.seed)
-        eval_rows = synthetic_preferences(task, cfg.eval_size, cfg.seed, held_out=True)
-        source = f"synthetic:{cfg.synthetic}"
-    else:
-        if not cfg.data:
-            raise ValueError("reward-model needs --data FILE or --synthetic TASK")
-        train_rows, source = read_rows(cfg.data), cfg.data
-        _check_rows(cfg.data, train_rows, fields)
-        if cfg.eval_data:
-            eval_rows = read_rows(cfg.eval_data)
-            _check_rows(cfg.eval_data, eval_rows, fields)
-        else:
-            order = random.Random(cfg.seed).sample(range(len(train_rows)), len(train_rows))
-            n_eval = min(cfg.eval_size, len(train_rows) // 5)
-            eval_rows = [train_rows[i] for i in order[:n_eval]]
-            train_rows = [train_rows[i] for i in order[n_eval:]]
+    train_rows, eval_rows, source = preference_rows(cfg)
     seed_everything(cfg.seed)
     if model is None:
         path = resolve_model_path(cfg.model)
@@ -314,14 +408,17 @@ def generate(cfg, n: int, out: str | Path, samples: int = 1, only_correct: bool 
     greedy when samples == 1, written as JSONL rows {prompt, response, answer, correct}."""
     from posttrain.rewards import Scorer
     from posttrain.rollout import SamplingParams, make_engine
-    from posttrain.trainer import Sampler, build_task
+    from posttrain.distributed import SINGLE
+    from posttrain.trainer import Sampler, build_task, vllm_options
 
     task = build_task(cfg)
     scorer = Scorer(cfg.reward, task.verifier)
+    path = cfg.model.path
     if model is None:
         path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
         tokenizer, model = load_tokenizer(path), load_policy(path, cfg.model.dtype)
-    engine = make_engine(cfg.rollout.backend, model, tokenizer)
+    engine = make_engine(cfg.rollout.backend, model, tokenizer,
+                         **vllm_options(cfg, path, model, SINGLE))
     r = cfg.rollout
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, greedy=samples == 1, stop=r.stop)
     sampler, rows = Sampler(task, cfg.seed), []

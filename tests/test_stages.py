@@ -42,8 +42,25 @@ def test_dpo_learns_the_preference(tmp_path, tokenizer):
                           beta=0.1, run_dir=str(tmp_path / "run")),
               model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert metrics[0]["dpo/margin"] == pytest.approx(0.0, abs=1e-6)   # policy == reference at start
-    assert metrics[-1]["dpo/margin"] > 0.1 and out["reward_accuracy_last"] == 1.0
+    train_rows = [m for m in metrics if "dpo/margin" in m]
+    assert train_rows[0]["dpo/margin"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at start
+    assert train_rows[-1]["dpo/margin"] > 0.1 and out["reward_accuracy_last"] == 1.0
+    # the 3 pairs split off for evaluation were never trained on, and are won too
+    assert out["eval_pairs"] == 3 and out["eval_after"]["dpo/eval_reward_accuracy"] == 1.0
+
+
+def test_dpo_on_synthetic_pairs_reports_held_out_pairs_and_behaviour(tmp_path, tokenizer):
+    out = dpo(StageConfig(synthetic="addition", n_pairs=48, eval_size=16, lr=1e-3, epochs=2,
+                          batch_size=8, beta=0.1, run_dir=str(tmp_path / "run")),
+              model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    assert out["source"] == "synthetic:addition" and out["train_pairs"] == 48
+    after = out["eval_after"]
+    # concise > rambling and answer > no answer differ in wording a tiny model can pick up
+    assert after["dpo/eval_reward_accuracy@concise>rambling"] > 0.5, after
+    assert set(out["behaviour_before"]) == {"behaviour/accuracy", "behaviour/length_mean",
+                                            "behaviour/answered"}
+    # the chosen answers are short and end with EOS: answers get shorter
+    assert out["behaviour_after"]["behaviour/length_mean"] < out["behaviour_before"]["behaviour/length_mean"]
 
 
 @pytest.mark.parametrize("row,msg", [({"prompt": "p", "chosen": "a"}, "line 1: field 'rejected'"),
