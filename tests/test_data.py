@@ -35,8 +35,18 @@ def test_carry_and_arithmetic_helpers():
 
 
 def test_unknown_task_lists_known_ones():
-    with pytest.raises(KeyError, match="known: \\['addition', 'arithmetic', 'countdown'\\]"):
+    with pytest.raises(KeyError, match="known: \\['addition', 'arithmetic', 'countdown', 'subtraction'\\]"):
         make_task("nope", 1)
+
+
+def test_subtraction_problems_are_non_negative_and_flag_borrows():
+    task = make_task("subtraction", 2)
+    problems = [task.train_problem(0, i) for i in range(200)]
+    for p in problems:
+        a, b = p.meta["a"], p.meta["b"]
+        assert p.prompt == f"What is {a} - {b}?" and int(p.answer) == a - b >= 0
+        assert p.meta["borrow"] == (a % 10 < b % 10 or (a // 10) % 10 < (b // 10) % 10)
+    assert {p.meta["borrow"] for p in problems} == {True, False}
 
 
 def test_a_mixture_takes_a_difficulty_per_task():

@@ -103,6 +103,23 @@ def addition_task(difficulty: int = 2) -> Task:
     return Task("addition", make)
 
 
+@TASKS.register("subtraction")
+def subtraction_task(difficulty: int = 2) -> Task:
+    """a - b with `difficulty`-digit operands and a >= b (2: 10..99), so the result is >= 0."""
+    if difficulty < 1:
+        raise ValueError(f"data.difficulty={difficulty} must be >= 1 digit")
+
+    def make(rng: random.Random) -> Problem:
+        a, b = sorted((_operand(rng, difficulty), _operand(rng, difficulty)), reverse=True)
+        return Problem(f"What is {a} - {b}?", str(a - b),
+                       {"a": a, "b": b, "borrow": any(x < y for x, y in zip(_digits(a), _digits(b)))})
+    return Task("subtraction", make)
+
+
+def _digits(n: int) -> list[int]:
+    return [int(c) for c in reversed(str(n))]
+
+
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 
