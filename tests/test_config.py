@@ -57,3 +57,15 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("optim: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_every_packaged_recipe_loads_and_validates():
+    from pathlib import Path
+
+    from posttrain import recipes as package
+    recipes = sorted(Path(package.__file__).parent.glob("*.yaml"))
+    assert len(recipes) >= 4
+    for recipe in recipes:
+        extra = ["--teacher.path", "smollm2-135m-instruct"] if recipe.name == "addition_opd.yaml" else []
+        cfg = load_config(recipe, extra)
+        assert cfg.data.task == "addition", recipe

@@ -168,7 +168,7 @@ def test_bf16_autocast_keeps_logprobs_close_and_head_in_float32(tokenizer, tiny_
 def test_shared_prompt_forward_equals_full_sequence_forward_values_and_gradients(tokenizer):
     """The prompt runs once per group (KV cache repeated, gradients through it): same logits and
     same gradients as running every prompt+response sequence whole."""
-    from posttrain.trainer import response_logits
+    from posttrain.forward import response_logits
     model = make_tiny_model(tokenizer, seed=7).double()
     task = build_task(load_config(None, ["--data.eval_size", "3"]))
     engine = make_engine("hf", model, tokenizer)
