@@ -218,7 +218,8 @@ class DataConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     # 'hf': in-process transformers sampling (exact pi_old, any device); 'vllm': a vLLM engine on
-    # the same GPU (pip install posttrain[vllm]), weights synced after every update
+    # the same GPU or a `vllm serve` process (pip install posttrain[vllm]; rollout/vllm.py),
+    # weights synced after every update
     backend: Literal["hf", "vllm"] = "hf"
     prompts_per_step: int = 8           # P prompts per generated batch
     group_size: int = 4                 # G responses per prompt
@@ -232,7 +233,7 @@ class RolloutConfig:
     tis_cap: float | None = 2.0
     vllm_gpu_memory_utilization: float = 0.3   # share of the GPU vLLM may take (colocated)
     vllm_sleep: bool = True             # free vLLM's weights and KV cache while the trainer updates
-    vllm_server: str | None = None      # 'http://host:port' of `posttrain vllm-serve`; None: colocated
+    vllm_server: str | None = None      # 'http://host:port' of a `vllm serve`; None: colocated
 
 
 @dataclass(frozen=True)

@@ -170,16 +170,15 @@ def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
     up front and the copy is dropped, so training holds one model (and epochs > 1 cost no extra
     reference passes). Held-out pairs give the implicit-reward accuracy and margin (per pair kind);
     with --synthetic, greedy answers to the held-out problems show the behaviour itself before and
-    after: accuracy, length, and how often an answer is given at all.
+    after: accuracy and length.
     """
     fields = [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
     train_rows, eval_rows, source = preference_rows(cfg)
     st = _start(cfg, model, tokenizer, fields, rows=train_rows)
     tok = st.tokenizer
 
-    def encode(rows):
-        return (_encode(tok, cfg, [r[cfg.prompt_field] for r in rows]),
-                [_response_ids(tok, str(r[cfg.chosen_field]), cfg.max_len) for r in rows],
+    def responses(rows):
+        return ([_response_ids(tok, str(r[cfg.chosen_field]), cfg.max_len) for r in rows],
                 [_response_ids(tok, str(r[cfg.rejected_field]), cfg.max_len) for r in rows])
 
     def seq_logp(m, data, batch: list[int]) -> tuple[Tensor, Tensor]:
@@ -200,8 +199,8 @@ def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
         m.train(was)
         return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
 
-    train_data = (st.prompts, *encode(train_rows)[1:])
-    eval_data = encode(eval_rows)
+    train_data = (st.prompts, *responses(train_rows))
+    eval_data = (_encode(tok, cfg, [r[cfg.prompt_field] for r in eval_rows]), *responses(eval_rows))
     t0 = time.perf_counter()
     ref_train, ref_eval = all_logp(st.model, train_data), all_logp(st.model, eval_data)
     ref_s = time.perf_counter() - t0
@@ -253,17 +252,16 @@ def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
 def held_out_behaviour(model, tokenizer, task, cfg: StageConfig,
                        max_new_tokens: int = 48) -> dict[str, float]:
     """Greedy answers to the task's held-out problems (no stop string: the model must end its
-    answer itself): accuracy by the verifier, response length, share that gives a number."""
+    answer itself): accuracy by the verifier and response length."""
     from posttrain.config import RewardConfig
     from posttrain.rewards import Scorer
-    from posttrain.rewards.verifiers import final_answer
     from posttrain.rollout import SamplingParams
     from posttrain.rollout.hf import HFRolloutEngine
 
     problems = task.eval_problems
     engine = HFRolloutEngine(model, tokenizer)
     scorer = Scorer(RewardConfig(), task.verifier)
-    correct, lengths, answered = [], [], []
+    correct, lengths = [], []
     for i in range(0, len(problems), 50):
         chunk = problems[i:i + 50]
         rollout = engine.generate(_encode(tokenizer, cfg, [p.prompt for p in chunk]), 1,
@@ -272,10 +270,8 @@ def held_out_behaviour(model, tokenizer, task, cfg: StageConfig,
             rollout.response_mask_B_T == 0, tokenizer.pad_token_id), skip_special_tokens=True)
         correct += scorer(chunk, texts, with_model=False).correct_B.tolist()
         lengths += rollout.lengths_B.tolist()
-        answered += [final_answer(t) is not None for t in texts]
     n = max(len(problems), 1)
-    return {"behaviour/accuracy": sum(correct) / n, "behaviour/length_mean": sum(lengths) / n,
-            "behaviour/answered": sum(answered) / n}
+    return {"behaviour/accuracy": sum(correct) / n, "behaviour/length_mean": sum(lengths) / n}
 
 
 def preference_rows(cfg: StageConfig) -> tuple[list[dict], list[dict], str]:

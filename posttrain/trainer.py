@@ -100,8 +100,8 @@ class ScoredBatch:
     ref_logp_B_T: Tensor | None = None
     teacher_logp_B_T: Tensor | None = None
     teacher_view: Rollout | None = None   # the same responses after the teacher's own prompts
-    # another engine sampled (vLLM): rollout.logp_B_T are its log-probs, these the trainer's for
-    # pi_old (only needed with several updates per batch; a single update reads its own forward)
+    # another engine sampled (vLLM): rollout.logp_B_T are its log-probs, these the trainer's own
+    # for the same tokens (ratios, advantages, KL and the truncated IS weights use them)
     trainer_old_logp_B_T: Tensor | None = None
 
     @property

@@ -57,8 +57,7 @@ def test_dpo_on_synthetic_pairs_reports_held_out_pairs_and_behaviour(tmp_path, t
     after = out["eval_after"]
     # concise > rambling and answer > no answer differ in wording a tiny model can pick up
     assert after["dpo/eval_reward_accuracy@concise>rambling"] > 0.5, after
-    assert set(out["behaviour_before"]) == {"behaviour/accuracy", "behaviour/length_mean",
-                                            "behaviour/answered"}
+    assert set(out["behaviour_before"]) == {"behaviour/accuracy", "behaviour/length_mean"}
     assert after["dpo/eval_margin"] > 0
     for b in (out["behaviour_before"], out["behaviour_after"]):   # greedy, at most 48 new tokens
         assert 0 < b["behaviour/length_mean"] <= 48 and 0 <= b["behaviour/accuracy"] <= 1

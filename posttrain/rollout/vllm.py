@@ -148,7 +148,6 @@ class VLLMRolloutEngine:
                 raise RuntimeError("colocated vLLM under torchrun is not supported yet; start a "
                                    "`vllm serve` process and set rollout.vllm_server")
             self._init_colocated(source, model_path, dtype, seed, max_model_len)
-        self.version = 0
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -195,7 +194,6 @@ class VLLMRolloutEngine:
             self.llm.wake_up(tags=["weights"])
             self.asleep.remove("weights")
         self.sender.send_weights()
-        self.version += 1
 
     def generate(self, prompts: list[list[int]], group_size: int, params: SamplingParams,
                  generator: torch.Generator | None = None, seeds: Tensor | None = None) -> Rollout:
