@@ -77,8 +77,14 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         cfg = load_config(config_file, overrides)
     summary = train(cfg, resume=args.resume, show_progress=not args.no_progress)
-    print_summary(summary)
+    if _main_process():
+        print_summary(summary)
     return 0
+
+
+def _main_process() -> bool:
+    """Rank 0 under torchrun (the one that prints), or a plain single process."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def print_summary(summary: dict) -> None:
@@ -149,7 +155,8 @@ def cmd_stage(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError("--data FILE is required (JSONL, CSV, Parquet or a datasets folder)"
                           + (" or --synthetic TASK" if pairs else ""))
     out = {"sft": sft, "dpo": dpo, "reward-model": reward_model}[args.command](cfg)
-    print(json.dumps(out, indent=2))
+    if _main_process():
+        print(json.dumps(out, indent=2))
     return 0
 
 
@@ -202,18 +209,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     stage_help = ("options: --model --data --prompt_field --response_field --chosen_field "
                   "--rejected_field --system_prompt --lr --batch_size --epochs --beta --max_len "
-                  "--seed --run_dir")
+                  "--seed --run_dir --autocast --strategy (ddp|fsdp, under torchrun: "
+                  "torchrun --nproc-per-node N -m posttrain.cli sft ...)")
     p = sub.add_parser("sft", help="supervised fine-tuning on prompt/response pairs",
                        epilog=stage_help)
     p.set_defaults(fn=cmd_stage)
     p = sub.add_parser("dpo", help="DPO on prompt/chosen/rejected preference pairs",
-                       epilog=stage_help + " --synthetic TASK --n_pairs --eval_data --eval_size "
-                       "--autocast. Example: posttrain dpo --synthetic addition --beta 0.1")
+                       epilog=stage_help + " --synthetic TASK --n_pairs --eval_data --eval_size. "
+                       "Example: posttrain dpo --synthetic addition --beta 0.1")
     p.set_defaults(fn=cmd_stage)
 
     p = sub.add_parser("reward-model", help="train a Bradley-Terry reward model on preference pairs",
-                       epilog=stage_help + " --synthetic TASK --n_pairs --eval_data --eval_size "
-                       "--autocast. Example: posttrain reward-model --synthetic addition")
+                       epilog=stage_help + " --synthetic TASK --n_pairs --eval_data --eval_size. "
+                       "Example: posttrain reward-model --synthetic addition")
     p.set_defaults(fn=cmd_stage)
 
     p = sub.add_parser("generate", help="write a model's answers to training problems as SFT data")
@@ -244,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"posttrain: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():   # torchrun: leave the group cleanly
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

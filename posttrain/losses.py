@@ -408,6 +408,13 @@ def dpo_loss(chosen_logp: Tensor, rejected_logp: Tensor, ref_chosen_logp: Tensor
                      chosen_rewards.detach(), rejected_rewards.detach())
 
 
-def sft_loss(logp_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
-    """Negative log-likelihood of the response tokens, mean over tokens.  §8 (SFT warm-up)."""
-    return -_masked_mean(logp_B_T, mask_B_T)
+def sft_loss(logp_B_T: Tensor, mask_B_T: Tensor, n_tokens: float | Tensor | None = None) -> Tensor:
+    """Negative log-likelihood of the response tokens, mean over tokens.  §8 (SFT warm-up).
+
+        L = - sum_{i,t} m_it log pi(y_it | x_i, y_i,<t) / N,   N = sum m  (or `n_tokens`: the
+                                                               global batch's count, when the
+                                                               rows are one rank's share)
+    """
+    if n_tokens is None:
+        return -_masked_mean(logp_B_T, mask_B_T)
+    return -(logp_B_T * mask_B_T).sum() / n_tokens

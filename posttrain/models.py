@@ -121,15 +121,18 @@ def load_policy(path: str | Path, dtype: str = "float32") -> PreTrainedModel:
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path,
-               state_dict: dict | None = None) -> None:
+               state_dict: dict | None = None, extra_files: dict[str, str] | None = None) -> None:
     """Save in Hugging Face format, atomically (temporary folder, then rename). `state_dict`:
-    the full weights when the model's own are sharded (FSDP)."""
+    the full weights when the model's own are sharded (FSDP); `extra_files`: name -> text
+    written beside them (in the same atomic rename)."""
     folder = Path(folder)
     tmp = folder.with_name(f".{folder.name}.tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
     if folder.exists():
         shutil.rmtree(folder)
     os.replace(tmp, folder)

@@ -1,6 +1,14 @@
-"""The offline stages around RL: SFT (ALGORITHMS.md §8, the warm-up before distillation) and DPO
-(§9, the closed-form counterpart of the KL-regularised objective). Short loops with no rollout;
-they share the trainer's prompt encoding, its response-only forward pass and its logging.
+"""The offline stages around RL: SFT (ALGORITHMS.md §8, the warm-up before distillation), DPO
+(§9, the closed-form counterpart of the KL-regularised objective) and Bradley-Terry reward models
+(§1). Short loops with no rollout; they share the trainer's prompt encoding, its response-only
+forward pass, its logging and its data parallelism:
+
+    torchrun --nproc-per-node N -m posttrain.cli sft|dpo|reward-model ... [--strategy fsdp]
+
+Every rank builds the same batches (same seed) and runs its contiguous share of each; a rank's
+loss is weighted by the *global* batch's pair or token count, so the averaged gradient is the
+one-process gradient of the whole batch (`distributed.py`). Reference passes and held-out
+evaluations are split over the ranks and gathered; rank 0 logs and saves.
 """
 
 from __future__ import annotations
@@ -18,7 +26,10 @@ from tqdm.auto import tqdm
 
 from posttrain.data import read_rows
 from posttrain.data.tasks import Problem
-from posttrain.logging import MetricsLogger
+from posttrain.distributed import (World, average_gradients, barrier, clip_grad_norm, device_for,
+                                   full_state_dict, full_weights_for_generation, gather_objects,
+                                   global_sum, init_world, wrap)
+from posttrain.logging import MetricsLogger, NullLogger
 from posttrain.losses import dpo_loss, sequence_logprob, sft_loss
 from posttrain.models import load_policy, load_tokenizer, resolve_model_path, save_model
 from posttrain.rollout.base import Rollout
@@ -48,9 +59,11 @@ class StageConfig:
     eval_data: str = ""                 # held-out pairs file; default: eval_size pairs split off
     eval_size: int = 200
     autocast: str = "none"              # 'bfloat16': body in bf16 (faster on AVX512-BF16 / GPU)
+    strategy: str = "ddp"               # under torchrun: 'ddp' (replicated) or 'fsdp' (sharded)
 
 
-def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]]) -> Rollout:
+def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]],
+         device: torch.device | str = "cpu") -> Rollout:
     """Prompt ids left-padded, response ids right-padded: the layout the trainer's forward uses."""
     p_ids, p_mask = left_pad(prompts, tokenizer.pad_token_id)
     T = max(len(r) for r in responses)
@@ -59,8 +72,9 @@ def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]]) -> Rol
     for i, r in enumerate(responses):
         r_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
         r_mask[i, :len(r)] = 1.0
-    return Rollout(p_ids, p_mask, r_ids, r_mask, torch.zeros_like(r_mask),
-                   torch.zeros(len(responses), dtype=torch.bool), group_size=1)
+    return Rollout(p_ids.to(device), p_mask.to(device), r_ids.to(device), r_mask.to(device),
+                   torch.zeros_like(r_mask, device=device),
+                   torch.zeros(len(responses), dtype=torch.bool, device=device), group_size=1)
 
 
 def _response_ids(tokenizer, text: str, max_len: int) -> list[int]:
@@ -108,38 +122,92 @@ class _Stage:
     prompts: list[list[int]]
     optimizer: torch.optim.Optimizer
     run_dir: Path
-    logger: MetricsLogger
+    logger: MetricsLogger | NullLogger
     rng: random.Random
+    world: World
+    device: torch.device
 
 
 def _start(cfg: StageConfig, model, tokenizer, fields: list[str],
-           rows: list[dict] | None = None) -> _Stage:
-    """Read and check the data (before any model loads), seed, load, open the run folder."""
+           rows: list[dict] | None = None, load=load_policy) -> _Stage:
+    """Read and check the data (before any model loads), join the process group under torchrun,
+    seed, load (`load(path)`), place and wrap the model, open the run folder."""
     if rows is None:
         rows = read_rows(cfg.data)
         _check_rows(cfg.data, rows, fields)
+    if cfg.strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"strategy={cfg.strategy!r} is not valid; accepted: ['ddp', 'fsdp']")
+    world = init_world(cfg.strategy)
+    if world.distributed and cfg.batch_size < world.size:
+        raise ValueError(f"batch_size={cfg.batch_size} is smaller than the {world.size} ranks: "
+                         "each rank needs a share of every batch")
     seed_everything(cfg.seed)
     if model is None:
         path = resolve_model_path(cfg.model)
-        tokenizer, model = load_tokenizer(path), load_policy(path)
+        tokenizer, model = load_tokenizer(path), load(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    device = device_for(world)
+    model = wrap(model.to(device), world)      # FSDP2: the decoder layers sharded, in place
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if world.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    barrier(world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
+                                  foreach=False if world.strategy == "fsdp" else None)
+    logger = MetricsLogger(run_dir, tensorboard=False) if world.main else NullLogger()
     return _Stage(rows, model, tokenizer, _encode(tokenizer, cfg, [r[cfg.prompt_field] for r in rows]),
-                  torch.optim.AdamW(model.parameters(), lr=cfg.lr), run_dir,
-                  MetricsLogger(run_dir, tensorboard=False), random.Random(cfg.seed))
+                  optimizer, run_dir, logger, random.Random(cfg.seed), world, device)
+
+
+def share_of_batch(batch: list[int], world: World) -> tuple[list[int], float]:
+    """This rank's contiguous part of a global batch, with weight 1. A rank left with nothing (a
+    final batch smaller than the world) runs the batch's first row with weight 0, so that every
+    rank still takes part in FSDP's collectives and the gradient all-reduce."""
+    if not world.distributed:
+        return batch, 1.0
+    per = -(-len(batch) // world.size)
+    mine = batch[world.rank * per:(world.rank + 1) * per]
+    return (mine, 1.0) if mine else (batch[:1], 0.0)
+
+
+def sharded_rows(fn, n: int, chunk: int, world: World) -> tuple[Tensor, ...]:
+    """fn(indices) -> a tuple of per-row tensors, for rows 0..n-1, with the rows split over the
+    ranks (contiguous shares, `chunk` rows per call) and gathered back in order on every rank.
+    Every rank makes the same number of calls (padding with row 0), as FSDP's forward requires."""
+    per = -(-n // world.size)
+    mine = list(range(min(world.rank * per, n), min((world.rank + 1) * per, n)))
+    parts = []
+    for start in range(0, per, chunk):
+        idx = mine[start:start + chunk]
+        out = fn(idx or [0])
+        if idx:
+            parts.append(tuple(t.detach().cpu() for t in out))
+    local = tuple(torch.cat(cols) for cols in zip(*parts)) if parts else None
+    shares = [s for s in gather_objects(local, world) if s is not None]
+    return tuple(torch.cat(cols) for cols in zip(*shares))
 
 
 def _step(stage: _Stage, loss: Tensor) -> None:
+    """One optimizer step; `loss` is this rank's part of the global batch loss (times the world
+    size, which the gradient average divides out)."""
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(stage.model.parameters(), 1.0)
+    params = list(stage.model.parameters())   # after backward: FSDP2 has re-registered its shards
+    average_gradients(params, stage.world)
+    clip_grad_norm(params, 1.0, stage.world)
     stage.optimizer.step()
     stage.optimizer.zero_grad(set_to_none=True)
 
 
-def _finish(stage: _Stage) -> str:
+def _finish(stage: _Stage, extra_files: dict[str, str] | None = None) -> str:
+    """Save the final model once (rank 0; FSDP shards are gathered first)."""
     stage.logger.close()
-    save_model(stage.model, stage.tokenizer, stage.run_dir / "final_model")
-    return str(stage.run_dir / "final_model")
+    folder = stage.run_dir / "final_model"
+    weights = full_state_dict(stage.model, stage.world)
+    if stage.world.main:
+        save_model(stage.model, stage.tokenizer, folder, weights, extra_files)
+    barrier(stage.world)
+    return str(folder)
 
 
 def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True) -> dict[str, Any]:
@@ -149,16 +217,19 @@ def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
     lengths = [len(p) + len(r) for p, r in zip(st.prompts, responses)]
     batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
     losses = []
-    for step, batch in enumerate(tqdm(batches, disable=not show_progress, desc="sft"), start=1):
+    bar = tqdm(batches, disable=not (show_progress and st.world.main), desc="sft")
+    for step, batch in enumerate(bar, start=1):
         t0 = time.perf_counter()
-        r = pack(st.tokenizer, [st.prompts[i] for i in batch], [responses[i] for i in batch])
-        logp = sequence_logprobs(st.model, r, torch.arange(len(batch)), 1.0).logp
-        loss = sft_loss(logp, r.response_mask_B_T)
-        _step(st, loss)
-        losses.append(loss.item())
+        mine, weight = share_of_batch(batch, st.world)
+        r = pack(st.tokenizer, [st.prompts[i] for i in mine], [responses[i] for i in mine], st.device)
+        logp = sequence_logprobs(st.model, r, torch.arange(len(mine)), 1.0, autocast=cfg.autocast).logp
+        tokens = global_sum(weight * r.response_mask_B_T.sum(), st.world)
+        loss = weight * sft_loss(logp, r.response_mask_B_T, tokens)
+        _step(st, loss * st.world.size)
+        losses.append(global_sum(loss.detach(), st.world).item())
         width = r.prompt_ids_B_L.shape[1] + r.response_ids_B_T.shape[1]
         st.logger.log(step, {"loss/sft": losses[-1], "perf/step_s": time.perf_counter() - t0,
-                             "perf/padding_frac": 1 - sum(lengths[i] for i in batch) / (len(batch) * width)})
+                             "perf/padding_frac": 1 - sum(lengths[i] for i in mine) / (len(mine) * width)})
     return {"run_dir": str(st.run_dir), "steps": len(batches), "first_loss": losses[0],
             "last_loss": losses[-1], "final_model": _finish(st)}
 
@@ -175,38 +246,37 @@ def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
     fields = [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
     train_rows, eval_rows, source = preference_rows(cfg)
     st = _start(cfg, model, tokenizer, fields, rows=train_rows)
-    tok = st.tokenizer
+    tok, world = st.tokenizer, st.world
 
     def responses(rows):
         return ([_response_ids(tok, str(r[cfg.chosen_field]), cfg.max_len) for r in rows],
                 [_response_ids(tok, str(r[cfg.rejected_field]), cfg.max_len) for r in rows])
 
-    def seq_logp(m, data, batch: list[int]) -> tuple[Tensor, Tensor]:
+    def seq_logp(data, batch: list[int]) -> tuple[Tensor, Tensor]:
         # chosen and rejected of each pair in one forward: rows [c_0..c_n, r_0..r_n]
         prompts, chosen, rejected = data
         r = pack(tok, [prompts[i] for i in batch] * 2,
-                 [chosen[i] for i in batch] + [rejected[i] for i in batch])
-        logp = sequence_logprobs(m, r, torch.arange(2 * len(batch)), 1.0, autocast=cfg.autocast).logp
+                 [chosen[i] for i in batch] + [rejected[i] for i in batch], st.device)
+        logp = sequence_logprobs(st.model, r, torch.arange(2 * len(batch)), 1.0,
+                                 autocast=cfg.autocast).logp
         seq = sequence_logprob(logp, r.response_mask_B_T)
         return seq[:len(batch)], seq[len(batch):]
 
     @torch.no_grad()
-    def all_logp(m, data) -> tuple[Tensor, Tensor]:
-        was = m.training
-        m.eval()
-        parts = [seq_logp(m, data, list(range(i, min(i + 16, len(data[0])))))
-                 for i in range(0, len(data[0]), 16)]
-        m.train(was)
-        return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
+    def all_logp(data) -> tuple[Tensor, Tensor]:
+        st.model.eval()
+        out = sharded_rows(lambda idx: seq_logp(data, idx), len(data[0]), 16, world)
+        st.model.train()
+        return out
 
     train_data = (st.prompts, *responses(train_rows))
     eval_data = (_encode(tok, cfg, [r[cfg.prompt_field] for r in eval_rows]), *responses(eval_rows))
     t0 = time.perf_counter()
-    ref_train, ref_eval = all_logp(st.model, train_data), all_logp(st.model, eval_data)
+    ref_train, ref_eval = all_logp(train_data), all_logp(eval_data)
     ref_s = time.perf_counter() - t0
 
     def evaluate_pairs() -> dict[str, float]:
-        c, r = all_logp(st.model, eval_data)
+        c, r = all_logp(eval_data)
         out = dpo_loss(c, r, *ref_eval, cfg.beta)
         win = out.chosen_rewards > out.rejected_rewards
         res = {"dpo/eval_reward_accuracy": win.float().mean().item(),
@@ -221,56 +291,71 @@ def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
                                "train_pairs": len(train_rows), "eval_pairs": len(eval_rows),
                                "reference_s": ref_s}
     if task is not None:
-        summary["behaviour_before"] = held_out_behaviour(st.model, tok, task, cfg)
+        summary["behaviour_before"] = held_out_behaviour(st.model, tok, task, cfg, world)
         st.logger.log(0, summary["behaviour_before"])
     lengths = [len(p) + max(len(c), len(r)) for p, c, r in zip(*train_data)]
     batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
     t_start = time.perf_counter()
     acc = float("nan")
-    for step, batch in enumerate(tqdm(batches, disable=not show_progress, desc="dpo"), start=1):
-        idx = torch.tensor(batch)
-        pol_c, pol_r = seq_logp(st.model, train_data, batch)
-        out = dpo_loss(pol_c, pol_r, ref_train[0][idx], ref_train[1][idx], cfg.beta)
-        _step(st, out.loss.mean())
-        acc = (out.chosen_rewards > out.rejected_rewards).float().mean().item()
-        st.logger.log(step, {"loss/dpo": out.loss.mean().item(), "dpo/reward_accuracy": acc,
-                             "dpo/margin": (out.chosen_rewards - out.rejected_rewards).mean().item(),
-                             "dpo/chosen_reward": out.chosen_rewards.mean().item(),
-                             "dpo/rejected_reward": out.rejected_rewards.mean().item()})
+    bar = tqdm(batches, disable=not (show_progress and world.main), desc="dpo")
+    for step, batch in enumerate(bar, start=1):
+        mine, weight = share_of_batch(batch, world)
+        idx = torch.tensor(mine)
+        pol_c, pol_r = seq_logp(train_data, mine)
+        out = dpo_loss(pol_c, pol_r, ref_train[0][idx].to(st.device), ref_train[1][idx].to(st.device),
+                       cfg.beta)
+        share = weight / len(batch)           # the mean over the global batch, this rank's part
+        _step(st, out.loss.sum() * share * world.size)
+        margin = out.chosen_rewards - out.rejected_rewards
+        loss, acc, margin, chosen, rejected = (global_sum(torch.stack([
+            out.loss.detach().sum(), (margin > 0).float().sum(), margin.sum(),
+            out.chosen_rewards.sum(), out.rejected_rewards.sum()]) * share, world)).tolist()
+        st.logger.log(step, {"loss/dpo": loss, "dpo/reward_accuracy": acc, "dpo/margin": margin,
+                             "dpo/chosen_reward": chosen, "dpo/rejected_reward": rejected})
     summary["train_minutes"] = (time.perf_counter() - t_start) / 60
     summary["eval_after"] = evaluate_pairs()
     st.logger.log(len(batches), summary["eval_after"])
     if task is not None:
-        summary["behaviour_after"] = held_out_behaviour(st.model, tok, task, cfg)
+        summary["behaviour_after"] = held_out_behaviour(st.model, tok, task, cfg, world)
         st.logger.log(len(batches), summary["behaviour_after"])
     summary.update(steps=len(batches), reward_accuracy_last=acc, final_model=_finish(st))
-    (st.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if world.main:
+        (st.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
 @torch.no_grad()
-def held_out_behaviour(model, tokenizer, task, cfg: StageConfig,
+def held_out_behaviour(model, tokenizer, task, cfg: StageConfig, world: World | None = None,
                        max_new_tokens: int = 48) -> dict[str, float]:
     """Greedy answers to the task's held-out problems (no stop string: the model must end its
-    answer itself): accuracy by the verifier and response length."""
+    answer itself): accuracy by the verifier and response length. Under torchrun each rank
+    answers a contiguous share (FSDP: with the full weights gathered once)."""
     from posttrain.config import RewardConfig
+    from posttrain.distributed import SINGLE
     from posttrain.rewards import Scorer
     from posttrain.rollout import SamplingParams
     from posttrain.rollout.hf import HFRolloutEngine
 
-    problems = task.eval_problems
+    world = world or SINGLE
+    all_problems = task.eval_problems
+    per = -(-len(all_problems) // world.size)
+    problems = all_problems[world.rank * per:(world.rank + 1) * per]
     engine = HFRolloutEngine(model, tokenizer)
     scorer = Scorer(RewardConfig(), task.verifier)
     correct, lengths = [], []
-    for i in range(0, len(problems), 50):
-        chunk = problems[i:i + 50]
-        rollout = engine.generate(_encode(tokenizer, cfg, [p.prompt for p in chunk]), 1,
-                                  SamplingParams(max_new_tokens, greedy=True))
-        texts = tokenizer.batch_decode(rollout.response_ids_B_T.masked_fill(
-            rollout.response_mask_B_T == 0, tokenizer.pad_token_id), skip_special_tokens=True)
-        correct += scorer(chunk, texts, with_model=False).correct_B.tolist()
-        lengths += rollout.lengths_B.tolist()
-    n = max(len(problems), 1)
+    with full_weights_for_generation(model, world):
+        for i in range(0, len(problems), 50):
+            chunk = problems[i:i + 50]
+            rollout = engine.generate(_encode(tokenizer, cfg, [p.prompt for p in chunk]), 1,
+                                      SamplingParams(max_new_tokens, greedy=True))
+            texts = tokenizer.batch_decode(rollout.response_ids_B_T.masked_fill(
+                rollout.response_mask_B_T == 0, tokenizer.pad_token_id), skip_special_tokens=True)
+            correct += scorer(chunk, texts, with_model=False).correct_B.tolist()
+            lengths += rollout.lengths_B.tolist()
+    shares = gather_objects((correct, lengths), world)
+    correct = [c for share in shares for c in share[0]]
+    lengths = [n for share in shares for n in share[1]]
+    n = max(len(all_problems), 1)
     return {"behaviour/accuracy": sum(correct) / n, "behaviour/length_mean": sum(lengths) / n}
 
 
@@ -292,6 +377,9 @@ def preference_rows(cfg: StageConfig) -> tuple[list[dict], list[dict], str]:
         eval_rows = read_rows(cfg.eval_data)
         _check_rows(cfg.eval_data, eval_rows, fields)
     else:
+        if len(train_rows) < 5:
+            raise ValueError(f"{cfg.data}: {len(train_rows)} pairs; at least 5 are needed (a fifth is "
+                             "held out for evaluation), or give --eval_data FILE")
         order = random.Random(cfg.seed).sample(range(len(train_rows)), len(train_rows))
         n_eval = min(cfg.eval_size, len(train_rows) // 5)
         eval_rows = [train_rows[i] for i in order[:n_eval]]
@@ -306,54 +394,49 @@ def synthetic_task(cfg: StageConfig):
     return task
 
 
+def load_reward_model_start(path: str | Path):
+    """A reward model to train: the body from `path`, a one-label score head initialised to
+    zero (r = 0 for everything at the start)."""
+    from transformers import AutoModelForSequenceClassification
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+    torch.nn.init.zeros_(model.score.weight)
+    return model
+
+
 def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
                  ) -> dict[str, Any]:
     """Train a Bradley-Terry reward model (§1) on (prompt, chosen, rejected) pairs:
     loss -log sigmoid(r(x, y_c) - r(x, y_r)), r = a scalar head on the last token. Reports
     held-out pairwise accuracy (per pair kind when the rows have one) before and after, and saves
     an AutoModelForSequenceClassification (one label) with reward_stats.json for normalisation."""
-    from transformers import AutoModelForSequenceClassification
-
     from posttrain.losses import bradley_terry_loss, pairwise_accuracy
     from posttrain.rewards.model import STATS_FILE, encode_parts, pair_scores
 
+    fields = [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
     train_rows, eval_rows, source = preference_rows(cfg)
-    seed_everything(cfg.seed)
-    if model is None:
-        path = resolve_model_path(cfg.model)
-        tokenizer = load_tokenizer(path)
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
-        torch.nn.init.zeros_(model.score.weight)    # r = 0 for everything at the start
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model.config.pad_token_id = tokenizer.pad_token_id
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    logger = MetricsLogger(run_dir, tensorboard=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    st = _start(cfg, model, tokenizer, fields, rows=train_rows, load=load_reward_model_start)
+    tok, world = st.tokenizer, st.world
+    st.model.config.pad_token_id = tok.pad_token_id
 
     def encode(rows):
         prompts = [r[cfg.prompt_field] for r in rows]
-        heads, chosen = encode_parts(tokenizer, prompts, [str(r[cfg.chosen_field]) for r in rows],
+        heads, chosen = encode_parts(tok, prompts, [str(r[cfg.chosen_field]) for r in rows],
                                      cfg.system_prompt)
-        rejected = [tokenizer(str(r[cfg.rejected_field]), add_special_tokens=False)["input_ids"]
+        rejected = [tok(str(r[cfg.rejected_field]), add_special_tokens=False)["input_ids"]
                     for r in rows]
         return heads, chosen, rejected
 
     def scores(idx, heads, chosen, rejected):
-        return pair_scores(model, [heads[i] for i in idx], [chosen[i] for i in idx],
-                           [rejected[i] for i in idx], tokenizer.pad_token_id, cfg.autocast)
+        return pair_scores(st.model, [heads[i] for i in idx], [chosen[i] for i in idx],
+                           [rejected[i] for i in idx], tok.pad_token_id, cfg.autocast)
+
+    eval_parts = encode(eval_rows)
 
     @torch.no_grad()
     def evaluate_pairs() -> dict[str, float]:
-        model.eval()
-        parts = encode(eval_rows)
-        cs, rs = [], []
-        for i in range(0, len(eval_rows), 32):
-            c, r = scores(range(i, min(i + 32, len(eval_rows))), *parts)
-            cs.append(c)
-            rs.append(r)
-        c, r = torch.cat(cs), torch.cat(rs)
+        st.model.eval()
+        c, r = sharded_rows(lambda idx: scores(idx, *eval_parts), len(eval_rows), 32, world)
+        st.model.train()
         out = {"rm/eval_accuracy": pairwise_accuracy(c, r).item(),
                "rm/eval_margin": (c - r).mean().item(),
                "_mean": torch.cat([c, r]).mean().item(), "_std": torch.cat([c, r]).std().item()}
@@ -361,40 +444,35 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
         for kind in kinds:
             idx = torch.tensor([i for i, row in enumerate(eval_rows) if row.get("kind") == kind])
             out[f"rm/eval_accuracy@{kind}"] = pairwise_accuracy(c[idx], r[idx]).item()
-        model.train()
         return out
 
+    def public(metrics: dict[str, float]) -> dict[str, float]:
+        return {k: v for k, v in metrics.items() if not k.startswith("_")}
+
     before = evaluate_pairs()
-    logger.log(0, {k: v for k, v in before.items() if not k.startswith("_")})
+    st.logger.log(0, public(before))
     heads, chosen, rejected = encode(train_rows)
     lengths = [len(h) + max(len(c), len(r)) for h, c, r in zip(heads, chosen, rejected)]
-    rng = random.Random(cfg.seed)
-    batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, rng)]
+    batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
     t_start = time.perf_counter()
-    model.train()
-    for step, batch in enumerate(tqdm(batches, disable=not show_progress, desc="reward-model"),
-                                 start=1):
-        c, r = scores(batch, heads, chosen, rejected)
-        loss = bradley_terry_loss(c, r).mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        logger.log(step, {"loss/bradley_terry": loss.item(),
-                          "rm/train_accuracy": pairwise_accuracy(c.detach(), r.detach()).item()})
+    st.model.train()
+    bar = tqdm(batches, disable=not (show_progress and world.main), desc="reward-model")
+    for step, batch in enumerate(bar, start=1):
+        mine, weight = share_of_batch(batch, world)
+        c, r = scores(mine, heads, chosen, rejected)
+        losses = bradley_terry_loss(c, r)
+        share = weight / len(batch)           # the mean over the global batch, this rank's part
+        _step(st, losses.sum() * share * world.size)
+        loss, acc = (global_sum(torch.stack([losses.detach().sum(), (c > r).float().sum()]) * share,
+                                world)).tolist()
+        st.logger.log(step, {"loss/bradley_terry": loss, "rm/train_accuracy": acc})
     train_minutes = (time.perf_counter() - t_start) / 60
     after = evaluate_pairs()
-    logger.log(len(batches), {k: v for k, v in after.items() if not k.startswith("_")})
-    logger.close()
-    out_dir = run_dir / "final_model"
-    save_model(model, tokenizer, out_dir)
-    (out_dir / STATS_FILE).write_text(json.dumps({"mean": after["_mean"], "std": after["_std"],
-                                                  "source": source}))
-    return {"run_dir": str(run_dir), "final_model": str(out_dir), "steps": len(batches),
-            "train_pairs": len(train_rows), "eval_pairs": len(eval_rows),
-            "train_minutes": train_minutes,
-            "eval_before": {k: v for k, v in before.items() if not k.startswith("_")},
-            "eval_after": {k: v for k, v in after.items() if not k.startswith("_")}}
+    st.logger.log(len(batches), public(after))
+    stats = json.dumps({"mean": after["_mean"], "std": after["_std"], "source": source})
+    return {"run_dir": str(st.run_dir), "final_model": _finish(st, {STATS_FILE: stats}),
+            "steps": len(batches), "train_pairs": len(train_rows), "eval_pairs": len(eval_rows),
+            "train_minutes": train_minutes, "eval_before": public(before), "eval_after": public(after)}
 
 
 def generate(cfg, n: int, out: str | Path, samples: int = 1, only_correct: bool = True,

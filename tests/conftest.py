@@ -36,6 +36,16 @@ def make_tiny_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 32,
     return model
 
 
+def make_tiny_reward_model(tokenizer):
+    """A tiny AutoModelForSequenceClassification (one label): a reward model to train."""
+    from transformers import AutoModelForSequenceClassification
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=256, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    return AutoModelForSequenceClassification.from_config(cfg)
+
+
 @pytest.fixture
 def tiny_model(tokenizer):
     return make_tiny_model(tokenizer)

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, LlamaConfig
+from transformers import AutoModelForSequenceClassification
 
 from posttrain.cli import main
 from posttrain.config import load_config
@@ -15,7 +15,7 @@ from posttrain.rewards.model import RewardModel
 from posttrain.rewards.verifiers import final_answer
 from posttrain.stages import StageConfig, reward_model
 from posttrain.trainer import train
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, make_tiny_reward_model as tiny_reward_model
 from tests.test_trainer import toy_config
 
 
@@ -53,14 +53,6 @@ def test_bad_preference_files_are_reported_with_file_line_and_field(tmp_path, ca
     assert main(["reward-model", "--data", str(path), "--model", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
     assert str(path) in err and msg in err
-
-
-def tiny_reward_model(tokenizer):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                      max_position_embeddings=256, num_labels=1, pad_token_id=tokenizer.pad_token_id)
-    return AutoModelForSequenceClassification.from_config(cfg)
 
 
 @pytest.fixture(scope="module")
