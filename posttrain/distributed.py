@@ -238,14 +238,6 @@ def global_max(x: float, world: World) -> float:
     return t.item()
 
 
-def all_true(flag: bool, world: World) -> bool:
-    if not world.distributed:
-        return flag
-    t = torch.tensor([0.0 if flag else 1.0])
-    dist.all_reduce(t)
-    return t.item() == 0.0
-
-
 def gather_objects(obj, world: World) -> list:
     if not world.distributed:
         return [obj]

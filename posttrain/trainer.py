@@ -24,7 +24,7 @@ import math
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ from posttrain.rollout.base import concat_rollouts
 from posttrain.rollout.hf import left_pad, row_seeds
 from posttrain.teachers import Teachers
 from posttrain.critic import Critic
-from posttrain.distributed import (SINGLE, World, all_true, average_gradients, barrier,
+from posttrain.distributed import (SINGLE, World, average_gradients, barrier,
                                    clip_grad_norm, device_for, full_state_dict,
                                    full_weights_for_generation, gather_objects,
                                    global_aggregation_weights, global_max, init_world,
@@ -201,23 +201,46 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
             # before any filtering: the honest learning curve when dynamic sampling drops groups
             stats["reward/generated_mean"] = rewards.mean().item()
         rounds += 1
-        stats["rollout/generated_responses"] += P * G
+        stats["rollout/generated_responses"] += P_global * G
         if not algo.dynamic_sampling:
             return batch, dict(stats)
         keep_groups = (~equal).nonzero().squeeze(-1)
         if keep_groups.numel():
             rows = (keep_groups[:, None] * G + torch.arange(G)).reshape(-1)
-            kept.append(select(batch, rows))
-            n_kept += keep_groups.numel()
-        # all ranks draw the same prompts each round, so they stop together
-        if all_true(n_kept >= P, world) or rounds > algo.max_refill_rounds:
+            kept.append((rounds, select(batch, rows)))
+        # informative groups over all ranks: every rank counts the same, so they stop together
+        n_kept += sum(gather_objects(keep_groups.numel(), world))
+        if n_kept >= P_global or rounds > algo.max_refill_rounds:
             break
+    # the first P informative groups in (round, prompt) order, as one process keeps them; if the
+    # refills ran out, a multiple of the world size of them, so that every rank gets as many
+    n_use = min(n_kept, P_global) // world.size * world.size
     stats["rollout/dynamic_rounds"] = rounds
-    stats["rollout/kept_groups"] = min(n_kept, P)
-    if not kept:  # nothing informative after every refill: train on nothing rather than noise
+    stats["rollout/kept_groups"] = n_use
+    if n_use == 0:  # nothing informative after every refill: train on nothing rather than noise
         return select(first, torch.arange(0)), dict(stats)
-    merged = merge(kept, tokenizer.pad_token_id)
-    return select(merged, torch.arange(min(n_kept, P) * G)), dict(stats)
+    parts = [part for _, part in kept]
+    if world.distributed:   # each rank kept its own prompts' groups: share them out again evenly
+        device = first.rewards_B.device
+        shares = gather_objects([(rnd, batch_to(part, "cpu")) for rnd, part in kept], world)
+        ordered = sorted((rnd, rank, part) for rank, share in enumerate(shares)
+                         for rnd, part in share)
+        parts = [batch_to(part, device) for _, _, part in ordered]
+    merged = merge(parts, tokenizer.pad_token_id)
+    mine = world.share(n_use)
+    return select(merged, torch.arange(mine.start * G, mine.stop * G)), dict(stats)
+
+
+def batch_to(obj, device):
+    """A ScoredBatch (or Rollout) with every tensor moved to `device`."""
+    changes = {}
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, Tensor):
+            changes[f.name] = v.to(device)
+        elif isinstance(v, Rollout):
+            changes[f.name] = batch_to(v, device)
+    return replace(obj, **changes)
 
 
 def reward_model_metrics(scores_B: Tensor, correct_B: Tensor) -> dict[str, float]:
@@ -531,9 +554,6 @@ def check_world(cfg: TrainConfig, world: World) -> None:
     if P % world.size:
         raise ConfigError(f"rollout.prompts_per_step={P} must be divisible by the {world.size} "
                           "ranks: each rank samples and trains on whole groups of its share")
-    if cfg.algo.dynamic_sampling:
-        raise ConfigError("algorithm.dynamic_sampling is not supported under torchrun yet (ranks "
-                          "would keep different numbers of groups); run it on one process")
     if cfg.rollout.backend == "vllm" and not cfg.rollout.vllm_server:
         raise ConfigError("rollout.backend='vllm' colocated under torchrun is not supported yet: "
                           "start `vllm serve` (see posttrain/rollout/vllm.py) and set "

@@ -26,6 +26,8 @@ if __name__ == "__main__":
                  "--steps", steps, "--checkpoint_every", "2", "--optim.lr", "1e-2",
                  "--algorithm.kl_coef", "0.05", "--rollout.prompts_per_step", "4", "--preset", preset,
                  "--optim.epochs", "2", "--eval_every", "0"]
+    if preset == "dapo":   # its overlong shaping buffer must fit in 4 new tokens
+        overrides += ["--algorithm.overlong_buffer", "2"]
     cfg = load_config(None, overrides)
     train(cfg, resume=run_dir if resume else None, model=make_tiny_model(tokenizer),
           tokenizer=tokenizer, show_progress=False)

@@ -60,6 +60,18 @@ def test_two_ranks_end_with_the_parameters_of_one(embedded_dir, tmp_path, single
     assert summary["steps"] == 4 and "eval_after" in summary     # evaluation split over ranks
 
 
+def test_dynamic_sampling_on_two_ranks_keeps_the_groups_of_one(embedded_dir, tmp_path):
+    """DAPO's dynamic sampling under torchrun: the ranks count informative groups together,
+    refill together, and share out the first P of them in one process's order (FSDP2, whose
+    forwards need the same number of rows on every rank)."""
+    one = run(embedded_dir, tmp_path / "one", "ddp", preset="dapo")
+    two = run(embedded_dir, tmp_path / "two", "fsdp", preset="dapo", nproc=2)
+    rows = [json.loads(line) for line in open(Path(one) / "metrics.jsonl")]
+    assert max(r.get("rollout/dynamic_rounds", 0) for r in rows) > 1     # refills did happen
+    assert rewards(two) == pytest.approx(rewards(one), abs=1e-6)
+    assert_same_weights(weights(two), weights(one))
+
+
 def test_a_checkpoint_written_by_two_ranks_resumes_on_one(embedded_dir, tmp_path, single):
     two = run(embedded_dir, tmp_path / "run", "fsdp", steps=2, nproc=2)
     assert (Path(two) / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
