@@ -150,10 +150,9 @@ def cmd_stage(args: argparse.Namespace, overrides: list[str]) -> int:
 
     tune_malloc()
     cfg = build_config(StageConfig, parse_overrides(overrides), "")
-    pairs = args.command in ("reward-model", "dpo")
-    if not cfg.data and not (pairs and cfg.synthetic):
-        raise ConfigError("--data FILE is required (JSONL, CSV, Parquet or a datasets folder)"
-                          + (" or --synthetic TASK" if pairs else ""))
+    if not cfg.data and not cfg.synthetic:
+        raise ConfigError("--data FILE (JSONL, CSV, Parquet or a datasets folder) or "
+                          "--synthetic TASK is required")
     out = {"sft": sft, "dpo": dpo, "reward-model": reward_model}[args.command](cfg)
     if _main_process():
         print(json.dumps(out, indent=2))
@@ -212,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
                   "--seed --run_dir --autocast --strategy (ddp|fsdp, under torchrun: "
                   "torchrun --nproc-per-node N -m posttrain.cli sft ...)")
     p = sub.add_parser("sft", help="supervised fine-tuning on prompt/response pairs",
-                       epilog=stage_help)
+                       epilog=stage_help + " --synthetic TASK --n_pairs (examples). Example: "
+                       "posttrain sft --synthetic subtraction --n_pairs 1000 --lr 3e-5")
     p.set_defaults(fn=cmd_stage)
     p = sub.add_parser("dpo", help="DPO on prompt/chosen/rejected preference pairs",
                        epilog=stage_help + " --synthetic TASK --n_pairs --eval_data --eval_size. "

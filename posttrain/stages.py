@@ -53,13 +53,15 @@ class StageConfig:
     max_len: int = 256                  # response tokens kept per example
     seed: int = 0
     run_dir: str = "runs/stage"
-    # reward-model: pairs from a built-in task instead of --data ('addition', 'arithmetic')
+    # pairs (dpo, reward-model) or answers (sft) from a built-in task instead of --data
+    # ('addition', 'subtraction', 'arithmetic'), made from the ground truth
     synthetic: str = ""
-    n_pairs: int = 2000                 # synthetic training pairs
+    n_pairs: int = 2000                 # synthetic training pairs (sft: examples)
     eval_data: str = ""                 # held-out pairs file; default: eval_size pairs split off
     eval_size: int = 200
     autocast: str = "none"              # 'bfloat16': body in bf16 (faster on AVX512-BF16 / GPU)
     strategy: str = "ddp"               # under torchrun: 'ddp' (replicated) or 'fsdp' (sharded)
+    end_of_turn: bool = False           # reward-model: score after the template's end-of-turn tokens
 
 
 def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]],
@@ -210,9 +212,25 @@ def _finish(stage: _Stage, extra_files: dict[str, str] | None = None) -> str:
     return str(folder)
 
 
+def synthetic_answers(task, n: int, seed: int) -> list[dict[str, Any]]:
+    """SFT rows {prompt, response} on the task's training problems, answered from the ground
+    truth as '12 + 34 = 46.'"""
+    from posttrain.data.preferences import expression
+    return [{"prompt": p.prompt, "response": f"{expression(p)} = {p.answer}."}
+            for p in (task.train_problem(seed, i) for i in range(n))]
+
+
 def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True) -> dict[str, Any]:
-    """Supervised fine-tuning on (prompt, response): negative log-likelihood of response tokens."""
-    st = _start(cfg, model, tokenizer, [cfg.prompt_field, cfg.response_field])
+    """Supervised fine-tuning on (prompt, response): negative log-likelihood of response tokens.
+    With --synthetic TASK: on ground-truth answers, with the held-out greedy accuracy before and
+    after (a quick way to make a domain teacher for distillation)."""
+    task = synthetic_task(cfg) if cfg.synthetic else None
+    rows = synthetic_answers(task, cfg.n_pairs, cfg.seed) if task is not None else None
+    st = _start(cfg, model, tokenizer, [cfg.prompt_field, cfg.response_field], rows=rows)
+    summary: dict[str, Any] = {"run_dir": str(st.run_dir)}
+    if task is not None:
+        summary["behaviour_before"] = held_out_behaviour(st.model, st.tokenizer, task, cfg, st.world)
+        st.logger.log(0, summary["behaviour_before"])
     responses = [_response_ids(st.tokenizer, r[cfg.response_field], cfg.max_len) for r in st.rows]
     lengths = [len(p) + len(r) for p, r in zip(st.prompts, responses)]
     batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
@@ -230,8 +248,14 @@ def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
         width = r.prompt_ids_B_L.shape[1] + r.response_ids_B_T.shape[1]
         st.logger.log(step, {"loss/sft": losses[-1], "perf/step_s": time.perf_counter() - t0,
                              "perf/padding_frac": 1 - sum(lengths[i] for i in mine) / (len(mine) * width)})
-    return {"run_dir": str(st.run_dir), "steps": len(batches), "first_loss": losses[0],
-            "last_loss": losses[-1], "final_model": _finish(st)}
+    if task is not None:
+        summary["behaviour_after"] = held_out_behaviour(st.model, st.tokenizer, task, cfg, st.world)
+        st.logger.log(len(batches), summary["behaviour_after"])
+    summary.update(steps=len(batches), first_loss=losses[0], last_loss=losses[-1],
+                   final_model=_finish(st))
+    if st.world.main:
+        (st.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
 
 
 def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True) -> dict[str, Any]:
@@ -421,9 +445,9 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
     def encode(rows):
         prompts = [r[cfg.prompt_field] for r in rows]
         heads, chosen = encode_parts(tok, prompts, [str(r[cfg.chosen_field]) for r in rows],
-                                     cfg.system_prompt)
-        rejected = [tok(str(r[cfg.rejected_field]), add_special_tokens=False)["input_ids"]
-                    for r in rows]
+                                     cfg.system_prompt, cfg.end_of_turn)
+        _, rejected = encode_parts(tok, prompts[:0], [str(r[cfg.rejected_field]) for r in rows],
+                                   cfg.system_prompt, cfg.end_of_turn)
         return heads, chosen, rejected
 
     def scores(idx, heads, chosen, rejected):
@@ -469,7 +493,8 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
     train_minutes = (time.perf_counter() - t_start) / 60
     after = evaluate_pairs()
     st.logger.log(len(batches), public(after))
-    stats = json.dumps({"mean": after["_mean"], "std": after["_std"], "source": source})
+    stats = json.dumps({"mean": after["_mean"], "std": after["_std"], "source": source,
+                        "end_of_turn": cfg.end_of_turn})
     return {"run_dir": str(st.run_dir), "final_model": _finish(st, {STATS_FILE: stats}),
             "steps": len(batches), "train_pairs": len(train_rows), "eval_pairs": len(eval_rows),
             "train_minutes": train_minutes, "eval_before": public(before), "eval_after": public(after)}

@@ -85,3 +85,25 @@ def test_generate_writes_verified_teacher_answers_for_sft(tmp_path, tokenizer):
     assert rows[0]["prompt"] == rows[1]["prompt"] != rows[2]["prompt"]
     kept = generate(cfg, 6, tmp_path / "ok.jsonl", model=make_tiny_model(tokenizer), tokenizer=tokenizer)
     assert kept["written"] == 0     # verifier 'none' accepts nothing: nothing is kept
+
+
+def test_sft_on_synthetic_answers_reports_held_out_behaviour(tmp_path, tokenizer):
+    from posttrain.data.tasks import make_task
+    from posttrain.rewards.verifiers import final_answer
+    from posttrain.stages import synthetic_answers
+
+    task = make_task("subtraction", 2)
+    task.build_eval(16, 1234)
+    rows = synthetic_answers(task, 30, 0)
+    held_out = {p.prompt for p in task.eval_problems}
+    for row in rows:   # the ground truth, worded as the policy answers, on training problems only
+        a, b = (int(x) for x in row["prompt"][len("What is "):-1].split(" - "))
+        assert row["response"] == f"{a} - {b} = {a - b}." and final_answer(row["response"]) == str(a - b)
+        assert row["prompt"] not in held_out
+    out = sft(StageConfig(synthetic="subtraction", n_pairs=30, eval_size=16, lr=1e-2, epochs=6,
+                          batch_size=6, run_dir=str(tmp_path / "run")),
+              model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    assert out["last_loss"] < 0.5 * out["first_loss"], out
+    assert set(out["behaviour_after"]) == {"behaviour/accuracy", "behaviour/length_mean"}
+    # the tiny model learns the answer's shape (and to stop): shorter than 48 tokens of noise
+    assert out["behaviour_after"]["behaviour/length_mean"] < out["behaviour_before"]["behaviour/length_mean"]

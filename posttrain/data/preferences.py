@@ -41,7 +41,8 @@ _NO_ANSWER = ["I'm not sure how to solve this problem.",
               "I cannot answer that question."]
 
 
-def _expression(problem: Problem) -> str:
+def expression(problem: Problem) -> str:
+    """'What is 12 + 34?' -> '12 + 34' (the built-in arithmetic tasks' prompts)."""
     text = problem.prompt.strip()
     if not (text.startswith("What is ") and text.endswith("?")):
         raise ValueError(f"synthetic preferences need 'What is <expression>?' prompts with a "
@@ -73,7 +74,7 @@ def plausible_mistake(answer: int, rng: random.Random, problem: Problem) -> int:
 
 
 def preference_pair(problem: Problem, kind: str, rng: random.Random) -> dict[str, Any]:
-    e, c = _expression(problem), problem.answer
+    e, c = expression(problem), problem.answer
     style = rng.choice(_CONCISE)
     if kind == "correct>wrong":
         w = plausible_mistake(int(c), rng, problem)

@@ -27,12 +27,28 @@ log = logging.getLogger("posttrain")
 STATS_FILE = "reward_stats.json"
 
 
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """The tokens the chat template puts after an assistant message (SmolLM2: '<|im_end|>' and a
+    newline); the EOS token without a template."""
+    if tokenizer.chat_template is None:
+        return [tokenizer.eos_token_id]
+    marker = "\u2063posttrain\u2063"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "q"},
+                                          {"role": "assistant", "content": marker}], tokenize=False)
+    suffix = text[text.index(marker) + len(marker):]
+    return tokenizer(suffix, add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id]
+
+
 def encode_parts(tokenizer, prompts: list[str], responses: list[str],
-                 system_prompt: str | None = None) -> tuple[list[list[int]], list[list[int]]]:
-    """Token ids of the chat-templated prompt (with generation prompt) and of the response text."""
+                 system_prompt: str | None = None, end_of_turn: bool = False
+                 ) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids of the chat-templated prompt (with generation prompt) and of the response text,
+    followed by the template's end-of-turn tokens if `end_of_turn` (the score is then read where
+    a finished turn ends, as on any templated conversation)."""
     from posttrain.trainer import encode_prompts   # the policy's own prompt format
     heads = encode_prompts(tokenizer, [Problem(p, "") for p in prompts], system_prompt)
-    return heads, [tokenizer(r, add_special_tokens=False)["input_ids"] for r in responses]
+    tail = end_of_turn_ids(tokenizer) if end_of_turn else []
+    return heads, [tokenizer(r, add_special_tokens=False)["input_ids"] + tail for r in responses]
 
 
 def group_scores(model, prompt_ids: list[list[int]], responses: list[list[int]], group_size: int,
@@ -101,12 +117,14 @@ class RewardModel:
         self.batch_size, self.autocast, self.system_prompt = batch_size, autocast, system_prompt
         self.mean, self.std = 0.0, 1.0
         stats = path / STATS_FILE
+        if normalize and not stats.is_file():
+            raise FileNotFoundError(f"reward.model_normalize is on but {stats} is missing; "
+                                    "set reward.model_normalize false or retrain the model")
+        saved = json.loads(stats.read_text()) if stats.is_file() else {}
         if normalize:
-            if not stats.is_file():
-                raise FileNotFoundError(f"reward.model_normalize is on but {stats} is missing; "
-                                        "set reward.model_normalize false or retrain the model")
-            s = json.loads(stats.read_text())
-            self.mean, self.std = float(s["mean"]), max(float(s["std"]), 1e-6)
+            self.mean, self.std = float(saved["mean"]), max(float(saved["std"]), 1e-6)
+        # read the response as the model was trained to (older models: without end-of-turn tokens)
+        self.end_of_turn = bool(saved.get("end_of_turn", False))
 
     def check_tokenizer(self, policy_tokenizer) -> None:
         """Say in the log when the reward model reads text differently from the policy."""
@@ -127,7 +145,8 @@ class RewardModel:
         out = []
         for i in range(0, len(prompts), step):
             heads, tails = encode_parts(self.tokenizer, prompts[i:i + step:G],
-                                        completions[i:i + step], self.system_prompt)
+                                        completions[i:i + step], self.system_prompt,
+                                        self.end_of_turn)
             out.append(group_scores(self.model, heads, tails, G, self.tokenizer.pad_token_id,
                                     self.autocast))
         scores = torch.cat(out) if out else torch.zeros(0)
