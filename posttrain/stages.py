@@ -61,6 +61,7 @@ class StageConfig:
     eval_size: int = 200
     autocast: str = "none"              # 'bfloat16': body in bf16 (faster on AVX512-BF16 / GPU)
     strategy: str = "ddp"               # under torchrun: 'ddp' (replicated) or 'fsdp' (sharded)
+    head_lr: float | None = None        # reward-model: the score head's own lr (default: lr)
     end_of_turn: bool = False           # reward-model: score after the template's end-of-turn tokens
 
 
@@ -155,7 +156,13 @@ def _start(cfg: StageConfig, model, tokenizer, fields: list[str],
     if world.main:
         run_dir.mkdir(parents=True, exist_ok=True)
     barrier(world)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
+    # a freshly initialised head (reward model's `score`) may learn faster than the body it reads
+    head = getattr(model, "score", None) if cfg.head_lr is not None else None
+    head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    groups = [{"params": [p for p in model.parameters() if id(p) not in head_ids], "lr": cfg.lr}]
+    if head_ids:
+        groups.append({"params": list(head.parameters()), "lr": cfg.head_lr})
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr,
                                   foreach=False if world.strategy == "fsdp" else None)
     logger = MetricsLogger(run_dir, tensorboard=False) if world.main else NullLogger()
     return _Stage(rows, model, tokenizer, _encode(tokenizer, cfg, [r[cfg.prompt_field] for r in rows]),

@@ -154,3 +154,14 @@ def test_reward_model_config_errors(tmp_path):
     from posttrain.config import ConfigError
     with pytest.raises(ConfigError, match="reward.model="):
         load_config(None, ["--reward.model", str(tmp_path / "missing")])
+
+
+def test_the_score_head_can_have_its_own_learning_rate(tmp_path, tokenizer):
+    model = tiny_reward_model(tokenizer)
+    head0 = model.score.weight.detach().clone()
+    body0 = model.model.layers[0].mlp.up_proj.weight.detach().clone()
+    reward_model(StageConfig(synthetic="addition", n_pairs=16, eval_size=8, lr=1e-3, head_lr=0.0,
+                             batch_size=8, run_dir=str(tmp_path / "run")),
+                 model=model, tokenizer=tokenizer, show_progress=False)
+    assert torch.equal(model.score.weight, head0)                    # lr 0: the head stays put
+    assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, body0)   # the body learns
