@@ -43,7 +43,9 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, sched
     must call this (gathering is collective); rank 0 writes."""
     from posttrain.distributed import SINGLE, barrier, full_state_dict, optimizer_state
     world = world or SINGLE
-    weights = None if hasattr(model, "peft_config") else full_state_dict(model, world)
+    # LoRA: only the adapters are saved (the base model is the run's start)
+    lora = hasattr(model, "peft_config")
+    weights = full_state_dict(model, world, only=(lambda k: "lora_" in k) if lora else None)
     optim_state = optimizer_state(model, optimizer)
     ckpt_root = run_dir / "checkpoints"
     final = ckpt_root / f"step_{step:06d}"
@@ -54,8 +56,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, sched
     tmp = ckpt_root / f".step_{step:06d}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
-    if hasattr(model, "peft_config"):     # LoRA: the adapters (the base model is the run's start)
-        model.save_pretrained(tmp / "adapter")
+    if lora:
+        model.save_pretrained(tmp / "adapter", state_dict=weights)
     else:
         model.save_pretrained(tmp / "model", state_dict=weights)
         tokenizer.save_pretrained(tmp / "model")

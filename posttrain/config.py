@@ -375,9 +375,6 @@ class TrainConfig:
         self.teacher.validate()
         self.critic.validate()
         self.lora.validate()
-        if self.lora.rank and self.parallel.strategy == "fsdp":
-            raise ConfigError("lora.rank > 0 with parallel.strategy='fsdp' is not supported; "
-                              "adapters are small: use 'ddp'")
         if self.lora.rank and algo.advantage == "gae" and self.critic.shared_backbone:
             raise ConfigError("lora.rank > 0 with a value head on the shared body is not "
                               "supported; use a separate critic")

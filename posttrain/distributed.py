@@ -199,11 +199,13 @@ def full_weights_for_generation(model, world: World):
             m.set_reshard_after_forward(True, recurse=False)
 
 
-def full_state_dict(model, world: World) -> dict[str, Tensor]:
-    """The full (unsharded) model state on CPU, on every rank (a collective under FSDP)."""
+def full_state_dict(model, world: World, only=None) -> dict[str, Tensor]:
+    """The full (unsharded) model state on CPU, on every rank (a collective under FSDP);
+    `only(name)` picks entries (LoRA: the adapters)."""
     out = {}
     for k, v in model.state_dict().items():
-        out[k] = (v.full_tensor() if _is_sharded(v) else v).detach().cpu()
+        if only is None or only(k):
+            out[k] = (v.full_tensor() if _is_sharded(v) else v).detach().cpu()
     return out
 
 

@@ -47,7 +47,7 @@ def estimate(cfg: TrainConfig, model_config, n_params: int, world_size: int = 1,
     body = max(n_params - embed, 0)
     shard = (world_size if cfg.parallel.strategy == "fsdp" else 1)
     per_rank = embed + body / shard                      # parameters this rank holds
-    trainable = lora_params if lora_params is not None else per_rank
+    trainable = lora_params / shard if lora_params is not None else per_rank   # FSDP shards adapters too
     parts = {"policy weights": per_rank * w,
              "gradients": trainable * 4 if lora_params is not None else trainable * w,
              "AdamW moments (2)": trainable * 8}

@@ -171,5 +171,15 @@ def add_lora(model: PreTrainedModel, cfg, adapter_dir: Path | None = None):
         target_modules=list(cfg.target_modules), task_type="CAUSAL_LM"))
 
 
+def merged_lora_copy(peft_model, weights: dict) -> PreTrainedModel:
+    """A CPU copy of a LoRA model from its full state dict (peft names), with the adapters merged
+    into the base weights by peft: the final model of a LoRA run whose live layers are sharded."""
+    from peft import get_peft_model
+    base = peft_model.get_base_model()
+    copy = get_peft_model(type(base)(base.config), peft_model.peft_config["default"])
+    copy.load_state_dict(weights)
+    return copy.merge_and_unload()
+
+
 def is_lora(model) -> bool:
     return hasattr(model, "peft_config")

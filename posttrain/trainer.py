@@ -46,8 +46,8 @@ from posttrain.losses import (AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggreg
                               ratio_stats, reverse_kl_from_logits, sampled_reverse_kl,
                               truncated_is_weights, value_loss)
 from posttrain.memory import estimate as estimate_memory
-from posttrain.models import (add_lora, load_policy, load_tokenizer, resolve_model_path,
-                              save_model)
+from posttrain.models import (add_lora, load_policy, load_tokenizer, merged_lora_copy,
+                              resolve_model_path, save_model)
 from posttrain.rewards import Scorer, overlong_penalty
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, make_engine
 from posttrain.rollout.base import concat_rollouts
@@ -821,9 +821,16 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
     summary["steps"] = step
     summary["train_minutes"] = train_seconds / 60
     t0 = time.perf_counter()
-    if lora:   # the final model is the base with the adapters merged in: a plain HF model
-        model = model.merge_and_unload()
-    weights = full_state_dict(model, world)           # FSDP: gathered from the shards
+    # the final model is a plain HF model: LoRA adapters merged into the base (under FSDP, into
+    # a CPU copy built from the gathered weights, since peft merges in place and the layers are
+    # sharded)
+    if lora and world.strategy == "fsdp" and world.distributed:
+        weights = full_state_dict(model, world)
+        model, weights = (merged_lora_copy(model, weights) if world.main else None), None
+    else:
+        if lora:
+            model = model.merge_and_unload()
+        weights = full_state_dict(model, world)       # FSDP: gathered from the shards
     if world.main:
         save_model(model, tokenizer, run_dir / "final_model", weights)
     summary["final_model"] = str(run_dir / "final_model")

@@ -1,6 +1,6 @@
 """One rank of a tiny training run; launched by tests/test_distributed.py with or without torchrun.
 
-    python tests/dist_worker.py TOKENIZER_DIR RUN_DIR STRATEGY STEPS PRESET [--resume]
+    python tests/dist_worker.py TOKENIZER_DIR RUN_DIR STRATEGY STEPS PRESET [--resume] [--field VALUE ...]
 """
 
 import sys
@@ -28,6 +28,7 @@ if __name__ == "__main__":
                  "--optim.epochs", "2", "--eval_every", "0"]
     if preset == "dapo":   # its overlong shaping buffer must fit in 4 new tokens
         overrides += ["--algorithm.overlong_buffer", "2"]
+    overrides += [a for a in sys.argv[6:] if a != "--resume"]
     cfg = load_config(None, overrides)
     train(cfg, resume=run_dir if resume else None, model=make_tiny_model(tokenizer),
           tokenizer=tokenizer, show_progress=False)

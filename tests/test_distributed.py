@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist_worker.py"
 
 
-def run(tok_dir, run_dir, strategy="ddp", steps=4, preset="grpo", nproc=1, resume=False):
-    args = [str(tok_dir), str(run_dir), strategy, str(steps), preset] + (["--resume"] if resume else [])
+def run(tok_dir, run_dir, strategy="ddp", steps=4, preset="grpo", nproc=1, resume=False, extra=()):
+    args = [str(tok_dir), str(run_dir), strategy, str(steps), preset, *extra] + (["--resume"] if resume else [])
     if nproc == 1:
         cmd = [sys.executable, str(WORKER), *args]
     else:
@@ -127,3 +127,23 @@ def test_offline_stages_on_two_ranks_match_one(embedded_dir, tmp_path, single_st
     if stage == "reward-model":
         stats = [json.loads((d / "final_model" / "reward_stats.json").read_text()) for d in (one, two)]
         assert stats[1]["mean"] == pytest.approx(stats[0]["mean"], abs=1e-4)
+
+
+def test_lora_under_fsdp_matches_one_process(embedded_dir, tmp_path):
+    """LoRA adapters on FSDP2-sharded layers (frozen base shards beside trainable adapter shards):
+    the same reward curve and merged final model as 1 process, and the adapter checkpoint
+    gathered from the shards."""
+    lora = ["--lora.rank", "4", "--lora.alpha", "8"]
+    one = run(embedded_dir, tmp_path / "one", "ddp", extra=lora)
+    two = run(embedded_dir, tmp_path / "two", "fsdp", nproc=2, extra=lora)
+    assert rewards(two) == pytest.approx(rewards(one), abs=1e-6)
+    assert_same_weights(weights(two), weights(one))
+    adapter = load_file(Path(two) / "checkpoints" / "step_000004" / "adapter" / "adapter_model.safetensors")
+    assert adapter and all("lora_" in k for k in adapter)
+    assert_same_weights(adapter, load_file(Path(one) / "checkpoints" / "step_000004" / "adapter"
+                                           / "adapter_model.safetensors"))
+    # adapters and their optimizer state written by 2 FSDP2 ranks resume on 1 process
+    resumed = run(embedded_dir, tmp_path / "resumed", "fsdp", steps=2, nproc=2, extra=lora)
+    run(embedded_dir, resumed, "ddp", steps=4, resume=True, extra=lora)
+    assert rewards(resumed) == pytest.approx(rewards(one), abs=1e-6)
+    assert_same_weights(weights(resumed), weights(one))
