@@ -110,12 +110,16 @@ def discounted_returns(token_rewards_B_T: Tensor, mask_B_T: Tensor, gamma: float
     return adv
 
 
-def whiten(x_B_T: Tensor, mask_B_T: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / std over the masked tokens of the batch (PPO's advantage whitening).  §5."""
+def whiten(x_B_T: Tensor, mask_B_T: Tensor, shift_mean: bool = True, eps: float = 1e-8,
+           total: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
+    """(x - mean) / std over the masked tokens of the batch (PPO's advantage whitening).  §5.
+
+    `total` sums a statistic over data-parallel ranks (identity on one process), so the mean
+    and std are those of the global batch, as one process would compute them."""
     mask = mask_B_T.to(x_B_T.dtype)
-    n = mask.sum().clamp(min=1)
-    mean = (x_B_T * mask).sum() / n
-    var = (((x_B_T - mean) * mask) ** 2).sum() / n
+    n = total(mask.sum()).clamp(min=1)
+    mean = total((x_B_T * mask).sum()) / n
+    var = total((((x_B_T - mean) * mask) ** 2).sum()) / n
     out = (x_B_T - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean

@@ -49,20 +49,21 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, sched
     optim_state = optimizer_state(model, optimizer)
     ckpt_root = run_dir / "checkpoints"
     final = ckpt_root / f"step_{step:06d}"
+    tmp = ckpt_root / f".step_{step:06d}.tmp"
+    if world.main:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    for name, save in (extra_models or {}).items():
+        save(tmp / name)     # every rank (FSDP gathers are collective); rank 0 writes
     if not world.main:
         barrier(world)
         return final
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt_root / f".step_{step:06d}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     if lora:
         model.save_pretrained(tmp / "adapter", state_dict=weights)
     else:
         model.save_pretrained(tmp / "model", state_dict=weights)
         tokenizer.save_pretrained(tmp / "model")
-    for name, save in (extra_models or {}).items():
-        save(tmp / name)
     torch.save({"step": step, "optimizer": optim_state,
                 "scheduler": scheduler.state_dict(), "rng": rng_state(generator), **extra},
                tmp / _STATE)

@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from transformers import AutoModelForTokenClassification
 
 from posttrain.config import CriticConfig
-from posttrain.distributed import SINGLE, World, average_gradients
+from posttrain.distributed import (SINGLE, World, average_gradients, clip_grad_norm,
+                                   full_state_dict, load_optimizer_state, optimizer_state, wrap)
 from posttrain.forward import group_chunks, response_hidden, sequence_logprobs
 from posttrain.rollout import Rollout
 
@@ -38,8 +39,12 @@ HEAD_FILE = "value_head.safetensors"
 class Critic:
     """V(x, y_<t) for the rows of a rollout, trained on the GAE returns."""
 
-    def __init__(self, cfg: CriticConfig, policy) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: CriticConfig, policy, world: World = SINGLE,
+                 resume_from: Path | None = None) -> None:
+        """`policy`: the policy before any FSDP wrapping (a separate critic copies its body).
+        Under FSDP a separate critic's layers are sharded like the policy's; `resume_from` (a
+        checkpoint's critic folder) is loaded before that."""
+        self.cfg, self.world = cfg, world
         self.shared = cfg.shared_backbone
         hidden_size = policy.config.hidden_size
         dtype = next(policy.parameters()).dtype
@@ -67,7 +72,12 @@ class Critic:
         if self.model is not None:
             self.model.to(device)
         self.head.to(device)
-        self.optimizer = torch.optim.AdamW(self.parameters(), lr=cfg.lr, weight_decay=0.0)
+        if resume_from is not None:
+            self.load(resume_from)
+        if self.model is not None:
+            self.model = wrap(self.model, world)      # FSDP2: the value model's layers sharded
+        self.optimizer = torch.optim.AdamW(self.parameters(), lr=cfg.lr, weight_decay=0.0,
+                                           foreach=False if world.strategy == "fsdp" else None)
 
     def parameters(self) -> list[nn.Parameter]:
         return list((self.model or self.head).parameters())
@@ -103,25 +113,45 @@ class Critic:
             parts.append(self.values(rollout, rows, autocast, hidden))
         return torch.cat(parts) * rollout.response_mask_B_T
 
-    def step(self, world: World = SINGLE) -> float:
-        """Average the gradients over ranks (the critic is replicated), clip them, take an
-        optimizer step; returns the gradient norm."""
-        average_gradients(self.parameters(), world)
-        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), self.cfg.max_grad_norm)
+    def step(self) -> float:
+        """Average the replicated gradients over ranks (FSDP already reduced the sharded ones),
+        clip them, take an optimizer step; returns the gradient norm."""
+        params = self.parameters()    # (after backward: FSDP2 has re-registered its shards)
+        average_gradients(params, self.world)
+        norm = clip_grad_norm(params, self.cfg.max_grad_norm, self.world)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm.item()
 
+    def optimizer_state(self) -> dict:
+        """The value model's optimizer state, full and keyed by parameter name (resumes on any
+        number of ranks; a collective under FSDP)."""
+        if self.model is None:
+            return self.optimizer.state_dict()
+        return optimizer_state(self.model, self.optimizer)
+
+    def load_optimizer_state(self, state: dict) -> None:
+        if self.model is None:
+            self.optimizer.load_state_dict(state)
+        else:
+            load_optimizer_state(self.model, self.optimizer, state)
+
     # -- saving --------------------------------------------------------------------------------
     def save(self, folder: Path, tokenizer=None) -> None:
         """A separate critic as an AutoModelForTokenClassification folder; a shared head as
-        value_head.safetensors (to sit beside the policy it reads)."""
-        folder.mkdir(parents=True, exist_ok=True)
+        value_head.safetensors (to sit beside the policy it reads). Every rank calls this (FSDP
+        shards are gathered); rank 0 writes."""
         if self.model is None:
-            save_file({k: v.detach().contiguous().cpu() for k, v in self.head.state_dict().items()},
-                      folder / HEAD_FILE)
+            if self.world.main:
+                folder.mkdir(parents=True, exist_ok=True)
+                save_file({k: v.detach().contiguous().cpu()
+                           for k, v in self.head.state_dict().items()}, folder / HEAD_FILE)
             return
-        self.model.save_pretrained(folder)
+        weights = full_state_dict(self.model, self.world)
+        if not self.world.main:
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(folder, state_dict=weights)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
 

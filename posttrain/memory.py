@@ -56,7 +56,7 @@ def estimate(cfg: TrainConfig, model_config, n_params: int, world_size: int = 1,
     if algo.advantage == "reverse_kl" and cfg.teacher.path not in (None, "self"):
         parts["teacher (policy-sized)"] = n_params * _BYTES[cfg.teacher.dtype]
     if algo.advantage == "gae" and not cfg.critic.shared_backbone:
-        parts["value model + grads + Adam"] = n_params * (w + w + 8)
+        parts["value model + grads + Adam"] = per_rank * (w + w + 8)   # sharded like the policy
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", heads) or heads
     head_dim = hidden // heads

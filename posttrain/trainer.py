@@ -57,7 +57,7 @@ from posttrain.critic import Critic
 from posttrain.distributed import (SINGLE, World, average_gradients, barrier,
                                    clip_grad_norm, device_for, full_state_dict,
                                    full_weights_for_generation, gather_objects,
-                                   global_aggregation_weights, global_max, init_world,
+                                   global_aggregation_weights, global_max, global_sum, init_world,
                                    load_optimizer_state, mean_metrics, wrap)
 from posttrain.forward import (PolicyForward, decoder_and_head, frozen_logprobs,  # noqa: F401
                                group_chunks, response_hidden, sequence_logprobs)
@@ -411,7 +411,7 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)   # warm-up: a shared body's value grads dropped
             if critic is not None:
-                sums["critic/grad_norm"] += critic.step(world)
+                sums["critic/grad_norm"] += critic.step()
             n_updates += 1
     per_domain_kl = {}   # MOPD: the exact reverse KL to each domain's teacher, per token
     for key in [k for k in sums if k.startswith("_kl@")]:
@@ -640,9 +640,8 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
     if ref_model is not None and ckpt is None and cfg.checkpoint_every and world.main:
         save_model(ref_model, tokenizer, run_dir / "reference_model")
     # PPO's value model (§5), initialised from the policy's starting weights or critic.path
-    critic = Critic(cfg.critic, model) if algo.advantage in NEEDS_VALUES else None
-    if critic is not None and ckpt is not None:
-        critic.load(ckpt / "critic")
+    critic = (Critic(cfg.critic, model, world, ckpt / "critic" if ckpt is not None else None)
+              if algo.advantage in NEEDS_VALUES else None)
     if scorer.cfg.model:
         scorer.reward_model.check_tokenizer(tokenizer)
     model = wrap(model, world)                        # FSDP2: shard the layers, in place
@@ -661,7 +660,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
         scheduler.load_state_dict(state["scheduler"])
         restore_rng(state["rng"], generator)
         if critic is not None:
-            critic.optimizer.load_state_dict(state["critic_optimizer"])
+            critic.load_optimizer_state(state["critic_optimizer"])
         start_step, sampler.position = state["step"], state["data_position"]
         train_seconds = state["train_seconds"]
     setup_s = time.perf_counter() - t_setup
@@ -770,7 +769,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
             targets = ValueTargets(old_values, adv_out.returns_B_T)
             metrics.update(critic_metrics(batch, adv, targets, token_rewards))
         if algo.whiten_advantages:
-            adv = whiten(adv, batch.loss_mask_B_T)
+            adv = whiten(adv, batch.loss_mask_B_T, total=lambda t: global_sum(t, world))
 
         # 4. several clipped updates on the batch (the critic learns on the same minibatches)
         t0 = time.perf_counter()
@@ -809,7 +808,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             extra = {"data_position": sampler.position, "train_seconds": train_seconds}
             if critic is not None:
-                extra["critic_optimizer"] = critic.optimizer.state_dict()
+                extra["critic_optimizer"] = critic.optimizer_state()
             save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, generator,
                             extra, cfg.to_dict(),
                             extra_models={"critic": critic.save} if critic is not None else None,
@@ -834,9 +833,9 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
     if world.main:
         save_model(model, tokenizer, run_dir / "final_model", weights)
     summary["final_model"] = str(run_dir / "final_model")
-    if critic is not None and world.main:   # a shared value head sits beside the policy it reads
+    if critic is not None:   # a shared value head sits beside the policy it reads
         value_dir = run_dir / ("final_model" if critic.shared else "final_value_model")
-        critic.save(value_dir, tokenizer)
+        critic.save(value_dir, tokenizer)           # every rank: FSDP gathers the shards
         summary["value_model"] = str(value_dir)
     summary["save_s"] = time.perf_counter() - t0
     logger.close()

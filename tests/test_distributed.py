@@ -147,3 +147,18 @@ def test_lora_under_fsdp_matches_one_process(embedded_dir, tmp_path):
     run(embedded_dir, resumed, "ddp", steps=4, resume=True, extra=lora)
     assert rewards(resumed) == pytest.approx(rewards(one), abs=1e-6)
     assert_same_weights(weights(resumed), weights(one))
+
+
+def test_ppo_value_model_sharded_by_fsdp_matches_one_process(embedded_dir, tmp_path):
+    """PPO's separate value model under FSDP2 (its layers sharded like the policy's): the same
+    policy and value model as 1 process, and a 2-rank checkpoint (critic weights and optimizer
+    state gathered) resumes on 1 process and continues identically."""
+    one = run(embedded_dir, tmp_path / "one", "ddp", preset="ppo")
+    two = run(embedded_dir, tmp_path / "two", "fsdp", preset="ppo", nproc=2)
+    assert rewards(two) == pytest.approx(rewards(one), abs=1e-6)
+    assert_same_weights(weights(two), weights(one))
+    assert_same_weights(weights(two, "final_value_model"), weights(one, "final_value_model"))
+    resumed = run(embedded_dir, tmp_path / "resumed", "fsdp", steps=2, preset="ppo", nproc=2)
+    run(embedded_dir, resumed, "ddp", steps=4, preset="ppo", resume=True)
+    assert_same_weights(weights(resumed), weights(one))
+    assert_same_weights(weights(resumed, "final_value_model"), weights(one, "final_value_model"))
