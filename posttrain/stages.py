@@ -441,7 +441,7 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
     held-out pairwise accuracy (per pair kind when the rows have one) before and after, and saves
     an AutoModelForSequenceClassification (one label) with reward_stats.json for normalisation."""
     from posttrain.losses import bradley_terry_loss, pairwise_accuracy
-    from posttrain.rewards.model import STATS_FILE, encode_parts, pair_scores
+    from posttrain.rewards.model import STATS_FILE, encode_parts, encode_responses, pair_scores
 
     fields = [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
     train_rows, eval_rows, source = preference_rows(cfg)
@@ -453,8 +453,7 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
         prompts = [r[cfg.prompt_field] for r in rows]
         heads, chosen = encode_parts(tok, prompts, [str(r[cfg.chosen_field]) for r in rows],
                                      cfg.system_prompt, cfg.end_of_turn)
-        _, rejected = encode_parts(tok, prompts[:0], [str(r[cfg.rejected_field]) for r in rows],
-                                   cfg.system_prompt, cfg.end_of_turn)
+        rejected = encode_responses(tok, [str(r[cfg.rejected_field]) for r in rows], cfg.end_of_turn)
         return heads, chosen, rejected
 
     def scores(idx, heads, chosen, rejected):

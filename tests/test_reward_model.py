@@ -165,3 +165,20 @@ def test_the_score_head_can_have_its_own_learning_rate(tmp_path, tokenizer):
                  model=model, tokenizer=tokenizer, show_progress=False)
     assert torch.equal(model.score.weight, head0)                    # lr 0: the head stays put
     assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, body0)   # the body learns
+
+
+def test_a_reward_model_trained_on_end_of_turn_is_read_the_same_way(tmp_path, tokenizer):
+    out = reward_model(StageConfig(synthetic="addition", n_pairs=16, eval_size=20, lr=1e-3,
+                                   batch_size=8, end_of_turn=True, run_dir=str(tmp_path / "run")),
+                       model=tiny_reward_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    rm = RewardModel(out["final_model"], normalize=True)
+    assert rm.end_of_turn
+    task = make_task("addition", 2)
+    task.build_eval(20, 1234)
+    rows = synthetic_preferences(task, 20, seed=0, held_out=True)
+    scores = rm([r["prompt"] for r in rows] * 2, [r["chosen"] for r in rows] + [r["rejected"] for r in rows])
+    # the statistics saved at training time fit only if responses end in '<|im_end|>\n' again
+    assert abs(scores.mean().item()) < 1e-3 and abs(scores.std().item() - 1) < 1e-3
+    rm.end_of_turn = False
+    plain = rm([r["prompt"] for r in rows] * 2, [r["chosen"] for r in rows] + [r["rejected"] for r in rows])
+    assert not torch.allclose(plain, scores, atol=1e-3)

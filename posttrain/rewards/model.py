@@ -47,8 +47,13 @@ def encode_parts(tokenizer, prompts: list[str], responses: list[str],
     a finished turn ends, as on any templated conversation)."""
     from posttrain.trainer import encode_prompts   # the policy's own prompt format
     heads = encode_prompts(tokenizer, [Problem(p, "") for p in prompts], system_prompt)
+    return heads, encode_responses(tokenizer, responses, end_of_turn)
+
+
+def encode_responses(tokenizer, responses: list[str], end_of_turn: bool = False) -> list[list[int]]:
+    """Token ids of response texts as a reward model reads them (see encode_parts)."""
     tail = end_of_turn_ids(tokenizer) if end_of_turn else []
-    return heads, [tokenizer(r, add_special_tokens=False)["input_ids"] + tail for r in responses]
+    return [tokenizer(r, add_special_tokens=False)["input_ids"] + tail for r in responses]
 
 
 def group_scores(model, prompt_ids: list[list[int]], responses: list[list[int]], group_size: int,
