@@ -324,9 +324,13 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
     model.train()
     if critic is not None:
         critic.train()
+    # Minibatches are drawn over the *global* batch (every rank holds n_groups groups, rank r
+    # those numbered r * n_groups onwards), so N ranks split it exactly as one process would.
+    offset, n_global = world.rank * n_groups, n_groups * world.size
     for _ in range(o.epochs):
-        group_order = torch.randperm(n_groups, generator=generator)
-        for mb_groups in group_order.chunk(o.minibatches):
+        group_order = torch.randperm(n_global, generator=generator)
+        for mb_global in group_order.chunk(o.minibatches):
+            mb_groups = mb_global[(mb_global >= offset) & (mb_global < offset + n_groups)] - offset
             rows_mb = (mb_groups[:, None] * G + torch.arange(G)).reshape(-1)
             # Aggregation weights over the whole minibatch, so micro-batches sum to the same loss.
             # (several ranks: normalised over the global minibatch, see global_aggregation_weights)
@@ -336,10 +340,21 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
                                                         1.0, world) if critic is not None else None)
             kept = has_signal[rows_mb].nonzero().squeeze(-1)
             sums["policy/skipped_rows"] += len(rows_mb) - len(kept)
-            for micro in group_chunks(len(kept), G, o.micro_batch_size):
-                micro = kept[micro]
-                rows = rows_mb[micro]
+            micros: list[Tensor | None] = [kept[c] for c in group_chunks(len(kept), G,
+                                                                          o.micro_batch_size)]
+            if world.strategy == "fsdp" and world.distributed and n_groups:
+                # ranks may hold different shares of a minibatch, but FSDP's forward and backward
+                # are collectives: pad with zero-weight passes over this rank's first group
+                micros += [None] * (int(global_max(len(micros), world)) - len(micros))
+            for micro in micros:
+                padding = micro is None
+                if padding:
+                    saved_sums = Counter(sums)
+                rows = torch.arange(G) if padding else rows_mb[micro]
                 m = mask[rows]
+                w_micro = torch.zeros_like(m) if padding else weights[micro]
+                vw_micro = (None if value_weights is None else
+                            torch.zeros_like(m) if padding else value_weights[micro])
                 loss = torch.zeros(())
                 if policy_forward:
                     logp, entropy, logits, hidden = sequence_logprobs(
@@ -374,7 +389,7 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
                         if kl_in_loss:
                             loss_t = kl_penalty_in_loss(loss_t, kl_t, algo.kl_coef)
                         sums["policy/kl_ref"] += _mean(kl_t.detach(), m) * len(rows)
-                    loss = aggregate(loss_t, weights[micro])
+                    loss = aggregate(loss_t, w_micro)
                     sums["loss/policy"] += loss.item()
                     if n_updates == 0:   # policy not yet moved: sampler vs trainer numerics only
                         diff = logp.detach() - rollout.logp_B_T[rows]
@@ -393,16 +408,20 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
                                            hidden if critic.shared else None)
                     v_loss_t, v_clipped = value_loss(values, targets.old_values_B_T[rows],
                                                      targets.returns_B_T[rows], cfg.critic.clip)
-                    v_loss = aggregate(v_loss_t, value_weights[micro])
+                    v_loss = aggregate(v_loss_t, vw_micro)
                     loss = loss + cfg.critic.vf_coef * v_loss
                     sums["loss/value"] += v_loss.item()
                     sums["critic/clip_frac"] += _mean(v_clipped.float(), m) * len(rows)
+                if padding:   # the same collectives, no gradient and no metrics
+                    loss = loss * 0.0
+                    sums = saved_sums
                 loss.backward()
-                sums["_rows"] += len(rows)
+                sums["_rows"] += 0 if padding else len(rows)
             if train_policy:
                 if len(kept) == 0:   # keep the optimizer step (Adam momentum, decay) as it would be
                     for p in model.parameters():
-                        if p.requires_grad:
+                        # (FSDP: a padding pass already holds the other ranks' reduced shards)
+                        if p.requires_grad and p.grad is None:
                             p.grad = torch.zeros_like(p)
                 average_gradients(list(model.parameters()), world)
                 grad_norm = clip_grad_norm(list(model.parameters()), o.max_grad_norm, world)

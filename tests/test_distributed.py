@@ -153,12 +153,28 @@ def test_ppo_value_model_sharded_by_fsdp_matches_one_process(embedded_dir, tmp_p
     """PPO's separate value model under FSDP2 (its layers sharded like the policy's): the same
     policy and value model as 1 process, and a 2-rank checkpoint (critic weights and optimizer
     state gathered) resumes on 1 process and continues identically."""
-    one = run(embedded_dir, tmp_path / "one", "ddp", preset="ppo")
-    two = run(embedded_dir, tmp_path / "two", "fsdp", preset="ppo", nproc=2)
+    # (lr 1e-3: FSDP's sums differ from one process's in the last float bits, and Adam at lr 1e-2
+    # turns that into a flipped sampled token on this tiny model within 4 steps)
+    extra = ["--optim.lr", "1e-3"]
+    one = run(embedded_dir, tmp_path / "one", "ddp", preset="ppo", extra=extra)
+    two = run(embedded_dir, tmp_path / "two", "fsdp", preset="ppo", nproc=2, extra=extra)
     assert rewards(two) == pytest.approx(rewards(one), abs=1e-6)
     assert_same_weights(weights(two), weights(one))
     assert_same_weights(weights(two, "final_value_model"), weights(one, "final_value_model"))
-    resumed = run(embedded_dir, tmp_path / "resumed", "fsdp", steps=2, preset="ppo", nproc=2)
-    run(embedded_dir, resumed, "ddp", steps=4, preset="ppo", resume=True)
+    resumed = run(embedded_dir, tmp_path / "resumed", "fsdp", steps=2, preset="ppo", nproc=2,
+                  extra=extra)
+    run(embedded_dir, resumed, "ddp", steps=4, preset="ppo", resume=True, extra=extra)
     assert_same_weights(weights(resumed), weights(one))
     assert_same_weights(weights(resumed, "final_value_model"), weights(one, "final_value_model"))
+
+
+def test_minibatches_are_split_over_the_global_batch(embedded_dir, tmp_path):
+    """With several minibatches per step the groups are drawn into minibatches over the global
+    batch, so 2 ranks update on exactly the minibatches of 1 process; under FSDP2 a rank holding
+    fewer groups of a minibatch than another pads with zero-weight passes (collectives match)."""
+    extra = ["--optim.minibatches", "2", "--optim.micro_batch_size", "4", "--optim.lr", "1e-3"]
+    one = run(embedded_dir, tmp_path / "one", "ddp", preset="ppo", extra=extra)
+    two = run(embedded_dir, tmp_path / "two", "fsdp", preset="ppo", nproc=2, extra=extra)
+    assert rewards(two) == pytest.approx(rewards(one), abs=1e-6)
+    assert_same_weights(weights(two), weights(one))
+    assert_same_weights(weights(two, "final_value_model"), weights(one, "final_value_model"))
