@@ -42,9 +42,10 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, sched
     state keyed by parameter name, so a checkpoint resumes on any number of ranks. Every rank
     must call this (gathering is collective); rank 0 writes."""
     from posttrain.distributed import SINGLE, barrier, full_state_dict, optimizer_state
+    from posttrain.models import is_lora
     world = world or SINGLE
     # LoRA: only the adapters are saved (the base model is the run's start)
-    lora = hasattr(model, "peft_config")
+    lora = is_lora(model)
     weights = full_state_dict(model, world, only=(lambda k: "lora_" in k) if lora else None)
     optim_state = optimizer_state(model, optimizer)
     ckpt_root = run_dir / "checkpoints"

@@ -441,7 +441,7 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
     held-out pairwise accuracy (per pair kind when the rows have one) before and after, and saves
     an AutoModelForSequenceClassification (one label) with reward_stats.json for normalisation."""
     from posttrain.losses import bradley_terry_loss, pairwise_accuracy
-    from posttrain.rewards.model import STATS_FILE, encode_parts, encode_responses, pair_scores
+    from posttrain.rewards.model import STATS_FILE, encode_responses, pair_scores
 
     fields = [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
     train_rows, eval_rows, source = preference_rows(cfg)
@@ -449,18 +449,16 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
     tok, world = st.tokenizer, st.world
     st.model.config.pad_token_id = tok.pad_token_id
 
-    def encode(rows):
-        prompts = [r[cfg.prompt_field] for r in rows]
-        heads, chosen = encode_parts(tok, prompts, [str(r[cfg.chosen_field]) for r in rows],
-                                     cfg.system_prompt, cfg.end_of_turn)
-        rejected = encode_responses(tok, [str(r[cfg.rejected_field]) for r in rows], cfg.end_of_turn)
-        return heads, chosen, rejected
+    def encode(rows, heads: list[list[int]]):
+        return (heads,
+                encode_responses(tok, [str(r[cfg.chosen_field]) for r in rows], cfg.end_of_turn),
+                encode_responses(tok, [str(r[cfg.rejected_field]) for r in rows], cfg.end_of_turn))
 
     def scores(idx, heads, chosen, rejected):
         return pair_scores(st.model, [heads[i] for i in idx], [chosen[i] for i in idx],
                            [rejected[i] for i in idx], tok.pad_token_id, cfg.autocast)
 
-    eval_parts = encode(eval_rows)
+    eval_parts = encode(eval_rows, _encode(tok, cfg, [r[cfg.prompt_field] for r in eval_rows]))
 
     @torch.no_grad()
     def evaluate_pairs() -> dict[str, float]:
@@ -481,7 +479,7 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
 
     before = evaluate_pairs()
     st.logger.log(0, public(before))
-    heads, chosen, rejected = encode(train_rows)
+    heads, chosen, rejected = encode(train_rows, st.prompts)    # prompts encoded by _start
     lengths = [len(h) + max(len(c), len(r)) for h, c, r in zip(heads, chosen, rejected)]
     batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
     t_start = time.perf_counter()

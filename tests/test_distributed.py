@@ -16,17 +16,22 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist_worker.py"
 
 
-def run(tok_dir, run_dir, strategy="ddp", steps=4, preset="grpo", nproc=1, resume=False, extra=()):
-    args = [str(tok_dir), str(run_dir), strategy, str(steps), preset, *extra] + (["--resume"] if resume else [])
+def launch(script, args, nproc):
+    """Run a worker script as 1 plain process or as `nproc` ranks under torchrun (gloo)."""
     if nproc == 1:
-        cmd = [sys.executable, str(WORKER), *args]
+        cmd = [sys.executable, str(script), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(WORKER), *args]
+               f"--nproc-per-node={nproc}", str(script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def run(tok_dir, run_dir, strategy="ddp", steps=4, preset="grpo", nproc=1, resume=False, extra=()):
+    args = [str(tok_dir), str(run_dir), strategy, str(steps), preset, *extra] + (["--resume"] if resume else [])
+    launch(WORKER, args, nproc)
     return run_dir
 
 
@@ -87,16 +92,7 @@ def run_stage(stage, tok_dir, run_dir, strategy="ddp", nproc=1):
     data = Path(run_dir).parent / "sft.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {a} + {a}?", "response": f"{2 * a}"}) + "\n"
                             for a in range(10, 23)))
-    args = [stage, str(tok_dir), str(run_dir), strategy, str(data)]
-    if nproc == 1:
-        cmd = [sys.executable, str(STAGE_WORKER), *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(STAGE_WORKER), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    launch(STAGE_WORKER, [stage, str(tok_dir), str(run_dir), strategy, str(data)], nproc)
     return Path(run_dir)
 
 
