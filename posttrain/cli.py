@@ -252,10 +252,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"posttrain: error: {e}", file=sys.stderr)
         return 2
-    finally:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():   # torchrun: leave the group cleanly
-            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

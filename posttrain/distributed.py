@@ -21,6 +21,7 @@ process group.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -65,6 +66,10 @@ def init_world(strategy: str = "ddp") -> World:
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend)
+        # A process that exits with the group alive can abort in gloo's thread teardown
+        # ("terminate called without an active exception", SIGABRT), failing a run that finished;
+        # library callers (a script calling train() or sft()) need not remember to leave it.
+        atexit.register(_leave_group)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -227,8 +232,8 @@ def barrier(world: World) -> None:
         dist.barrier()
 
 
-def close(world: World) -> None:
-    if world.distributed and dist.is_initialized():
+def _leave_group() -> None:
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
