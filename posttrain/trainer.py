@@ -612,9 +612,6 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
     scorer = Scorer(cfg.reward, scorer_task.verifier, cfg.data.system_prompt, cfg.model.autocast)
     run_dir = Path(resume) if resume else Path(
         cfg.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if world.main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    barrier(world)
     ckpt = latest_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:
         raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir}/checkpoints")
@@ -637,6 +634,9 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
         model = add_lora(model, cfg.lora, ckpt / "adapter" if ckpt else None)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if world.main:   # created once the inputs have loaded: a refused run leaves no empty folder
+        run_dir.mkdir(parents=True, exist_ok=True)
+    barrier(world)
     device = device_for(world) if cfg.model.device == "auto" else torch.device(cfg.model.device)
     model.to(device)
     if cfg.model.gradient_checkpointing:

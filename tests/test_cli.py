@@ -16,11 +16,13 @@ def test_help_lists_presets_and_fields(capsys):
         assert word in out
 
 
-def test_bad_override_fails_fast_with_the_field_name(capsys):
+def test_bad_override_fails_fast_with_the_field_name(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     assert main(["train", "--optim.lr", "fast"]) == 2
     assert "optim.lr='fast' must be a number" in capsys.readouterr().err
     assert main(["train", "--model.path", "/does/not/exist", "--data.eval_size", "0"]) == 2
     assert "not a local Hugging Face model folder" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []     # a refused run leaves no empty run folder behind
 
 
 def test_console_script_runs():
