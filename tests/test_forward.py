@@ -1,0 +1,60 @@
+"""The shared forward (forward.response_hidden): a prefix common to all prompts runs once, each
+group's rest of the prompt once, then the responses; the result must be the plain forward's."""
+
+import pytest
+import torch
+
+from posttrain.forward import common_prefix_length, response_logits
+from tests.conftest import make_tiny_model
+
+
+def left_padded(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    L = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (L - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def test_common_prefix_length_by_hand():
+    assert common_prefix_length(*left_padded([[5, 6, 7, 8, 9], [5, 6, 7, 10], [5, 6, 11, 12]])) == 2
+    assert common_prefix_length(*left_padded([[20, 6, 7], [5, 6, 7, 8]])) == 0
+    # identical prompts: all but the last token, whose hidden state predicts the response
+    assert common_prefix_length(*left_padded([[5, 6, 7], [5, 6, 7]])) == 2
+    assert common_prefix_length(*left_padded([[5, 6, 7, 8], [5, 6]])) == 1
+    assert common_prefix_length(*left_padded([[5], [5, 6]])) == 0
+
+
+CASES = {
+    "shared prefix, lengths differ": [[5, 6, 7, 8, 9], [5, 6, 7, 10], [5, 6, 11, 12, 13, 14]],
+    "no shared prefix": [[20, 6, 7], [5, 6, 7, 8], [9, 10]],
+    "one-token prompts": [[5], [9]],
+    "one group": [[5, 6, 7, 8]],
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prefix_shared_forward_equals_plain_forward_values_and_gradients(tokenizer, case):
+    G, T = 2, 4
+    model = make_tiny_model(tokenizer, seed=3).double()
+    prompt_ids, prompt_mask = left_padded(CASES[case])
+    prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)
+    b = len(prompt_ids)
+    response_ids = torch.randint(100, 1000, (b, T), generator=torch.Generator().manual_seed(0))
+    response_mask = torch.ones(b, T)
+    response_mask[1, 2:] = 0                       # a response that stopped early (right-padded)
+    shared = response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask,
+                             group_size=G)
+    (shared * response_mask[..., None]).sum().backward()
+    g_shared = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ids = torch.cat([prompt_ids, response_ids], 1)
+    mask = torch.cat([prompt_mask, response_mask.long()], 1)
+    full = model(input_ids=ids, attention_mask=mask,
+                 position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, -(T + 1):-1]
+    (full * response_mask[..., None]).sum().backward()
+    m = response_mask.bool()
+    torch.testing.assert_close(shared[m], full[m])
+    for a, p in zip(g_shared, model.parameters()):
+        # float64 model, but transformers computes rotary angles in float32: ~1e-7 relative noise
+        scale = p.grad.abs().max().item()
+        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-5 * scale)
