@@ -57,6 +57,10 @@ class StageConfig:
     # ('addition', 'subtraction', 'arithmetic'), made from the ground truth
     synthetic: str = ""
     n_pairs: int = 2000                 # synthetic training pairs (sft: examples)
+    # share of synthetic correct > wrong training pairs whose wrong answer is terse ("{c}", "The
+    # answer is {c}.") whatever the correct one's wording: the answers a reward-hacking policy
+    # drifts to (docs/ppo-rlhf.md: 0.5 kept RLHF from collapsing to bare numbers)
+    terse_wrong_share: float = 0.0
     eval_data: str = ""                 # held-out pairs file; default: eval_size pairs split off
     eval_size: int = 200
     autocast: str = "none"              # 'bfloat16': body in bf16 (faster on AVX512-BF16 / GPU)
@@ -394,10 +398,13 @@ def preference_rows(cfg: StageConfig) -> tuple[list[dict], list[dict], str]:
     """(train pairs, held-out pairs, source) from --synthetic TASK or --data [--eval_data]; the
     rows are checked (file, line, field) before any model loads."""
     fields = [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
+    if not 0.0 <= cfg.terse_wrong_share <= 1.0:
+        raise ValueError(f"terse_wrong_share={cfg.terse_wrong_share} must be between 0 and 1")
     if cfg.synthetic:   # pairs from ground truth: train on training problems, test on held-out
         from posttrain.data.preferences import synthetic_preferences
         task = synthetic_task(cfg)
-        return (synthetic_preferences(task, cfg.n_pairs, cfg.seed),
+        return (synthetic_preferences(task, cfg.n_pairs, cfg.seed,
+                                      terse_wrong_share=cfg.terse_wrong_share),
                 synthetic_preferences(task, cfg.eval_size, cfg.seed, held_out=True),
                 f"synthetic:{cfg.synthetic}")
     if not cfg.data:

@@ -41,6 +41,33 @@ def test_synthetic_pairs_follow_the_ground_truth():
         synthetic_preferences(make_task("countdown", 3), 3)
 
 
+def test_terse_wrong_answers_are_added_to_training_pairs_only():
+    """terse_wrong_share: that share of correct > wrong training pairs get a terse wrong answer
+    (what a hacking policy writes); 0 leaves the pairs exactly as before; held-out pairs never
+    change."""
+    task = make_task("addition", 2)
+    task.build_eval(50, 1234)
+    plain = synthetic_preferences(task, 400, seed=0)
+    assert synthetic_preferences(task, 400, seed=0, terse_wrong_share=0.0) == plain
+    mixed = synthetic_preferences(task, 400, seed=0, terse_wrong_share=0.5)
+    terse = {"{c}", "The answer is {c}."}
+    n_terse = n_wrong = 0
+    for row in mixed:
+        if row["kind"] != "correct>wrong":
+            continue
+        a, b = (int(x) for x in row["prompt"][len("What is "):-1].split(" + "))
+        w = final_answer(row["rejected"])
+        assert w not in (None, str(a + b)), row
+        n_wrong += 1
+        n_terse += row["rejected"] in {t.format(c=w) for t in terse} and row["chosen"] != row[
+            "rejected"].replace(w, str(a + b))
+    assert 0.3 < n_terse / n_wrong < 0.7           # about half, the rest worded like the right one
+    assert (synthetic_preferences(task, 60, seed=0, held_out=True, terse_wrong_share=1.0)
+            == synthetic_preferences(task, 60, seed=0, held_out=True))
+    with pytest.raises(ValueError, match="terse_wrong_share=1.5 must be between 0 and 1"):
+        reward_model(StageConfig(synthetic="addition", terse_wrong_share=1.5))
+
+
 @pytest.mark.parametrize("row, msg", [
     ({"prompt": "p", "chosen": "a"}, "line 2: field 'rejected' is missing or empty"),
     ({"prompt": "p", "chosen": "  ", "rejected": "b"}, "line 2: field 'chosen' is missing or empty"),

@@ -73,12 +73,23 @@ def plausible_mistake(answer: int, rng: random.Random, problem: Problem) -> int:
     return rng.choice(wrong) if wrong else answer + 10
 
 
-def preference_pair(problem: Problem, kind: str, rng: random.Random) -> dict[str, Any]:
+_TERSE = _CONCISE[:2]   # "{c}", "The answer is {c}.": no working shown
+
+
+def preference_pair(problem: Problem, kind: str, rng: random.Random,
+                    terse_wrong_share: float = 0.0) -> dict[str, Any]:
     e, c = expression(problem), problem.answer
     style = rng.choice(_CONCISE)
     if kind == "correct>wrong":
         w = plausible_mistake(int(c), rng, problem)
         chosen, rejected = style.format(e=e, c=c), style.format(e=e, c=w)
+        # Iterated RLHF adds the policy's own hacks as rejected answers; a policy trained on a
+        # reward model that never saw a terse wrong answer beside a worded right one drifted to
+        # bare numbers ("100" to every question). Same-wording pairs stay the majority: they are
+        # the only ones where correctness is all that differs.
+        if terse_wrong_share > 0 and rng.random() < terse_wrong_share:
+            w = plausible_mistake(int(c), rng, problem)
+            rejected = rng.choice(_TERSE).format(e=e, c=w)
     elif kind == "concise>rambling":
         chosen = style.format(e=e, c=c)
         rejected = f"{rng.choice(_FILLER)} {rng.choice(_CONCISE[1:]).format(e=e, c=c)}"
@@ -89,9 +100,10 @@ def preference_pair(problem: Problem, kind: str, rng: random.Random) -> dict[str
     return {"prompt": problem.prompt, "chosen": chosen, "rejected": rejected, "kind": kind}
 
 
-def synthetic_preferences(task: Task, n: int, seed: int = 0, held_out: bool = False
-                          ) -> list[dict[str, Any]]:
-    """`n` pairs on training problems (or on the held-out problems, cycled, if held_out)."""
+def synthetic_preferences(task: Task, n: int, seed: int = 0, held_out: bool = False,
+                          terse_wrong_share: float = 0.0) -> list[dict[str, Any]]:
+    """`n` pairs on training problems (or on the held-out problems, cycled, if held_out: those
+    always keep one wording for both answers, so held-out accuracy measures one thing)."""
     rng = random.Random(f"preferences-{seed}-{held_out}")
     kinds = [k for k, share in TRAIN_SHARES for _ in range(round(share * 100))]
     rows = []
@@ -99,5 +111,5 @@ def synthetic_preferences(task: Task, n: int, seed: int = 0, held_out: bool = Fa
         problem = (task.eval_problems[i % len(task.eval_problems)] if held_out
                    else task.train_problem(seed, i))
         kind = _HELD_OUT_CYCLE[i % len(_HELD_OUT_CYCLE)] if held_out else rng.choice(kinds)
-        rows.append(preference_pair(problem, kind, rng))
+        rows.append(preference_pair(problem, kind, rng, 0.0 if held_out else terse_wrong_share))
     return rows
