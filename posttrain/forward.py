@@ -48,8 +48,10 @@ def response_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_i
     both (the same sharing the sampler uses); the leading tokens all prompts share (a chat
     template's system turn) run once for the whole micro-batch. With G = 4, a 40-token prompt of
     which 30 are shared, and 13-token answers, a micro-batch of 16 groups runs 30 + 16 x 10 +
-    64 x 13 = 1022 tokens instead of 64 x 53 = 3392. With autocast='bfloat16' the body runs in bf16 (about 1.8x faster on
-    an AVX512-BF16 CPU); the result is returned in float32 so heads keep full precision.
+    64 x 13 = 1022 tokens, against 16 x 40 + 64 x 13 = 1472 with the prompt shared per group only
+    and 64 x 53 = 3392 with nothing shared. With autocast='bfloat16' the body runs in bf16 (about
+    1.8x faster on an AVX512-BF16 CPU); the result is returned in float32 so heads keep full
+    precision.
     The LM head turns these into logits, a value head into V(x, y_<t) (§5).
     """
     G, T = group_size, response_ids.shape[1]
@@ -75,8 +77,8 @@ def response_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_i
         if k:
             start = L - int(lengths[0])
             first = decoder(input_ids=p_ids[:1, start:start + k], use_cache=True,
-                    position_ids=torch.arange(k, device=p_ids.device)[None],
-                    **{cache_kwarg(decoder): cache})
+                            position_ids=torch.arange(k, device=p_ids.device)[None],
+                            **{cache_kwarg(decoder): cache})
             cache.batch_repeat_interleave(n)
             first_mask = torch.ones(n, k, dtype=p_mask.dtype, device=p_mask.device)
             # a row's columns before `cut` + its prefix hold pad or prefix tokens: masked out here
@@ -85,8 +87,8 @@ def response_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_i
         else:
             first_mask, rest_mask = p_mask[:, :1], p_mask[:, 1:]
             first = decoder(input_ids=p_ids[:, :1], attention_mask=first_mask,
-                    position_ids=torch.zeros_like(first_mask), use_cache=True,
-                    **{cache_kwarg(decoder): cache})
+                            position_ids=torch.zeros_like(first_mask), use_cache=True,
+                            **{cache_kwarg(decoder): cache})
         mask = torch.cat([first_mask, rest_mask], dim=1)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         prompt_out = decoder(input_ids=p_ids[:, cut:], attention_mask=mask,
@@ -101,8 +103,8 @@ def response_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_i
         hidden = torch.cat([last_prompt_h, resp_h[:, :-1]], dim=1)       # (b, T, H)
         # The first pass reaches the loss only through its KV cache. FSDP2 gathers a layer's
         # weights for backward when a gradient reaches that layer's *output*, so its output joins
-        # the graph with weight 0 (otherwise the last layer's weights are gone in backward).
-        # (a real token's state: row 0 of the shared prefix, or the longest prompt's first column)
+        # the graph with weight 0 (otherwise the last layer's weights are gone in backward); the
+        # state taken is a real token's (row 0 of the prefix, or the longest prompt's first one).
         row = 0 if k else int(lengths.argmax())
         hidden = hidden + 0.0 * first.last_hidden_state[row, :1, :1].sum()
     return hidden.float() if autocast != "none" else hidden
