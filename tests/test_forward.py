@@ -4,7 +4,10 @@ group's rest of the prompt once, then the responses; the result must be the plai
 import pytest
 import torch
 
+from posttrain.config import load_config
 from posttrain.forward import common_prefix_length, response_logits
+from posttrain.rollout import SamplingParams, make_engine
+from posttrain.trainer import build_task, encode_prompts
 from tests.conftest import make_tiny_model
 
 
@@ -32,21 +35,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_prefix_shared_forward_equals_plain_forward_values_and_gradients(tokenizer, case):
-    G, T = 2, 4
-    model = make_tiny_model(tokenizer, seed=3).double()
-    prompt_ids, prompt_mask = left_padded(CASES[case])
-    prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)
-    b = len(prompt_ids)
-    response_ids = torch.randint(100, 1000, (b, T), generator=torch.Generator().manual_seed(0))
-    response_mask = torch.ones(b, T)
-    response_mask[1, 2:] = 0                       # a response that stopped early (right-padded)
+def assert_matches_plain_forward(model, prompt_ids, prompt_mask, response_ids, response_mask, G):
+    """response_logits (shared passes) against one plain forward per row: same logits at the
+    response positions and same parameter gradients of their sum."""
+    model.zero_grad()
     shared = response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask,
                              group_size=G)
     (shared * response_mask[..., None]).sum().backward()
     g_shared = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
+    T = response_ids.shape[1]
     ids = torch.cat([prompt_ids, response_ids], 1)
     mask = torch.cat([prompt_mask, response_mask.long()], 1)
     full = model(input_ids=ids, attention_mask=mask,
@@ -58,3 +56,32 @@ def test_prefix_shared_forward_equals_plain_forward_values_and_gradients(tokeniz
         # float64 model, but transformers computes rotary angles in float32: ~1e-7 relative noise
         scale = p.grad.abs().max().item()
         torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prefix_shared_forward_equals_plain_forward_values_and_gradients(tokenizer, case):
+    G, T = 2, 4
+    model = make_tiny_model(tokenizer, seed=3).double()
+    prompt_ids, prompt_mask = left_padded(CASES[case])
+    prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)
+    b = len(prompt_ids)
+    response_ids = torch.randint(100, 1000, (b, T), generator=torch.Generator().manual_seed(0))
+    response_mask = torch.ones(b, T)
+    response_mask[1, 2:] = 0                       # a response that stopped early (right-padded)
+    assert_matches_plain_forward(model, prompt_ids, prompt_mask, response_ids, response_mask, G)
+
+
+def test_sampled_chat_prompts_and_gradient_checkpointing_match_the_plain_forward(tokenizer):
+    """Real chat-templated prompts and sampled responses (the trainer's layout); and with gradient
+    checkpointing on, the full-sequence path gives the same logits and gradients."""
+    model = make_tiny_model(tokenizer, seed=7).double()
+    task = build_task(load_config(None, ["--data.eval_size", "3"]))
+    engine = make_engine("hf", model, tokenizer)
+    r = engine.generate(encode_prompts(tokenizer, task.eval_problems, "Be brief."), 3,
+                        SamplingParams(5), torch.Generator().manual_seed(0))
+    args = (r.prompt_ids_B_L, r.prompt_mask_B_L, r.response_ids_B_T, r.response_mask_B_T, 3)
+    assert common_prefix_length(r.prompt_ids_B_L[::3], r.prompt_mask_B_L[::3]) > 10
+    assert_matches_plain_forward(model, *args)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    assert_matches_plain_forward(model, *args)

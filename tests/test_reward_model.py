@@ -50,18 +50,17 @@ def test_terse_wrong_answers_are_added_to_training_pairs_only():
     plain = synthetic_preferences(task, 400, seed=0)
     assert synthetic_preferences(task, 400, seed=0, terse_wrong_share=0.0) == plain
     mixed = synthetic_preferences(task, 400, seed=0, terse_wrong_share=0.5)
-    terse = {"{c}", "The answer is {c}."}
-    n_terse = n_wrong = 0
-    for row in mixed:
-        if row["kind"] != "correct>wrong":
-            continue
-        a, b = (int(x) for x in row["prompt"][len("What is "):-1].split(" + "))
-        w = final_answer(row["rejected"])
-        assert w not in (None, str(a + b)), row
-        n_wrong += 1
-        n_terse += row["rejected"] in {t.format(c=w) for t in terse} and row["chosen"] != row[
-            "rejected"].replace(w, str(a + b))
-    assert 0.3 < n_terse / n_wrong < 0.7           # about half, the rest worded like the right one
+
+    def terse_share(rows):   # correct > wrong pairs whose wrong answer is "{w}" / "The answer is {w}."
+        wrong = [r for r in rows if r["kind"] == "correct>wrong"]
+        for r in wrong:
+            a, b = (int(x) for x in r["prompt"][len("What is "):-1].split(" + "))
+            assert final_answer(r["rejected"]) not in (None, str(a + b)), r
+        w = [final_answer(r["rejected"]) for r in wrong]
+        return sum(r["rejected"] in (x, f"The answer is {x}.") for r, x in zip(wrong, w)) / len(wrong)
+    # same wording on both sides: 2 of the 8 wordings are terse; plus half the pairs made terse
+    assert 0.15 < terse_share(plain) < 0.35
+    assert 0.5 < terse_share(mixed) < 0.75
     assert (synthetic_preferences(task, 60, seed=0, held_out=True, terse_wrong_share=1.0)
             == synthetic_preferences(task, 60, seed=0, held_out=True))
     with pytest.raises(ValueError, match="terse_wrong_share=1.5 must be between 0 and 1"):
