@@ -18,7 +18,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -34,7 +34,7 @@ from posttrain.losses import dpo_loss, sequence_logprob, sft_loss
 from posttrain.models import load_policy, load_tokenizer, resolve_model_path, save_model
 from posttrain.rollout.base import Rollout
 from posttrain.rollout.hf import left_pad
-from posttrain.trainer import encode_prompts, seed_everything, sequence_logprobs
+from posttrain.trainer import encode_prompts, lr_factor, seed_everything, sequence_logprobs
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,12 @@ class StageConfig:
     strategy: str = "ddp"               # under torchrun: 'ddp' (replicated) or 'fsdp' (sharded)
     head_lr: float | None = None        # reward-model: the score head's own lr (default: lr)
     end_of_turn: bool = False           # reward-model: score after the template's end-of-turn tokens
+    # reward-model: weight of a next-token loss on the chosen responses (through the tied LM
+    # head), which keeps the body predicting the answer it should be checking
+    lm_coef: float = 0.0
+    # learning rate over the run's optimizer steps: a linear warm-up, then constant or a decay to 0
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
 
 
 def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]],
@@ -133,6 +139,12 @@ class _Stage:
     rng: random.Random
     world: World
     device: torch.device
+    scheduler: Any = None
+
+    def schedule(self, cfg: StageConfig, total_steps: int) -> None:
+        """Set the learning-rate schedule once the number of optimizer steps is known."""
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda i: lr_factor(i, total_steps, cfg.warmup_steps, cfg.schedule))
 
 
 def _start(cfg: StageConfig, model, tokenizer, fields: list[str],
@@ -144,6 +156,9 @@ def _start(cfg: StageConfig, model, tokenizer, fields: list[str],
         _check_rows(cfg.data, rows, fields)
     if cfg.strategy not in ("ddp", "fsdp"):
         raise ValueError(f"strategy={cfg.strategy!r} is not valid; accepted: ['ddp', 'fsdp']")
+    for name in ("warmup_steps", "lm_coef"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name}={getattr(cfg, name)} must be >= 0")
     world = init_world(cfg.strategy)
     if world.distributed and cfg.batch_size < world.size:
         raise ValueError(f"batch_size={cfg.batch_size} is smaller than the {world.size} ranks: "
@@ -201,15 +216,19 @@ def sharded_rows(fn, n: int, chunk: int, world: World) -> tuple[Tensor, ...]:
     return tuple(torch.cat(cols) for cols in zip(*shares))
 
 
-def _step(stage: _Stage, loss: Tensor) -> None:
+def _step(stage: _Stage, loss: Tensor) -> float:
     """One optimizer step; `loss` is this rank's part of the global batch loss (times the world
-    size, which the gradient average divides out)."""
+    size, which the gradient average divides out). Returns the learning rate it used."""
     loss.backward()
     params = list(stage.model.parameters())   # after backward: FSDP2 has re-registered its shards
     average_gradients(params, stage.world)
     clip_grad_norm(params, 1.0, stage.world)
+    lr = stage.optimizer.param_groups[0]["lr"]
     stage.optimizer.step()
     stage.optimizer.zero_grad(set_to_none=True)
+    if stage.scheduler is not None:
+        stage.scheduler.step()
+    return lr
 
 
 def _finish(stage: _Stage, extra_files: dict[str, str] | None = None) -> str:
@@ -245,6 +264,7 @@ def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
     responses = [_response_ids(st.tokenizer, r[cfg.response_field], cfg.max_len) for r in st.rows]
     lengths = [len(p) + len(r) for p, r in zip(st.prompts, responses)]
     batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
+    st.schedule(cfg, len(batches))
     losses = []
     bar = tqdm(batches, disable=not (show_progress and st.world.main), desc="sft")
     for step, batch in enumerate(bar, start=1):
@@ -254,10 +274,11 @@ def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
         logp = sequence_logprobs(st.model, r, torch.arange(len(mine)), 1.0, autocast=cfg.autocast).logp
         tokens = global_sum(weight * r.response_mask_B_T.sum(), st.world)
         loss = weight * sft_loss(logp, r.response_mask_B_T, tokens)
-        _step(st, loss * st.world.size)
+        lr = _step(st, loss * st.world.size)
         losses.append(global_sum(loss.detach(), st.world).item())
         width = r.prompt_ids_B_L.shape[1] + r.response_ids_B_T.shape[1]
-        st.logger.log(step, {"loss/sft": losses[-1], "perf/step_s": time.perf_counter() - t0,
+        st.logger.log(step, {"loss/sft": losses[-1], "optim/lr": lr,
+                             "perf/step_s": time.perf_counter() - t0,
                              "perf/padding_frac": 1 - sum(lengths[i] for i in mine) / (len(mine) * width)})
     if task is not None:
         summary["behaviour_after"] = held_out_behaviour(st.model, st.tokenizer, task, cfg, st.world)
@@ -330,6 +351,7 @@ def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
         st.logger.log(0, summary["behaviour_before"])
     lengths = [len(p) + max(len(c), len(r)) for p, c, r in zip(*train_data)]
     batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
+    st.schedule(cfg, len(batches))
     t_start = time.perf_counter()
     acc = float("nan")
     bar = tqdm(batches, disable=not (show_progress and world.main), desc="dpo")
@@ -340,12 +362,13 @@ def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
         out = dpo_loss(pol_c, pol_r, ref_train[0][idx].to(st.device), ref_train[1][idx].to(st.device),
                        cfg.beta)
         share = weight / len(batch)           # the mean over the global batch, this rank's part
-        _step(st, out.loss.sum() * share * world.size)
+        lr = _step(st, out.loss.sum() * share * world.size)
         margin = out.chosen_rewards - out.rejected_rewards
         loss, acc, margin, chosen, rejected = (global_sum(torch.stack([
             out.loss.detach().sum(), (margin > 0).float().sum(), margin.sum(),
             out.chosen_rewards.sum(), out.rejected_rewards.sum()]) * share, world)).tolist()
-        st.logger.log(step, {"loss/dpo": loss, "dpo/reward_accuracy": acc, "dpo/margin": margin,
+        st.logger.log(step, {"loss/dpo": loss, "optim/lr": lr, "dpo/reward_accuracy": acc,
+                             "dpo/margin": margin,
                              "dpo/chosen_reward": chosen, "dpo/rejected_reward": rejected})
     summary["train_minutes"] = (time.perf_counter() - t_start) / 60
     summary["eval_after"] = evaluate_pairs()
@@ -455,22 +478,25 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
     st = _start(cfg, model, tokenizer, fields, rows=train_rows, load=load_reward_model_start)
     tok, world = st.tokenizer, st.world
     st.model.config.pad_token_id = tok.pad_token_id
+    if cfg.lm_coef > 0:
+        from posttrain.rewards.model import tied_lm_head
+        tied_lm_head(st.model)                # refuse an untied model before any training
 
     def encode(rows, heads: list[list[int]]):
         return (heads,
                 encode_responses(tok, [str(r[cfg.chosen_field]) for r in rows], cfg.end_of_turn),
                 encode_responses(tok, [str(r[cfg.rejected_field]) for r in rows], cfg.end_of_turn))
 
-    def scores(idx, heads, chosen, rejected):
+    def scores(idx, heads, chosen, rejected, chosen_nll=False):
         return pair_scores(st.model, [heads[i] for i in idx], [chosen[i] for i in idx],
-                           [rejected[i] for i in idx], tok.pad_token_id, cfg.autocast)
+                           [rejected[i] for i in idx], tok.pad_token_id, cfg.autocast, chosen_nll)
 
     eval_parts = encode(eval_rows, _encode(tok, cfg, [r[cfg.prompt_field] for r in eval_rows]))
 
     @torch.no_grad()
     def evaluate_pairs() -> dict[str, float]:
         st.model.eval()
-        c, r = sharded_rows(lambda idx: scores(idx, *eval_parts), len(eval_rows), 32, world)
+        c, r = sharded_rows(lambda idx: scores(idx, *eval_parts)[:2], len(eval_rows), 32, world)
         st.model.train()
         out = {"rm/eval_accuracy": pairwise_accuracy(c, r).item(),
                "rm/eval_margin": (c - r).mean().item(),
@@ -489,18 +515,27 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
     heads, chosen, rejected = encode(train_rows, st.prompts)    # prompts encoded by _start
     lengths = [len(h) + max(len(c), len(r)) for h, c, r in zip(heads, chosen, rejected)]
     batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
+    st.schedule(cfg, len(batches))
     t_start = time.perf_counter()
     st.model.train()
     bar = tqdm(batches, disable=not (show_progress and world.main), desc="reward-model")
     for step, batch in enumerate(bar, start=1):
         mine, weight = share_of_batch(batch, world)
-        c, r = scores(mine, heads, chosen, rejected)
+        c, r, nll = scores(mine, heads, chosen, rejected, cfg.lm_coef > 0)
         losses = bradley_terry_loss(c, r)
         share = weight / len(batch)           # the mean over the global batch, this rank's part
-        _step(st, losses.sum() * share * world.size)
-        loss, acc = (global_sum(torch.stack([losses.detach().sum(), (c > r).float().sum()]) * share,
-                                world)).tolist()
-        st.logger.log(step, {"loss/bradley_terry": loss, "rm/train_accuracy": acc})
+        loss = losses.sum() * share
+        logged = {}
+        if nll is not None:                   # mean over the global batch's chosen tokens
+            n_tokens = global_sum(torch.tensor(weight * sum(len(chosen[i]) for i in mine),
+                                               dtype=torch.float32, device=st.device), world)
+            lm = nll.sum() * weight / n_tokens
+            loss = loss + cfg.lm_coef * lm
+            logged["loss/chosen_nll"] = global_sum(lm.detach(), world).item()
+        logged["optim/lr"] = _step(st, loss * world.size)
+        bt, acc = (global_sum(torch.stack([losses.detach().sum(), (c > r).float().sum()]) * share,
+                              world)).tolist()
+        st.logger.log(step, {"loss/bradley_terry": bt, "rm/train_accuracy": acc, **logged})
     train_minutes = (time.perf_counter() - t_start) / 60
     after = evaluate_pairs()
     st.logger.log(len(batches), public(after))

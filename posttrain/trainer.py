@@ -549,20 +549,24 @@ def build_task(cfg: TrainConfig) -> Task:
     return task
 
 
+def lr_factor(i: int, total: int, warmup_steps: int = 0, schedule: str = "constant") -> float:
+    """The learning rate of optimizer step i (0-based) as a share of the peak: a linear warm-up
+    over `warmup_steps`, then constant, linear decay to 0 or cosine decay to 0 at step `total`."""
+    if warmup_steps and i < warmup_steps:
+        return (i + 1) / warmup_steps
+    progress = min((i - warmup_steps) / max(total - warmup_steps, 1), 1.0)
+    if schedule == "linear":
+        return 1.0 - progress
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0
+
+
 def make_scheduler(optimizer, cfg: TrainConfig):
     o = cfg.optim
     total = max(cfg.steps * o.epochs * o.minibatches, 1)
-
-    def factor(i: int) -> float:
-        if o.warmup_steps and i < o.warmup_steps:
-            return (i + 1) / o.warmup_steps
-        progress = min((i - o.warmup_steps) / max(total - o.warmup_steps, 1), 1.0)
-        if o.schedule == "linear":
-            return 1.0 - progress
-        if o.schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda i: lr_factor(i, total, o.warmup_steps, o.schedule))
 
 
 def check_world(cfg: TrainConfig, world: World) -> None:

@@ -36,13 +36,15 @@ def make_tiny_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 32,
     return model
 
 
-def make_tiny_reward_model(tokenizer):
-    """A tiny AutoModelForSequenceClassification (one label): a reward model to train."""
+def make_tiny_reward_model(tokenizer, tied: bool = False):
+    """A tiny AutoModelForSequenceClassification (one label): a reward model to train (`tied`:
+    its body's LM head would be the input embedding, as SmolLM2's is)."""
     from transformers import AutoModelForSequenceClassification
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                      max_position_embeddings=256, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+                      max_position_embeddings=256, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+                      tie_word_embeddings=tied)
     return AutoModelForSequenceClassification.from_config(cfg)
 
 

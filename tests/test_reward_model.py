@@ -162,7 +162,7 @@ def test_pair_scores_share_the_prompt_and_equal_full_sequence_scores(tokenizer):
     prompts = ["What is 12 + 30?", "What is 5 + 7? Answer briefly please."]
     heads, chosen = encode_parts(tokenizer, prompts, ["42", "The answer is 12."])
     _, rejected = encode_parts(tokenizer, prompts, ["I am not sure how to add numbers.", "13"])
-    c, r = pair_scores(model, heads, chosen, rejected, tokenizer.pad_token_id)
+    c, r, _ = pair_scores(model, heads, chosen, rejected, tokenizer.pad_token_id)
     full = sequence_scores(model, [h + t for h, t in zip(heads + heads, chosen + rejected)],
                            tokenizer.pad_token_id)
     torch.testing.assert_close(torch.cat([c, r]), full.float(), atol=1e-5, rtol=1e-5)
@@ -208,3 +208,33 @@ def test_a_reward_model_trained_on_end_of_turn_is_read_the_same_way(tmp_path, to
     rm.end_of_turn = False
     plain = rm([r["prompt"] for r in rows] * 2, [r["chosen"] for r in rows] + [r["rejected"] for r in rows])
     assert not torch.allclose(plain, scores, atol=1e-3)
+
+
+def test_chosen_nll_is_the_bodys_next_token_loss_through_the_tied_embedding(tokenizer):
+    from posttrain.rewards.model import encode_parts, pair_scores
+    model = tiny_reward_model(tokenizer, tied=True).double()
+    prompts = ["What is 12 + 30?", "What is 5 + 7? Answer briefly please."]
+    heads, chosen = encode_parts(tokenizer, prompts, ["42", "The answer is 12."])
+    _, rejected = encode_parts(tokenizer, prompts, ["I am not sure how to add numbers.", "13"])
+    out = pair_scores(model, heads, chosen, rejected, tokenizer.pad_token_id, chosen_nll=True)
+    expected = []
+    for head, tail in zip(heads, chosen):     # the plain causal-LM loss on one full sequence
+        ids = torch.tensor([head + tail])
+        logits = model.base_model(input_ids=ids).last_hidden_state[0] @ model.get_input_embeddings().weight.T
+        logp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+        expected.append(-logp[-len(tail):].sum())
+    torch.testing.assert_close(out.chosen_nll, torch.stack(expected), atol=1e-8, rtol=1e-8)
+    assert pair_scores(model, heads, chosen, rejected, tokenizer.pad_token_id).chosen_nll is None
+
+
+def test_the_chosen_lm_loss_trains_the_body_and_needs_a_tied_head(tmp_path, tokenizer):
+    cfg = StageConfig(synthetic="addition", n_pairs=96, eval_size=8, lr=3e-3, batch_size=8,
+                      lm_coef=1.0, run_dir=str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        reward_model(cfg, model=tiny_reward_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    reward_model(cfg, model=tiny_reward_model(tokenizer, tied=True), tokenizer=tokenizer,
+                 show_progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    nll = [r["loss/chosen_nll"] for r in rows if "loss/chosen_nll" in r]
+    assert len(nll) == 12 and nll[0] > 9          # ~log(vocab) for a random body
+    assert max(nll[-3:]) < nll[0] - 1, nll          # the body learns the chosen answers (-1.5)

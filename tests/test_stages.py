@@ -107,3 +107,26 @@ def test_sft_on_synthetic_answers_reports_held_out_behaviour(tmp_path, tokenizer
     assert set(out["behaviour_after"]) == {"behaviour/accuracy", "behaviour/length_mean"}
     # the tiny model learns the answer's shape (and to stop): shorter than 48 tokens of noise
     assert out["behaviour_after"]["behaviour/length_mean"] < out["behaviour_before"]["behaviour/length_mean"]
+
+
+def test_lr_factor_warms_up_then_decays_to_zero():
+    from posttrain.trainer import lr_factor
+    assert [lr_factor(i, 4) for i in range(4)] == [1.0] * 4
+    assert [lr_factor(i, 6, 2, "linear") for i in range(7)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
+    assert [round(lr_factor(i, 4, 0, "cosine"), 6) for i in range(5)] == [1.0, 0.853553, 0.5, 0.146447, 0.0]
+
+
+@pytest.mark.parametrize("schedule,expected", [("constant", [0.5, 1.0, 1.0, 1.0]),
+                                               ("linear", [0.5, 1.0, 1.0, 0.5])])
+def test_stages_follow_the_learning_rate_schedule(tmp_path, tokenizer, schedule, expected):
+    rows = [{"prompt": f"What is {a} + {a}?", "response": f"{2 * a}"} for a in range(10, 18)]
+    write_jsonl(tmp_path / "sft.jsonl", rows)
+    sft(StageConfig(data=str(tmp_path / "sft.jsonl"), lr=1e-3, batch_size=4, epochs=2,
+                    schedule=schedule, warmup_steps=2, run_dir=str(tmp_path / "run")),
+        model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["optim/lr"] / 1e-3 for r in logged if "optim/lr" in r]
+    assert [round(x, 6) for x in lrs] == expected        # 4 steps: 2 of warm-up, then the schedule
+    with pytest.raises(ValueError, match="warmup_steps=-1"):
+        sft(StageConfig(data=str(tmp_path / "sft.jsonl"), warmup_steps=-1), model=make_tiny_model(tokenizer),
+            tokenizer=tokenizer, show_progress=False)

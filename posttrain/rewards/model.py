@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -56,37 +57,79 @@ def encode_responses(tokenizer, responses: list[str], end_of_turn: bool = False)
     return [tokenizer(r, add_special_tokens=False)["input_ids"] + tail for r in responses]
 
 
-def group_scores(model, prompt_ids: list[list[int]], responses: list[list[int]], group_size: int,
-                 pad_id: int, autocast: str = "none") -> Tensor:
-    """r(x, y) for groups of `group_size` responses to one prompt (responses of prompt i at rows
-    i*G .. i*G+G-1), with each prompt run once (the trainer's prompt-shared forward). Equal to
-    scoring each full sequence's last token; cheaper when the prompt is most of the tokens."""
+class PairScores(NamedTuple):
+    chosen: Tensor                      # r(x, y_chosen) per pair
+    rejected: Tensor                    # r(x, y_rejected) per pair
+    chosen_nll: Tensor | None = None    # summed next-token NLL of each chosen response (if asked)
+
+
+def _response_states(model, prompt_ids: list[list[int]], responses: list[list[int]],
+                     group_size: int, pad_id: int, autocast: str) -> tuple[Tensor, Tensor]:
+    """(hidden (b, T+1, H) predicting each response token and one step past the last, the padded
+    response ids (b, T+1)), each prompt run once per group of `group_size` responses."""
     from dataclasses import replace
 
     from posttrain.forward import response_hidden
     from posttrain.stages import pack
-    G = group_size
     # one dummy token after each response: the hidden state that "predicts" it is the one at
     # the response's last token, the one the score head reads
-    rollout = replace(pack(_Pad(pad_id), [p for p in prompt_ids for _ in range(G)],
-                           [t + [pad_id] for t in responses]), group_size=G)
+    rollout = replace(pack(_Pad(pad_id), [p for p in prompt_ids for _ in range(group_size)],
+                           [t + [pad_id] for t in responses]), group_size=group_size)
     device = next(model.parameters()).device
     hidden = response_hidden(model.base_model, rollout.prompt_ids_B_L.to(device),
                              rollout.prompt_mask_B_L.to(device), rollout.response_ids_B_T.to(device),
-                             rollout.response_mask_B_T.to(device), autocast, G)
+                             rollout.response_mask_B_T.to(device), autocast, group_size)
+    return hidden, rollout.response_ids_B_T.to(device)
+
+
+def _score_last(model, hidden: Tensor, responses: list[list[int]]) -> Tensor:
+    device = hidden.device
     last = torch.tensor([len(t) for t in responses], device=device)
     h_last = hidden[torch.arange(len(responses), device=device), last]
     with torch.autocast(device.type, enabled=False):
         return model.score(h_last.to(model.score.weight.dtype)).squeeze(-1).float()
 
 
+def group_scores(model, prompt_ids: list[list[int]], responses: list[list[int]], group_size: int,
+                 pad_id: int, autocast: str = "none") -> Tensor:
+    """r(x, y) for groups of `group_size` responses to one prompt (responses of prompt i at rows
+    i*G .. i*G+G-1), with each prompt run once (the trainer's prompt-shared forward). Equal to
+    scoring each full sequence's last token; cheaper when the prompt is most of the tokens."""
+    hidden, _ = _response_states(model, prompt_ids, responses, group_size, pad_id, autocast)
+    return _score_last(model, hidden, responses)
+
+
+def tied_lm_head(model) -> Tensor:
+    """The LM head's weight of a reward model's body: its input embedding, which a model with
+    tie_word_embeddings uses as its output layer (AutoModelForSequenceClassification drops a
+    separate LM head, so only tied models can keep predicting tokens)."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError(f"lm_coef > 0 needs a model whose LM head is its input embedding "
+                         f"(tie_word_embeddings); this {model.config.model_type} model has a separate "
+                         "head, which AutoModelForSequenceClassification does not load")
+    return model.get_input_embeddings().weight
+
+
 def pair_scores(model, prompt_ids: list[list[int]], chosen_ids: list[list[int]],
-                rejected_ids: list[list[int]], pad_id: int, autocast: str = "none"
-                ) -> tuple[Tensor, Tensor]:
-    """r(x, y_chosen), r(x, y_rejected) for each pair, the prompt run once per pair."""
+                rejected_ids: list[list[int]], pad_id: int, autocast: str = "none",
+                chosen_nll: bool = False) -> PairScores:
+    """r(x, y_chosen), r(x, y_rejected) for each pair, the prompt run once per pair; with
+    `chosen_nll`, also -sum_t log p(y_chosen,t | x, y_chosen,<t) under the body's tied LM head."""
     tails = [t for pair in zip(chosen_ids, rejected_ids) for t in pair]   # c0, r0, c1, r1, ...
-    scores = group_scores(model, prompt_ids, tails, 2, pad_id, autocast)
-    return scores[0::2], scores[1::2]
+    hidden, ids = _response_states(model, prompt_ids, tails, 2, pad_id, autocast)
+    scores = _score_last(model, hidden, tails)
+    nll = None
+    if chosen_nll:
+        from posttrain.losses import token_logprobs
+        lengths = torch.tensor([len(t) for t in chosen_ids], device=hidden.device)
+        mask = torch.arange(ids.shape[1], device=hidden.device) < lengths[:, None]
+        h = hidden[0::2][mask]                                  # chosen response positions only
+        with torch.autocast(h.device.type, enabled=False):
+            logits = h.to(tied_lm_head(model).dtype) @ tied_lm_head(model).T
+        logp = token_logprobs(logits, ids[0::2][mask])
+        nll = -torch.zeros(len(chosen_ids), device=h.device, dtype=logp.dtype).index_add(
+            0, mask.nonzero()[:, 0], logp)
+    return PairScores(scores[0::2], scores[1::2], nll)
 
 
 def _group_size(prompts: list[str]) -> int:
