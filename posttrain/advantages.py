@@ -210,7 +210,7 @@ def _reverse_kl(inp: AdvantageInputs, p: AdvantageParams) -> Advantages:
     With gamma = 1 this is the reward-to-go, whose policy gradient is that of the sequence-level
     reverse KL sum_t KL_t: a token is also charged for the contexts it leads the student into.
     gamma = 0 keeps only r_t (the per-token form some recipes use). With kl_in_loss (config
-    `distill_loss: exact`) the full-vocabulary reverse KL is added to the loss by the trainer
+    `distill_loss: exact` or `forward`) the full-vocabulary KL is added to the loss by the trainer
     instead, and only the optional reward part is an advantage.
     """
     from posttrain.losses import distillation_advantage

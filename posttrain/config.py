@@ -63,8 +63,10 @@ class AlgorithmConfig:
     reward_weight: float = 0.0          # distillation: mix in the verifiable reward's group advantage
     # distillation: 'sampled' = -(logp_S - logp_T) of the sampled tokens as a dense advantage
     # (cheap, any teacher); 'exact' = full-vocabulary reverse KL at every position as the loss
-    # (lower variance, needs the teacher's logits in the update: one more forward per micro-batch)
-    distill_loss: Literal["sampled", "exact"] = "sampled"
+    # (lower variance, needs the teacher's logits in the update: one more forward per micro-batch);
+    # 'forward' = full-vocabulary forward KL(teacher || student) at the student's positions, whose
+    # gradient does not vanish where the student is confidently wrong (docs/distillation.md, MOPD)
+    distill_loss: Literal["sampled", "exact", "forward"] = "sampled"
 
     def validate(self, group_size: int) -> None:
         _check_choice("algorithm.advantage", self.advantage, ADVANTAGES.names())
@@ -73,7 +75,7 @@ class AlgorithmConfig:
         _check_choice("algorithm.kl_estimator", self.kl_estimator, KL_ESTIMATORS.names())
         _check_choice("algorithm.kl_in", self.kl_in, ("loss", "reward", "none"))
         _check_choice("algorithm.overlong", self.overlong, ("none", "filter", "shape"))
-        _check_choice("algorithm.distill_loss", self.distill_loss, ("sampled", "exact"))
+        _check_choice("algorithm.distill_loss", self.distill_loss, ("sampled", "exact", "forward"))
         _check_range("algorithm.clip_low", self.clip_low, 0.0, 1.0)
         _check_range("algorithm.clip_high", self.clip_high, 0.0)
         _check_range("algorithm.kl_coef", self.kl_coef, 0.0)

@@ -370,6 +370,19 @@ def reverse_kl_from_logits(student_logits_N_V: Tensor, teacher_logits_N_V: Tenso
     return exact_kl_from_logits(student_logits_N_V, teacher_logits_N_V, temperature)
 
 
+def forward_kl_from_logits(student_logits_N_V: Tensor, teacher_logits_N_V: Tensor,
+                           temperature: float = 1.0) -> Tensor:
+    """Exact per-position forward KL(pi_T || pi_theta) on the student's own samples.  §8.
+
+        KL_t = sum_v pi_T(v) (log pi_T(v) - log pi_theta(v)),   dKL_t / dz_v = (pi_theta(v) - pi_T(v)) / tau
+
+    (GKD's beta = 0 on on-policy samples; mode-covering.) Where the student is confidently wrong
+    (pi_theta(v*) ~ 1, pi_T(v*) ~ 0) the reverse KL's gradient pi_theta (log pi_theta / pi_T - KL)
+    vanishes with the student's mass off v*, while this one stays of order one.
+    """
+    return exact_kl_from_logits(teacher_logits_N_V, student_logits_N_V, temperature)
+
+
 # ---------------------------------------------------------------------------------------------
 # Preference losses (§1, §9) and SFT
 # ---------------------------------------------------------------------------------------------

@@ -61,10 +61,12 @@ def test_mismatched_tokenizer_is_refused_before_training(tmp_path, tokenizer):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_exact_reverse_kl_loss_lowers_the_exact_kl(tmp_path, tokenizer):
-    """distill_loss='exact': the full-vocabulary reverse KL at every position is the loss."""
+@pytest.mark.parametrize("loss", ["exact", "forward"])
+def test_exact_kl_losses_lower_the_exact_reverse_kl(tmp_path, tokenizer, loss):
+    """distill_loss='exact' ('forward'): the full-vocabulary reverse (forward) KL at every position
+    is the loss; either brings the logged reverse KL down."""
     cfg = load_config(None, [*OPD, "--teacher.path", str(peaked_teacher(tokenizer, tmp_path / "t")),
-                             "--algorithm.distill_loss", "exact", "--steps", "12",
+                             "--algorithm.distill_loss", loss, "--steps", "12",
                              "--optim.lr", "5e-4", "--optim.schedule", "cosine",
                              "--run_dir", str(tmp_path / "run")])
     train(cfg, model=sharpened(tokenizer, 40.0), tokenizer=tokenizer, show_progress=False)

@@ -8,7 +8,8 @@ import torch
 from posttrain.losses import (AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate,
                               bradley_terry_loss, clipped_surrogate_loss, distillation_advantage,
                               dpo_loss, entropy_from_logits, exact_kl_from_logits,
-                              explained_variance, importance_sampled_pg_loss, kl_penalized_rewards,
+                              explained_variance, forward_kl_from_logits,
+                              importance_sampled_pg_loss, kl_penalized_rewards,
                               kl_penalty_in_loss, pairwise_accuracy, ratio_stats,
                               reverse_kl_from_logits, sampled_reverse_kl, sequence_logprob,
                               sft_loss, token_logprobs, vanilla_pg_loss, value_loss)
@@ -193,6 +194,22 @@ def test_exact_kl_both_directions_hand_value():
     close(reverse_kl_from_logits(p, q), exact_kl_from_logits(p, q))
     bf = exact_kl_from_logits(p.bfloat16(), q.bfloat16())
     assert bf.dtype == torch.float32
+    # distillation, student p and teacher q: forward KL(q || p)
+    close(forward_kl_from_logits(p, q), exact_kl_from_logits(q, p))
+
+
+def test_forward_kl_keeps_its_gradient_where_the_student_is_confidently_wrong():
+    """Student 99.9% on token 0, teacher 99.9% on token 1: the reverse KL is large but its
+    gradient vanishes; the forward KL's gradient is softmax(student) - softmax(teacher)."""
+    student = torch.log(t(0.999, 0.0005, 0.0005)).requires_grad_()
+    teacher = torch.log(t(0.0005, 0.999, 0.0005))
+    reverse = reverse_kl_from_logits(student, teacher)
+    (g_rev,) = torch.autograd.grad(reverse, student)
+    forward = forward_kl_from_logits(student, teacher)
+    (g_fwd,) = torch.autograd.grad(forward, student)
+    assert reverse.item() > 7.0 and g_rev.abs().max().item() < 0.02
+    close(g_fwd, t(0.999 - 0.0005, 0.0005 - 0.999, 0.0))
+    close(forward, torch.tensor(0.999 * math.log(0.999 / 0.0005) + 0.0005 * math.log(0.0005 / 0.999)))
 
 
 def test_kl_in_loss_and_in_reward():
