@@ -65,7 +65,8 @@ class AlgorithmConfig:
     # (cheap, any teacher); 'exact' = full-vocabulary reverse KL at every position as the loss
     # (lower variance, needs the teacher's logits in the update: one more forward per micro-batch);
     # 'forward' = full-vocabulary forward KL(teacher || student) at the student's positions, whose
-    # gradient does not vanish where the student is confidently wrong (docs/distillation.md, MOPD)
+    # gradient does not vanish where the student is confidently wrong; keeps more entropy (MOPD in
+    # docs/distillation.md: no faster than 'exact' there)
     distill_loss: Literal["sampled", "exact", "forward"] = "sampled"
 
     def validate(self, group_size: int) -> None:

@@ -87,6 +87,19 @@ def test_generate_writes_verified_teacher_answers_for_sft(tmp_path, tokenizer):
     assert kept["written"] == 0     # verifier 'none' accepts nothing: nothing is kept
 
 
+def test_generated_responses_keep_the_teachers_stop_string(tmp_path, tokenizer, monkeypatch):
+    """An SFT warm-up must end answers as the teacher does ('... = 12.\n\n', not '... = 12.')."""
+    from posttrain.config import load_config
+    from posttrain.stages import generate
+    cfg = load_config(None, ["--data.eval_size", "5", "--rollout.max_new_tokens", "4",
+                             "--reward.verifier", "none"])
+    monkeypatch.setattr(tokenizer, "batch_decode", lambda ids, **kw: [" 12 + 3 = 15.\n\n"] * len(ids))
+    generate(cfg, 2, tmp_path / "g.jsonl", only_correct=False, model=make_tiny_model(tokenizer),
+             tokenizer=tokenizer)
+    rows = [json.loads(line) for line in open(tmp_path / "g.jsonl")]
+    assert [r["response"] for r in rows] == [" 12 + 3 = 15.\n\n"] * 2
+
+
 def test_sft_on_synthetic_answers_reports_held_out_behaviour(tmp_path, tokenizer):
     from posttrain.data.tasks import make_task
     from posttrain.rewards.verifiers import final_answer
