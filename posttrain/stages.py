@@ -90,9 +90,32 @@ def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]],
                    torch.zeros(len(responses), dtype=torch.bool, device=device), group_size=1)
 
 
-def _response_ids(tokenizer, text: str, max_len: int) -> list[int]:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_len - 1]
-    return ids + [tokenizer.eos_token_id]   # the model must learn to stop
+def _response_ids(tokenizer, text: str, max_len: int, ids: list[int] | None = None) -> list[int]:
+    """The response's tokens, ending in EOS (the model must learn to stop): the teacher's own
+    `ids` when given, else the text tokenised. Re-tokenising decoded text can merge tokens (the
+    teacher's '\n' '\n' comes back as one '\n\n' token): a student fine-tuned on the text then
+    writes a token the teacher never does, 10 nats of KL at that position when distillation follows."""
+    if ids is None:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = list(ids)[:max_len - 1]
+    return ids if ids and ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]
+
+
+def _teacher_ids(tokenizer, path: str, rows: list[dict], response_field: str) -> list[list[int] | None]:
+    """Each row's `response_ids` (written by `posttrain generate`), checked against its text."""
+    out: list[list[int] | None] = []
+    for i, row in enumerate(rows, start=1):
+        ids = row.get("response_ids")
+        if ids is not None:
+            if (not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < len(tokenizer)
+                                                     for t in ids)):
+                raise ValueError(f"{path}: line {i}: field 'response_ids' must be a list of token "
+                                 f"ids below the vocabulary size {len(tokenizer)}")
+            if tokenizer.decode(ids, skip_special_tokens=True) != row[response_field]:
+                raise ValueError(f"{path}: line {i}: field 'response_ids' does not decode to field "
+                                 f"{response_field!r}; regenerate the file or drop 'response_ids'")
+        out.append(ids)
+    return out
 
 
 def _check_rows(path: str, rows: list[dict], fields: list[str]) -> None:
@@ -261,7 +284,9 @@ def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
     if task is not None:
         summary["behaviour_before"] = held_out_behaviour(st.model, st.tokenizer, task, cfg, st.world)
         st.logger.log(0, summary["behaviour_before"])
-    responses = [_response_ids(st.tokenizer, r[cfg.response_field], cfg.max_len) for r in st.rows]
+    ids = _teacher_ids(st.tokenizer, cfg.data, st.rows, cfg.response_field)
+    responses = [_response_ids(st.tokenizer, r[cfg.response_field], cfg.max_len, t)
+                 for r, t in zip(st.rows, ids)]
     lengths = [len(p) + len(r) for p, r in zip(st.prompts, responses)]
     batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
     st.schedule(cfg, len(batches))
@@ -579,9 +604,13 @@ def generate(cfg, n: int, out: str | Path, samples: int = 1, only_correct: bool 
         # the response as the teacher wrote it, its stop string included: a student warmed up on
         # it ends its answers as the teacher does, which the distillation that follows compares
         # token by token (stripped, the student learned to end with EOS where the teacher writes
-        # a blank line: 1.2 nats/token of KL that the reverse KL never removed, docs/distillation.md)
-        rows += [{"prompt": p.prompt, "response": t, "answer": p.answer, "correct": ok}
-                 for p, t, ok in zip(per_response, texts, correct) if ok or not only_correct]
+        # a blank line, docs/distillation.md section 3)
+        # and its token ids, which `sft` trains on (the text may re-tokenise differently)
+        token_ids = [row[m > 0].tolist() for row, m in zip(rollout.response_ids_B_T.cpu(),
+                                                          rollout.response_mask_B_T.cpu())]
+        rows += [{"prompt": p.prompt, "response": t, "response_ids": i, "answer": p.answer,
+                  "correct": ok}
+                 for p, t, i, ok in zip(per_response, texts, token_ids, correct) if ok or not only_correct]
     write_jsonl(out, rows)
     return {"written": len(rows), "generated": n * samples, "out": str(out)}
 

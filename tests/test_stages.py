@@ -81,7 +81,8 @@ def test_generate_writes_verified_teacher_answers_for_sft(tmp_path, tokenizer):
                    model=make_tiny_model(tokenizer), tokenizer=tokenizer)
     rows = [json.loads(line) for line in open(tmp_path / "g.jsonl")]
     assert out["written"] == len(rows) == 12 and out["generated"] == 12
-    assert {"prompt", "response", "answer", "correct"} <= set(rows[0])
+    assert {"prompt", "response", "response_ids", "answer", "correct"} <= set(rows[0])
+    assert all(tokenizer.decode(r["response_ids"], skip_special_tokens=True) == r["response"] for r in rows)
     assert rows[0]["prompt"] == rows[1]["prompt"] != rows[2]["prompt"]
     kept = generate(cfg, 6, tmp_path / "ok.jsonl", model=make_tiny_model(tokenizer), tokenizer=tokenizer)
     assert kept["written"] == 0     # verifier 'none' accepts nothing: nothing is kept
@@ -143,3 +144,25 @@ def test_stages_follow_the_learning_rate_schedule(tmp_path, tokenizer, schedule,
     with pytest.raises(ValueError, match="warmup_steps=-1"):
         sft(StageConfig(data=str(tmp_path / "sft.jsonl"), warmup_steps=-1), model=make_tiny_model(tokenizer),
             tokenizer=tokenizer, show_progress=False)
+
+
+def test_sft_trains_on_the_teachers_own_token_ids(tmp_path, tokenizer):
+    """A teacher that wrote '\n' '\n' (two tokens) is imitated token for token; the text alone
+    re-tokenises to one '\n\n' token the teacher never writes."""
+    from posttrain.stages import _response_ids
+    nl = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    teacher = tokenizer("12 + 3 = 15", add_special_tokens=False)["input_ids"] + nl + nl
+    text = tokenizer.decode(teacher)
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] != teacher   # merged
+    eos = tokenizer.eos_token_id
+    assert _response_ids(tokenizer, text, 256, teacher) == teacher + [eos]
+    assert _response_ids(tokenizer, text, 256, teacher + [eos]) == teacher + [eos]   # no second EOS
+    assert _response_ids(tokenizer, text, 3, teacher) == teacher[:2] + [eos]
+    rows = [{"prompt": "What is 12 + 3?", "response": text, "response_ids": teacher}] * 4
+    write_jsonl(tmp_path / "ok.jsonl", rows)
+    sft(StageConfig(data=str(tmp_path / "ok.jsonl"), batch_size=4, run_dir=str(tmp_path / "run")),
+        model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    write_jsonl(tmp_path / "bad.jsonl", rows[:1] + [{**rows[0], "response": "12 + 3 = 16\n\n"}])
+    with pytest.raises(ValueError, match="bad.jsonl: line 2: field 'response_ids' does not decode"):
+        sft(StageConfig(data=str(tmp_path / "bad.jsonl"), run_dir=str(tmp_path / "run2")),
+            model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
