@@ -124,8 +124,9 @@ def pair_scores(model, prompt_ids: list[list[int]], chosen_ids: list[list[int]],
         lengths = torch.tensor([len(t) for t in chosen_ids], device=hidden.device)
         mask = torch.arange(ids.shape[1], device=hidden.device) < lengths[:, None]
         h = hidden[0::2][mask]                                  # chosen response positions only
+        head = tied_lm_head(model)
         with torch.autocast(h.device.type, enabled=False):
-            logits = h.to(tied_lm_head(model).dtype) @ tied_lm_head(model).T
+            logits = h.to(head.dtype) @ head.T
         logp = token_logprobs(logits, ids[0::2][mask])
         nll = -torch.zeros(len(chosen_ids), device=h.device, dtype=logp.dtype).index_add(
             0, mask.nonzero()[:, 0], logp)
