@@ -224,7 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "Example: posttrain reward-model --synthetic addition")
     p.set_defaults(fn=cmd_stage)
 
-    p = sub.add_parser("generate", help="write a model's answers to training problems as SFT data")
+    p = sub.add_parser("generate", help="write a model's answers to training problems as SFT data",
+                       epilog="Any config field can follow as an override, e.g. --data.task "
+                       "subtraction --rollout.max_new_tokens 32.")
     p.add_argument("--model", required=True, help="the teacher: model folder or embedded name")
     p.add_argument("--out", required=True, help="output JSONL (prompt, response, answer, correct)")
     p.add_argument("--n", type=int, default=1000, help="training problems to answer")

@@ -88,6 +88,19 @@ def test_generate_writes_verified_teacher_answers_for_sft(tmp_path, tokenizer):
     assert kept["written"] == 0     # verifier 'none' accepts nothing: nothing is kept
 
 
+def test_generate_command_takes_config_overrides(tmp_path, monkeypatch):
+    """`posttrain generate --model M --data.task subtraction`: a teacher for another domain
+    without writing a YAML file."""
+    import posttrain.stages
+    from posttrain.cli import main
+    seen = {}
+    monkeypatch.setattr(posttrain.stages, "generate",
+                        lambda cfg, n, out, samples, only_correct: seen.update(cfg=cfg, n=n) or {})
+    assert main(["generate", "--model", "TEACHER", "--n", "7", "--out", str(tmp_path / "g.jsonl"),
+                 "--data.task", "subtraction"]) == 0
+    assert (seen["cfg"].data.task, seen["cfg"].model.path, seen["n"]) == ("subtraction", "TEACHER", 7)
+
+
 def test_generated_responses_keep_the_teachers_stop_string(tmp_path, tokenizer, monkeypatch):
     """An SFT warm-up must end answers as the teacher does ('... = 12.\n\n', not '... = 12.')."""
     from posttrain.config import load_config
