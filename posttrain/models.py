@@ -160,6 +160,21 @@ def check_same_tokenizer(student: PreTrainedTokenizerBase, teacher: PreTrainedTo
                           + ". On-policy distillation needs one shared tokenizer")
 
 
+def freeze_lower_layers(model: PreTrainedModel, n: int) -> None:
+    """Freeze the token embeddings and the first `n` decoder layers, in place. Nothing below
+    layer n then needs a gradient, so backward stops there: a step costs the full forward plus
+    the top layers' backward, and Adam keeps state for the top layers only. With tied input and
+    output embeddings (SmolLM2) the LM head is frozen too; a reward model's score head is not."""
+    layers = model.get_decoder().layers
+    if not 0 <= n <= len(layers):
+        raise ValueError(f"freeze_layers={n}: the model has {len(layers)} decoder layers")
+    if n == 0:
+        return
+    model.get_input_embeddings().requires_grad_(False)
+    for layer in layers[:n]:
+        layer.requires_grad_(False)
+
+
 def add_lora(model: PreTrainedModel, cfg, adapter_dir: Path | None = None):
     """Wrap `model` with trainable LoRA adapters (peft); the base weights are frozen. With
     `adapter_dir` (a checkpoint), the saved adapters are loaded instead of fresh ones."""

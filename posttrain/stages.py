@@ -31,7 +31,8 @@ from posttrain.distributed import (World, average_gradients, barrier, clip_grad_
                                    global_sum, init_world, wrap)
 from posttrain.logging import MetricsLogger, NullLogger
 from posttrain.losses import dpo_loss, sequence_logprob, sft_loss
-from posttrain.models import load_policy, load_tokenizer, resolve_model_path, save_model
+from posttrain.models import (freeze_lower_layers, load_policy, load_tokenizer, resolve_model_path,
+                              save_model)
 from posttrain.rollout.base import Rollout
 from posttrain.rollout.hf import left_pad
 from posttrain.trainer import encode_prompts, lr_factor, seed_everything, sequence_logprobs
@@ -73,6 +74,9 @@ class StageConfig:
     # learning rate over the run's optimizer steps: a linear warm-up, then constant or a decay to 0
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = 0
+    # freeze the token embeddings and the first N decoder layers: backward stops at layer N, so
+    # a step is cheaper and more pairs fit in the same time (reward-model: docs/ppo-rlhf.md)
+    freeze_layers: int = 0
 
 
 def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]],
@@ -179,7 +183,7 @@ def _start(cfg: StageConfig, model, tokenizer, fields: list[str],
         _check_rows(cfg.data, rows, fields)
     if cfg.strategy not in ("ddp", "fsdp"):
         raise ValueError(f"strategy={cfg.strategy!r} is not valid; accepted: ['ddp', 'fsdp']")
-    for name in ("warmup_steps", "lm_coef"):
+    for name in ("warmup_steps", "lm_coef", "freeze_layers"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name}={getattr(cfg, name)} must be >= 0")
     world = init_world(cfg.strategy)
@@ -192,6 +196,7 @@ def _start(cfg: StageConfig, model, tokenizer, fields: list[str],
         tokenizer, model = load_tokenizer(path), load(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    freeze_lower_layers(model, cfg.freeze_layers)
     device = device_for(world)
     model = wrap(model.to(device), world)      # FSDP2: the decoder layers sharded, in place
     run_dir = Path(cfg.run_dir)
@@ -201,7 +206,8 @@ def _start(cfg: StageConfig, model, tokenizer, fields: list[str],
     # a freshly initialised head (reward model's `score`) may learn faster than the body it reads
     head = getattr(model, "score", None) if cfg.head_lr is not None else None
     head_ids = {id(p) for p in head.parameters()} if head is not None else set()
-    groups = [{"params": [p for p in model.parameters() if id(p) not in head_ids], "lr": cfg.lr}]
+    groups = [{"params": [p for p in model.parameters() if id(p) not in head_ids and p.requires_grad],
+               "lr": cfg.lr}]
     if head_ids:
         groups.append({"params": list(head.parameters()), "lr": cfg.head_lr})
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr,

@@ -238,3 +238,22 @@ def test_the_chosen_lm_loss_trains_the_body_and_needs_a_tied_head(tmp_path, toke
     nll = [r["loss/chosen_nll"] for r in rows if "loss/chosen_nll" in r]
     assert len(nll) == 12 and nll[0] > 9          # ~log(vocab) for a random body
     assert max(nll[-3:]) < nll[0] - 1, nll          # the body learns the chosen answers (-1.5)
+
+
+def test_frozen_lower_layers_stay_put_and_the_top_learns(tmp_path, tokenizer):
+    """--freeze_layers 1: embeddings and layer 0 never change; layer 1 and the score head train."""
+    model = tiny_reward_model(tokenizer)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = reward_model(StageConfig(synthetic="addition", n_pairs=16, eval_size=8, lr=1e-3,
+                                   batch_size=8, freeze_layers=1, run_dir=str(tmp_path / "run")),
+                       model=model, tokenizer=tokenizer, show_progress=False)
+    after = model.state_dict()
+    frozen = [k for k in before if k.startswith(("model.embed_tokens", "model.layers.0."))]
+    trained = [k for k in before if k.startswith(("model.layers.1.", "score"))]
+    assert frozen and all(torch.equal(before[k], after[k]) for k in frozen)
+    assert all(not torch.equal(before[k], after[k]) for k in trained if "norm" not in k)
+    assert out["steps"] == 2
+    with pytest.raises(ValueError, match="freeze_layers=3: the model has 2 decoder layers"):
+        reward_model(StageConfig(synthetic="addition", n_pairs=16, eval_size=8, freeze_layers=3,
+                                 run_dir=str(tmp_path / "r2")),
+                     model=tiny_reward_model(tokenizer), tokenizer=tokenizer, show_progress=False)
