@@ -395,20 +395,6 @@ def bradley_terry_loss(chosen_scores: Tensor, rejected_scores: Tensor) -> Tensor
     return F.softplus(rejected_scores - chosen_scores)
 
 
-def prefix_bradley_terry_loss(chosen_B_T: Tensor, rejected_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
-    """Bradley-Terry on aligned response prefixes, per pair (0 for a pair with no such position).
-
-        L = (1 / |K|) sum_{k in K} -log sigmoid( r(x, y_chosen,<=k) - r(x, y_rejected,<=k) ),
-        K = the positions from the first token where the two responses differ to the shorter one's
-            end (mask_B_T)
-
-    An auxiliary to §1's loss: the same score head, read after every token once the answers part,
-    must already prefer the chosen prefix, so "this digit is wrong" is learned where it is written
-    and carried forward, instead of being found from the last token only."""
-    per_pos = F.softplus(rejected_B_T - chosen_B_T) * mask_B_T
-    return per_pos.sum(-1) / mask_B_T.sum(-1).clamp(min=1)
-
-
 def pairwise_accuracy(chosen_scores: Tensor, rejected_scores: Tensor) -> Tensor:
     """Share of pairs ranked correctly, r(chosen) > r(rejected).  §1."""
     return (chosen_scores > rejected_scores).float().mean()

@@ -71,10 +71,6 @@ class StageConfig:
     # reward-model: weight of a next-token loss on the chosen responses (through the tied LM
     # head), which keeps the body predicting the answer it should be checking
     lm_coef: float = 0.0
-    # reward-model: weight of a Bradley-Terry loss on the scores of aligned response prefixes
-    # once chosen and rejected differ (losses.prefix_bradley_terry_loss): the last-token score is
-    # also trained token by token, where the difference is written
-    prefix_coef: float = 0.0
     # learning rate over the run's optimizer steps: a linear warm-up, then constant or a decay to 0
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = 0
@@ -187,7 +183,7 @@ def _start(cfg: StageConfig, model, tokenizer, fields: list[str],
         _check_rows(cfg.data, rows, fields)
     if cfg.strategy not in ("ddp", "fsdp"):
         raise ValueError(f"strategy={cfg.strategy!r} is not valid; accepted: ['ddp', 'fsdp']")
-    for name in ("warmup_steps", "lm_coef", "freeze_layers", "prefix_coef"):
+    for name in ("warmup_steps", "lm_coef", "freeze_layers"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name}={getattr(cfg, name)} must be >= 0")
     world = init_world(cfg.strategy)
@@ -505,7 +501,7 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
     loss -log sigmoid(r(x, y_c) - r(x, y_r)), r = a scalar head on the last token. Reports
     held-out pairwise accuracy (per pair kind when the rows have one) before and after, and saves
     an AutoModelForSequenceClassification (one label) with reward_stats.json for normalisation."""
-    from posttrain.losses import bradley_terry_loss, pairwise_accuracy, prefix_bradley_terry_loss
+    from posttrain.losses import bradley_terry_loss, pairwise_accuracy
     from posttrain.rewards.model import STATS_FILE, encode_responses, pair_scores
 
     fields = [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
@@ -522,10 +518,9 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
                 encode_responses(tok, [str(r[cfg.chosen_field]) for r in rows], cfg.end_of_turn),
                 encode_responses(tok, [str(r[cfg.rejected_field]) for r in rows], cfg.end_of_turn))
 
-    def scores(idx, heads, chosen, rejected, chosen_nll=False, prefixes=False):
+    def scores(idx, heads, chosen, rejected, chosen_nll=False):
         return pair_scores(st.model, [heads[i] for i in idx], [chosen[i] for i in idx],
-                           [rejected[i] for i in idx], tok.pad_token_id, cfg.autocast, chosen_nll,
-                           prefixes)
+                           [rejected[i] for i in idx], tok.pad_token_id, cfg.autocast, chosen_nll)
 
     eval_parts = encode(eval_rows, _encode(tok, cfg, [r[cfg.prompt_field] for r in eval_rows]))
 
@@ -557,15 +552,11 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
     bar = tqdm(batches, disable=not (show_progress and world.main), desc="reward-model")
     for step, batch in enumerate(bar, start=1):
         mine, weight = share_of_batch(batch, world)
-        c, r, nll, prefix = scores(mine, heads, chosen, rejected, cfg.lm_coef > 0, cfg.prefix_coef > 0)
+        c, r, nll = scores(mine, heads, chosen, rejected, cfg.lm_coef > 0)
         losses = bradley_terry_loss(c, r)
         share = weight / len(batch)           # the mean over the global batch, this rank's part
         loss = losses.sum() * share
         logged = {}
-        if prefix is not None:
-            dense = prefix_bradley_terry_loss(*prefix).sum() * share
-            loss = loss + cfg.prefix_coef * dense
-            logged["loss/prefix_bradley_terry"] = global_sum(dense.detach(), world).item()
         if nll is not None:                   # mean over the global batch's chosen tokens
             n_tokens = global_sum(torch.tensor(weight * sum(len(chosen[i]) for i in mine),
                                                dtype=torch.float32, device=st.device), world)

@@ -2,7 +2,6 @@
 
 import json
 import logging
-import math
 
 import pytest
 import torch
@@ -163,8 +162,7 @@ def test_pair_scores_share_the_prompt_and_equal_full_sequence_scores(tokenizer):
     prompts = ["What is 12 + 30?", "What is 5 + 7? Answer briefly please."]
     heads, chosen = encode_parts(tokenizer, prompts, ["42", "The answer is 12."])
     _, rejected = encode_parts(tokenizer, prompts, ["I am not sure how to add numbers.", "13"])
-    c, r, _, prefix = pair_scores(model, heads, chosen, rejected, tokenizer.pad_token_id)
-    assert prefix is None
+    c, r, _ = pair_scores(model, heads, chosen, rejected, tokenizer.pad_token_id)
     full = sequence_scores(model, [h + t for h, t in zip(heads + heads, chosen + rejected)],
                            tokenizer.pad_token_id)
     torch.testing.assert_close(torch.cat([c, r]), full.float(), atol=1e-5, rtol=1e-5)
@@ -259,47 +257,3 @@ def test_frozen_lower_layers_stay_put_and_the_top_learns(tmp_path, tokenizer):
         reward_model(StageConfig(synthetic="addition", n_pairs=16, eval_size=8, freeze_layers=3,
                                  run_dir=str(tmp_path / "r2")),
                      model=tiny_reward_model(tokenizer), tokenizer=tokenizer, show_progress=False)
-
-
-def test_prefix_scores_are_the_scores_of_truncated_responses_where_the_pair_differs(tokenizer):
-    """prefixes: the head read after each response token equals the score of the response cut
-    there; the mask runs from the first differing token to before the shorter one's last."""
-    from posttrain.rewards.model import encode_parts, pair_scores
-    model = tiny_reward_model(tokenizer).double()
-    torch.nn.init.normal_(model.score.weight)
-    prompts = ["What is 63 + 61?", "What is 2 + 2?"]
-    heads, chosen = encode_parts(tokenizer, prompts, ["63 + 61 = 124.", "4"])
-    _, rejected = encode_parts(tokenizer, prompts, ["63 + 61 = 114.", "The answer is 5."])
-    out = pair_scores(model, heads, chosen, rejected, tokenizer.pad_token_id, prefixes=True)
-    pc, pr, mask = out.prefixes
-    for i, (c, r) in enumerate(zip(chosen, rejected)):
-        for k in range(len(c)):
-            cut = sequence_scores(model, [heads[i] + c[:k + 1]], tokenizer.pad_token_id)
-            torch.testing.assert_close(pc[i, k], cut[0].float(), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(pc[i, len(c) - 1], out.chosen[i])   # the last: the score
-        for k in range(len(r)):
-            cut = sequence_scores(model, [heads[i] + r[:k + 1]], tokenizer.pad_token_id)
-            torch.testing.assert_close(pr[i, k], cut[0].float(), atol=1e-5, rtol=1e-5)
-    first = next(k for k in range(len(chosen[0])) if chosen[0][k] != rejected[0][k])
-    assert tokenizer.decode(chosen[0][first]) == "2"            # digits are single tokens
-    expected = torch.zeros_like(mask[0])
-    expected[first:len(chosen[0]) - 1] = 1                     # '2', '4'; the '.' is the main loss's
-    assert torch.equal(mask[0], expected)
-    assert mask[1].sum() == 0                                  # a 1-token answer: nothing before its end
-
-
-def test_prefix_loss_trains_a_reward_model(tmp_path, tokenizer):
-    """Pairs that differ in one word mid-answer: the prefix loss falls from log 2 (zero head)."""
-    from posttrain.stages import write_jsonl
-    write_jsonl(tmp_path / "pairs.jsonl", [
-        {"prompt": f"Question {i}?", "chosen": f"Answer {i} is good, and that is all.",
-         "rejected": f"Answer {i} is bad, and that is all."} for i in range(100)])
-    model = tiny_reward_model(tokenizer)
-    torch.nn.init.zeros_(model.score.weight)                   # as `reward-model` starts
-    reward_model(StageConfig(data=str(tmp_path / "pairs.jsonl"), eval_size=20, lr=1e-2, batch_size=8,
-                             epochs=3, prefix_coef=1.0, run_dir=str(tmp_path / "run")),
-                 model=model, tokenizer=tokenizer, show_progress=False)
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    dense = [r["loss/prefix_bradley_terry"] for r in rows if "loss/prefix_bradley_terry" in r]
-    assert len(dense) == 30 and abs(dense[0] - math.log(2)) < 1e-6   # all scores 0 at the start
-    assert max(dense[-5:]) < 0.2, dense

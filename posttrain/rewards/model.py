@@ -61,9 +61,6 @@ class PairScores(NamedTuple):
     chosen: Tensor                      # r(x, y_chosen) per pair
     rejected: Tensor                    # r(x, y_rejected) per pair
     chosen_nll: Tensor | None = None    # summed next-token NLL of each chosen response (if asked)
-    # (chosen, rejected, mask), each (pairs, T): the score after each response token, and the
-    # positions from where the two responses first differ to the shorter one's end (if asked)
-    prefixes: tuple[Tensor, Tensor, Tensor] | None = None
 
 
 def _response_states(model, prompt_ids: list[list[int]], responses: list[list[int]],
@@ -115,23 +112,12 @@ def tied_lm_head(model) -> Tensor:
 
 def pair_scores(model, prompt_ids: list[list[int]], chosen_ids: list[list[int]],
                 rejected_ids: list[list[int]], pad_id: int, autocast: str = "none",
-                chosen_nll: bool = False, prefixes: bool = False) -> PairScores:
+                chosen_nll: bool = False) -> PairScores:
     """r(x, y_chosen), r(x, y_rejected) for each pair, the prompt run once per pair; with
-    `chosen_nll`, also -sum_t log p(y_chosen,t | x, y_chosen,<t) under the body's tied LM head;
-    with `prefixes`, also the score after every response token (for prefix_bradley_terry_loss)."""
+    `chosen_nll`, also -sum_t log p(y_chosen,t | x, y_chosen,<t) under the body's tied LM head."""
     tails = [t for pair in zip(chosen_ids, rejected_ids) for t in pair]   # c0, r0, c1, r1, ...
     hidden, ids = _response_states(model, prompt_ids, tails, 2, pad_id, autocast)
     scores = _score_last(model, hidden, tails)
-    prefix = None
-    if prefixes:
-        with torch.autocast(hidden.device.type, enabled=False):   # hidden[:, k+1]: after token k
-            every = model.score(hidden[:, 1:].to(model.score.weight.dtype)).squeeze(-1).float()
-        mask = torch.zeros(len(chosen_ids), every.shape[1], device=hidden.device)
-        for i, (c, r) in enumerate(zip(chosen_ids, rejected_ids)):
-            shorter = min(len(c), len(r))
-            first = next((k for k in range(shorter) if c[k] != r[k]), shorter)
-            mask[i, first:shorter - 1] = 1.0   # the shorter one's last token: the main loss's
-        prefix = (every[0::2], every[1::2], mask)
     nll = None
     if chosen_nll:
         from posttrain.losses import token_logprobs
@@ -144,7 +130,7 @@ def pair_scores(model, prompt_ids: list[list[int]], chosen_ids: list[list[int]],
         logp = token_logprobs(logits, ids[0::2][mask])
         nll = -torch.zeros(len(chosen_ids), device=h.device, dtype=logp.dtype).index_add(
             0, mask.nonzero()[:, 0], logp)
-    return PairScores(scores[0::2], scores[1::2], nll, prefix)
+    return PairScores(scores[0::2], scores[1::2], nll)
 
 
 def _group_size(prompts: list[str]) -> int:
