@@ -4,8 +4,8 @@
 
 For held-out correct > wrong pairs (posttrain/data/preferences.py, the reward-model benchmark's
 kind), compares sum log pi(response | prompt) of the two answers, with no training, and prints the
-share ranked right per mistake kind. Measured 2026-11-30: SmolLM2-135M-Instruct 83.5% (off by ten
-79%), the 83% GRPO checkpoint 91.0% (off by ten 86%), where trained last-token reward models read
+share ranked right per mistake kind. Measured 2026-11-30 (float32): SmolLM2-135M-Instruct 81.0% (off
+by ten 76%), the 83% GRPO checkpoint 93.0% (off by ten 90%), where trained last-token reward models read
 61-78% (docs/ppo-rlhf.md): the body knows; the last-token score does not learn to read it.
 """
 
@@ -17,17 +17,20 @@ import torch
 
 from posttrain.data.preferences import synthetic_preferences
 from posttrain.data.tasks import Problem, make_task
+from posttrain.forward import frozen_logprobs
+from posttrain.losses import sequence_logprob
 from posttrain.models import load_policy, load_tokenizer, resolve_model_path
+from posttrain.stages import pack
 from posttrain.trainer import encode_prompts
 
 
-def response_logprob(model, tok, prompt: str, response: str) -> float:
-    head = encode_prompts(tok, [Problem(prompt, "")], None)[0]
-    tail = tok(response, add_special_tokens=False)["input_ids"]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model(input_ids=torch.tensor([head + tail])).logits[0].float()
-    logp = torch.log_softmax(logits[len(head) - 1:-1], -1)
-    return logp.gather(-1, torch.tensor(tail)[:, None]).sum().item()
+def response_logprobs(model, tok, prompts: list[str], responses: list[str]) -> torch.Tensor:
+    """log pi(y | x) = sum_t log pi(y_t | x, y_<t) per row, through the trainer's own forward."""
+    heads = encode_prompts(tok, [Problem(p, "") for p in prompts], None)
+    tails = [tok(r, add_special_tokens=False)["input_ids"] for r in responses]
+    rollout = pack(tok, heads, tails)
+    logp = frozen_logprobs(model, rollout, 1.0, micro=32)   # float32: close pairs differ by little
+    return sequence_logprob(logp, rollout.response_mask_B_T)
 
 
 def mistake_kind(chosen: str, rejected: str) -> str:
@@ -47,11 +50,12 @@ def main() -> None:
     task.build_eval(2 * args.pairs, 1234)
     rows = [r for r in synthetic_preferences(task, 2 * args.pairs, 0, held_out=True)
             if r["kind"] == "correct>wrong"]
+    prompts = [r["prompt"] for r in rows]
+    ok = (response_logprobs(model, tok, prompts, [r["chosen"] for r in rows])
+          > response_logprobs(model, tok, prompts, [r["rejected"] for r in rows])).tolist()
     right = defaultdict(list)
-    for r in rows:
-        ok = (response_logprob(model, tok, r["prompt"], r["chosen"])
-              > response_logprob(model, tok, r["prompt"], r["rejected"]))
-        right[mistake_kind(r["chosen"], r["rejected"])].append(ok)
+    for r, o in zip(rows, ok):
+        right[mistake_kind(r["chosen"], r["rejected"])].append(o)
     total = [ok for v in right.values() for ok in v]
     print(f"{args.model}: {100 * sum(total) / len(total):.1f}% of {len(total)} correct > wrong pairs "
           "ranked right by the model's own likelihood")
