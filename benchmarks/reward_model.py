@@ -1,13 +1,17 @@
 """Bradley-Terry reward model on the built-in synthetic preferences (issue: RLHF path).
 
-    .venv/bin/python benchmarks/reward_model.py [--n_pairs 2000 --lr 3e-5 ...]
+    .venv/bin/python benchmarks/reward_model.py [--reward_form log_ratio] [--n_pairs 2000 ...]
 
-Trains SmolLM2-135M-Instruct with a scalar head on pairs built from 2-digit addition (correct >
+Trains a reward model from SmolLM2-135M-Instruct on pairs built from 2-digit addition (correct >
 wrong, concise > rambling, answer > no answer), then prints held-out pairwise accuracy (overall and
 per kind) and the training wall time. Any StageConfig field can be overridden as --field VALUE
-(e.g. --model PATH to start from another checkpoint). Measured 2026-11-30 on the reference
-machine: 0.0% -> 89.0% held-out (correct > wrong 78%, both style kinds 100%), 8.2 min of
-training, 9.1 min in all; see docs/ppo-rlhf.md.
+(e.g. --model PATH to start from another checkpoint). Two forms of r(x, y), each with its own
+defaults below:
+- score_head (default): a scalar head on the last token (AutoModelForSequenceClassification).
+  Measured 2026-11-30 on the reference machine: 89.0% held-out (correct > wrong 78%), 8.2 min of
+  training, 9.1 min in all;
+- log_ratio: beta log pi/pi_ref summed over the response (DPO's implicit reward), see
+  docs/ppo-rlhf.md for its figure.
 """
 
 import json
@@ -18,13 +22,17 @@ from posttrain.config import build_config, parse_overrides
 from posttrain.perf import tune_malloc
 from posttrain.stages import StageConfig, reward_model
 
-DEFAULTS = {"synthetic": "addition", "n_pairs": 1600, "eval_size": 200, "lr": 5e-5,
-            "batch_size": 8, "autocast": "bfloat16", "run_dir": "runs/reward-model-bench"}
+COMMON = {"synthetic": "addition", "eval_size": 200, "batch_size": 8, "autocast": "bfloat16",
+          "run_dir": "runs/reward-model-bench"}
+DEFAULTS = {"score_head": {**COMMON, "n_pairs": 1600, "lr": 5e-5},
+            # the setting of docs/distillation.md section 4 (the reference pass costs a third)
+            "log_ratio": {**COMMON, "n_pairs": 1000, "lr": 5e-6, "beta": 0.1}}
 
 if __name__ == "__main__":
     tune_malloc()
     overrides = parse_overrides(sys.argv[1:])
-    cfg = build_config(StageConfig, {**DEFAULTS, **overrides}, "")
+    form = overrides.get("reward_form", "score_head")
+    cfg = build_config(StageConfig, {**DEFAULTS.get(form, {}), **overrides}, "")
     t0 = time.perf_counter()
     out = reward_model(cfg)
     total = (time.perf_counter() - t0) / 60

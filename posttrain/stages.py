@@ -77,6 +77,12 @@ class StageConfig:
     # freeze the token embeddings and the first N decoder layers: backward stops at layer N, so
     # a step is cheaper and more pairs fit in the same time (reward-model: docs/ppo-rlhf.md)
     freeze_layers: int = 0
+    # reward-model: what r(x, y) is. 'score_head': a scalar head on the last token, saved as an
+    # AutoModelForSequenceClassification. 'log_ratio': beta * log pi(y|x) / pi_ref(y|x) summed
+    # over the response, pi a causal LM trained with the same Bradley-Terry loss (DPO's implicit
+    # reward, §9) and pi_ref the starting model: it reads the LM's own next-token predictions at
+    # every answer digit, where a last-token head has to learn the sum afresh (docs/ppo-rlhf.md)
+    reward_form: Literal["score_head", "log_ratio"] = "score_head"
 
 
 def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]],
@@ -321,7 +327,8 @@ def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
     return summary
 
 
-def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True) -> dict[str, Any]:
+def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True, *,
+        as_reward_model: bool = False) -> dict[str, Any]:
     """DPO (§9) on (prompt, chosen, rejected) pairs from --data or --synthetic TASK.
 
     The reference is the starting model, frozen: its log-probs of every pair are computed once
@@ -329,11 +336,20 @@ def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
     reference passes). Held-out pairs give the implicit-reward accuracy and margin (per pair kind);
     with --synthetic, greedy answers to the held-out problems show the behaviour itself before and
     after: accuracy and length.
+
+    `as_reward_model` (reward-model --reward_form log_ratio): the same training read as a
+    Bradley-Terry reward model r = beta log pi/pi_ref; metrics under rm/, no greedy answers, and
+    the saved LM carries reward_stats.json (beta, the reference, held-out score statistics).
     """
+    from posttrain.rewards.model import STATS_FILE
     fields = [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
     train_rows, eval_rows, source = preference_rows(cfg)
+    # the reward model scores against its reference for good: name it before any work
+    reference = _reference_spec(cfg.model) if as_reward_model else None
     st = _start(cfg, model, tokenizer, fields, rows=train_rows)
     tok, world = st.tokenizer, st.world
+    accuracy_key, margin_key = (("rm/eval_accuracy", "rm/eval_margin") if as_reward_model
+                                else ("dpo/eval_reward_accuracy", "dpo/eval_margin"))
 
     def responses(rows):
         return ([_response_ids(tok, str(r[cfg.chosen_field]), cfg.max_len) for r in rows],
@@ -362,21 +378,28 @@ def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
     ref_train, ref_eval = all_logp(train_data), all_logp(eval_data)
     ref_s = time.perf_counter() - t0
 
-    def evaluate_pairs() -> dict[str, float]:
-        c, r = all_logp(eval_data)
+    def evaluate_pairs(c: Tensor, r: Tensor) -> dict[str, float]:
         out = dpo_loss(c, r, *ref_eval, cfg.beta)
         win = out.chosen_rewards > out.rejected_rewards
-        res = {"dpo/eval_reward_accuracy": win.float().mean().item(),
-               "dpo/eval_margin": (out.chosen_rewards - out.rejected_rewards).mean().item()}
+        rewards = torch.cat([out.chosen_rewards, out.rejected_rewards])
+        res = {accuracy_key: win.float().mean().item(),
+               margin_key: (out.chosen_rewards - out.rejected_rewards).mean().item(),
+               "_mean": rewards.mean().item(), "_std": rewards.std().item()}
         for kind in sorted({row.get("kind") for row in eval_rows if row.get("kind")}):
             idx = torch.tensor([i for i, row in enumerate(eval_rows) if row.get("kind") == kind])
-            res[f"dpo/eval_reward_accuracy@{kind}"] = win[idx].float().mean().item()
+            res[f"{accuracy_key}@{kind}"] = win[idx].float().mean().item()
         return res
 
-    task = synthetic_task(cfg) if cfg.synthetic else None
+    def public(metrics: dict[str, float]) -> dict[str, float]:
+        return {k: v for k, v in metrics.items() if not k.startswith("_")}
+
+    task = synthetic_task(cfg) if cfg.synthetic and not as_reward_model else None
     summary: dict[str, Any] = {"run_dir": str(st.run_dir), "source": source,
                                "train_pairs": len(train_rows), "eval_pairs": len(eval_rows),
                                "reference_s": ref_s}
+    if as_reward_model:       # pi = pi_ref: every implicit reward is 0, every pair a tie
+        summary["eval_before"] = public(evaluate_pairs(*ref_eval))
+        st.logger.log(0, summary["eval_before"])
     if task is not None:
         summary["behaviour_before"] = held_out_behaviour(st.model, tok, task, cfg, world)
         st.logger.log(0, summary["behaviour_before"])
@@ -385,7 +408,8 @@ def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
     st.schedule(cfg, len(batches))
     t_start = time.perf_counter()
     acc = float("nan")
-    bar = tqdm(batches, disable=not (show_progress and world.main), desc="dpo")
+    bar = tqdm(batches, disable=not (show_progress and world.main),
+               desc="reward-model" if as_reward_model else "dpo")
     for step, batch in enumerate(bar, start=1):
         mine, weight = share_of_batch(batch, world)
         idx = torch.tensor(mine)
@@ -402,15 +426,28 @@ def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
                              "dpo/margin": margin,
                              "dpo/chosen_reward": chosen, "dpo/rejected_reward": rejected})
     summary["train_minutes"] = (time.perf_counter() - t_start) / 60
-    summary["eval_after"] = evaluate_pairs()
+    after = evaluate_pairs(*all_logp(eval_data))
+    summary["eval_after"] = public(after)
     st.logger.log(len(batches), summary["eval_after"])
     if task is not None:
         summary["behaviour_after"] = held_out_behaviour(st.model, tok, task, cfg, world)
         st.logger.log(len(batches), summary["behaviour_after"])
-    summary.update(steps=len(batches), reward_accuracy_last=acc, final_model=_finish(st))
+    extra = None
+    if as_reward_model:
+        extra = {STATS_FILE: json.dumps({"form": "log_ratio", "beta": cfg.beta, "reference": reference,
+                                         "mean": after["_mean"], "std": after["_std"],
+                                         "source": source, "max_len": cfg.max_len})}
+    summary.update(steps=len(batches), reward_accuracy_last=acc, final_model=_finish(st, extra))
     if world.main:
         (st.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _reference_spec(model: str) -> str:
+    """How a log-ratio reward model names its reference: a built-in name as given (resolved on
+    each machine), a folder as its absolute path. Fails now if neither."""
+    resolve_model_path(model)
+    return str(Path(model).resolve()) if Path(model).is_dir() else model
 
 
 @torch.no_grad()
@@ -500,7 +537,15 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
     """Train a Bradley-Terry reward model (§1) on (prompt, chosen, rejected) pairs:
     loss -log sigmoid(r(x, y_c) - r(x, y_r)), r = a scalar head on the last token. Reports
     held-out pairwise accuracy (per pair kind when the rows have one) before and after, and saves
-    an AutoModelForSequenceClassification (one label) with reward_stats.json for normalisation."""
+    an AutoModelForSequenceClassification (one label) with reward_stats.json for normalisation.
+    With --reward_form log_ratio, r = beta log pi/pi_ref instead (see StageConfig.reward_form)."""
+    if cfg.reward_form == "log_ratio":
+        # the Bradley-Terry loss on r = beta log pi/pi_ref is DPO's loss, term for term
+        for name, unset in (("head_lr", None), ("lm_coef", 0.0), ("end_of_turn", False)):
+            if getattr(cfg, name) != unset:
+                raise ValueError(f"{name}={getattr(cfg, name)!r} applies to reward_form=score_head "
+                                 "only (a log-ratio reward model has no score head)")
+        return dpo(cfg, model, tokenizer, show_progress, as_reward_model=True)
     from posttrain.losses import bradley_terry_loss, pairwise_accuracy
     from posttrain.rewards.model import STATS_FILE, encode_responses, pair_scores
 

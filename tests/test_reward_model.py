@@ -257,3 +257,75 @@ def test_frozen_lower_layers_stay_put_and_the_top_learns(tmp_path, tokenizer):
         reward_model(StageConfig(synthetic="addition", n_pairs=16, eval_size=8, freeze_layers=3,
                                  run_dir=str(tmp_path / "r2")),
                      model=tiny_reward_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def log_ratio_rm(tmp_path_factory, tokenizer):
+    """A tiny log-ratio reward model (r = beta log pi/pi_ref) trained on synthetic pairs, its
+    reference a saved folder."""
+    ref = tmp_path_factory.mktemp("ref")
+    make_tiny_model(tokenizer).save_pretrained(ref)
+    tokenizer.save_pretrained(ref)
+    run = tmp_path_factory.mktemp("rm_log_ratio")
+    cfg = StageConfig(model=str(ref), synthetic="addition", n_pairs=96, eval_size=40, lr=1e-3,
+                      epochs=2, batch_size=16, beta=0.1, reward_form="log_ratio",
+                      run_dir=str(run), system_prompt="Be brief.")
+    return {**reward_model(cfg, show_progress=False), "reference": ref}
+
+
+def full_sequence_logp(model, tokenizer, prompt: str, response: str) -> float:
+    """The plain definition: one unpadded sequence, sum of log p over the response and its EOS."""
+    from posttrain.rewards.model import encode_parts
+    heads, tails = encode_parts(tokenizer, [prompt], [response], "Be brief.")
+    ids = torch.tensor([heads[0] + tails[0] + [tokenizer.eos_token_id]])
+    logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
+    targets = ids[0, 1:]
+    return logp[torch.arange(len(targets)), targets][len(heads[0]) - 1:].sum().item()
+
+
+def test_log_ratio_reward_model_learns_and_scores_beta_log_pi_over_pi_ref(log_ratio_rm, tokenizer):
+    from transformers import AutoModelForCausalLM
+    before, after = log_ratio_rm["eval_before"], log_ratio_rm["eval_after"]
+    assert before["rm/eval_accuracy"] == 0.0 and before["rm/eval_margin"] == 0.0  # pi = pi_ref: ties
+    assert after["rm/eval_accuracy"] > 0.6 and after["rm/eval_margin"] > 0, after
+    assert after["rm/eval_accuracy@answer>no_answer"] > 0.9, after
+    folder = log_ratio_rm["final_model"]
+    stats = json.loads(open(f"{folder}/reward_stats.json").read())
+    assert stats["form"] == "log_ratio" and stats["beta"] == 0.1
+    assert stats["reference"] == str(log_ratio_rm["reference"].resolve())
+    raw = RewardModel(folder, normalize=False, system_prompt="Be brief.")
+    prompts = ["What is 12 + 30?", "What is 12 + 30?", "What is 5 + 7?"]
+    answers = ["42", "12 + 30 = 43.", "I cannot answer that question."]
+    policy = AutoModelForCausalLM.from_pretrained(folder)
+    ref = AutoModelForCausalLM.from_pretrained(log_ratio_rm["reference"])
+    expected = [0.1 * (full_sequence_logp(policy, tokenizer, p, a) - full_sequence_logp(ref, tokenizer, p, a))
+                for p, a in zip(prompts, answers)]
+    torch.testing.assert_close(raw(prompts, answers), torch.tensor(expected), atol=1e-4, rtol=1e-4)
+    # a rollout's group (prompts repeated) runs the prompt once and scores the same
+    torch.testing.assert_close(raw(prompts[:1] * 3, answers),
+                               torch.cat([raw(prompts[:1], [a]) for a in answers]), atol=1e-4, rtol=1e-4)
+    rm = RewardModel(folder, normalize=True, system_prompt="Be brief.")
+    torch.testing.assert_close(rm(prompts, answers), (raw(prompts, answers) - stats["mean"]) / stats["std"])
+
+
+def test_trainer_uses_a_log_ratio_reward_model(tmp_path, log_ratio_rm, tokenizer):
+    cfg = toy_config(tmp_path, "--steps", "1", "--reward.model", log_ratio_rm["final_model"],
+                     "--reward.functions", "", "--reward.verifier", "math",
+                     "--reward.correct_reward", "0", "--data.system_prompt", "Be brief.")
+    train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert rows and all(r["reward/mean"] == pytest.approx(r["reward/model_score"], abs=1e-5) for r in rows)
+    assert any(r["reward/model_score"] != 0 for r in rows)
+
+
+def test_log_ratio_reward_model_errors(tmp_path, log_ratio_rm, tokenizer):
+    import shutil
+    with pytest.raises(ValueError, match="head_lr=0.1 applies to reward_form=score_head"):
+        reward_model(StageConfig(synthetic="addition", reward_form="log_ratio", head_lr=0.1),
+                     model=object(), tokenizer=tokenizer)
+    moved = tmp_path / "rm"
+    shutil.copytree(log_ratio_rm["final_model"], moved)
+    stats = json.loads((moved / "reward_stats.json").read_text())
+    (moved / "reward_stats.json").write_text(json.dumps({**stats, "reference": str(tmp_path / "gone")}))
+    with pytest.raises(FileNotFoundError, match="reference .*gone"):
+        RewardModel(moved)

@@ -5,6 +5,10 @@ on the last token of (chat-templated prompt + response). `posttrain reward-model
 (stages.reward_model) and saves `reward_stats.json` beside it (mean and std of its scores on
 held-out responses) so the trainer can normalise scores to about zero mean and unit spread.
 
+A reward model trained with `--reward_form log_ratio` is a causal LM instead, read as DPO's
+implicit reward r(x, y) = beta log pi(y|x) / pi_ref(y|x) (§9) against the reference its
+reward_stats.json names: the same Bradley-Terry loss, a reward that sums over the response's tokens.
+
 The reward model reads text, not the policy's token ids: the completion is decoded and
 re-tokenised with the reward model's own tokenizer, so a reward model from another family works.
 """
@@ -13,12 +17,13 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from posttrain.data.tasks import Problem
 from posttrain.models import load_tokenizer
@@ -67,8 +72,6 @@ def _response_states(model, prompt_ids: list[list[int]], responses: list[list[in
                      group_size: int, pad_id: int, autocast: str) -> tuple[Tensor, Tensor]:
     """(hidden (b, T+1, H) predicting each response token and one step past the last, the padded
     response ids (b, T+1)), each prompt run once per group of `group_size` responses."""
-    from dataclasses import replace
-
     from posttrain.forward import response_hidden
     from posttrain.stages import pack
     # one dummy token after each response: the hidden state that "predicts" it is the one at
@@ -97,6 +100,24 @@ def group_scores(model, prompt_ids: list[list[int]], responses: list[list[int]],
     scoring each full sequence's last token; cheaper when the prompt is most of the tokens."""
     hidden, _ = _response_states(model, prompt_ids, responses, group_size, pad_id, autocast)
     return _score_last(model, hidden, responses)
+
+
+def log_ratio_scores(policy, reference, prompt_ids: list[list[int]], responses: list[list[int]],
+                     group_size: int, pad_id: int, beta: float, autocast: str = "none") -> Tensor:
+    """DPO's implicit reward as a reward model's score.  §9
+
+        r(x, y) = beta * sum_t [ log pi(y_t | x, y_<t) - log pi_ref(y_t | x, y_<t) ]
+
+    for groups of `group_size` responses to one prompt (as in group_scores)."""
+    from posttrain.forward import frozen_logprobs
+    from posttrain.losses import sequence_logprob
+    from posttrain.stages import pack
+    rollout = pack(_Pad(pad_id), [p for p in prompt_ids for _ in range(group_size)], responses,
+                   next(policy.parameters()).device)
+    rollout = replace(rollout, group_size=group_size)
+    logp, ref_logp = (sequence_logprob(frozen_logprobs(m, rollout, 1.0, len(responses), autocast),
+                                       rollout.response_mask_B_T) for m in (policy, reference))
+    return beta * (logp - ref_logp).float()
 
 
 def tied_lm_head(model) -> Tensor:
@@ -161,8 +182,6 @@ class RewardModel:
         self.tokenizer = load_tokenizer(path)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).eval()
-        self.model.requires_grad_(False)
         self.batch_size, self.autocast, self.system_prompt = batch_size, autocast, system_prompt
         self.mean, self.std = 0.0, 1.0
         stats = path / STATS_FILE
@@ -170,6 +189,22 @@ class RewardModel:
             raise FileNotFoundError(f"reward.model_normalize is on but {stats} is missing; "
                                     "set reward.model_normalize false or retrain the model")
         saved = json.loads(stats.read_text()) if stats.is_file() else {}
+        self.form = saved.get("form", "score_head")
+        self.reference = None
+        if self.form == "log_ratio":
+            from posttrain.models import resolve_model_path
+            self.beta, self.max_len = float(saved["beta"]), int(saved.get("max_len", 256))
+            self.model = AutoModelForCausalLM.from_pretrained(path).eval()
+            try:
+                ref_path = resolve_model_path(saved["reference"])
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"{stats}: the log-ratio reward model's reference "
+                                        f"{saved['reference']!r} cannot be found ({e})") from e
+            self.reference = AutoModelForCausalLM.from_pretrained(ref_path).eval()
+            self.reference.requires_grad_(False)
+        else:
+            self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).eval()
+        self.model.requires_grad_(False)
         if normalize:
             self.mean, self.std = float(saved["mean"]), max(float(saved["std"]), 1e-6)
         # read the response as the model was trained to (older models: without end-of-turn tokens)
@@ -196,6 +231,13 @@ class RewardModel:
             heads, tails = encode_parts(self.tokenizer, prompts[i:i + step:G],
                                         completions[i:i + step], self.system_prompt,
                                         self.end_of_turn)
+            if self.reference is not None:
+                # the responses as the log-ratio model was trained on them: ending in EOS
+                eos = self.tokenizer.eos_token_id
+                tails = [t[:self.max_len - 1] + [eos] for t in tails]
+                out.append(log_ratio_scores(self.model, self.reference, heads, tails, G,
+                                            self.tokenizer.pad_token_id, self.beta, self.autocast))
+                continue
             out.append(group_scores(self.model, heads, tails, G, self.tokenizer.pad_token_id,
                                     self.autocast))
         scores = torch.cat(out) if out else torch.zeros(0)
