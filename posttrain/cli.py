@@ -220,8 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_stage)
 
     p = sub.add_parser("reward-model", help="train a Bradley-Terry reward model on preference pairs",
-                       epilog=stage_help + " --synthetic TASK --n_pairs --eval_data --eval_size. "
-                       "Example: posttrain reward-model --synthetic addition")
+                       epilog=stage_help + " --synthetic TASK --n_pairs --eval_data --eval_size "
+                       "--reward_form {score_head,log_ratio} (a last-token score head, or beta "
+                       "log pi/pi_ref with --beta). Example: posttrain reward-model --synthetic "
+                       "addition")
     p.set_defaults(fn=cmd_stage)
 
     p = sub.add_parser("generate", help="write a model's answers to training problems as SFT data",
