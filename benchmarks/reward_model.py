@@ -10,8 +10,9 @@ defaults below:
 - score_head (default): a scalar head on the last token (AutoModelForSequenceClassification).
   Measured 2026-11-30 on the reference machine: 89.0% held-out (correct > wrong 78%), 8.2 min of
   training, 9.1 min in all;
-- log_ratio: beta log pi/pi_ref summed over the response (DPO's implicit reward), see
-  docs/ppo-rlhf.md for its figure.
+- log_ratio: beta log pi/pi_ref summed over the response (DPO's implicit reward). Measured
+  2026-11-30: 94.0% held-out (correct > wrong 88%), 6.1 min of training, 9.6 min in all; with
+  --seed 1 92.0% (84%), 9.7 min; see docs/ppo-rlhf.md.
 """
 
 import json
