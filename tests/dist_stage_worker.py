@@ -1,4 +1,4 @@
-"""One rank of a tiny SFT / DPO / reward-model run; launched by tests/test_distributed.py with or
+"""One rank of a tiny SFT (optionally with frozen lower layers) / DPO / reward-model run; launched by tests/test_distributed.py with or
 without torchrun.
 
     python tests/dist_stage_worker.py STAGE TOKENIZER_DIR RUN_DIR STRATEGY SFT_DATA
@@ -21,9 +21,9 @@ if __name__ == "__main__":
     tokenizer = load_tokenizer(tok_dir)
     # 13 rows in batches of 4: the last batch has one row, so one of two ranks has none
     common = dict(run_dir=run_dir, strategy=strategy, batch_size=4, lr=1e-2, epochs=2)
-    if stage == "sft":
-        sft(StageConfig(data=data, **common), model=make_tiny_model(tokenizer),
-            tokenizer=tokenizer, show_progress=False)
+    if stage in ("sft", "sft-frozen"):    # sft-frozen: embeddings and layer 0 of 2 frozen
+        sft(StageConfig(data=data, freeze_layers=int(stage == "sft-frozen"), **common),
+            model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
     elif stage == "dpo":
         dpo(StageConfig(synthetic="addition", n_pairs=13, eval_size=6, beta=0.1, **common),
             model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)

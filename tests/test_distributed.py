@@ -103,11 +103,11 @@ def stage_metrics(run_dir):
 @pytest.fixture(scope="module")
 def single_stages(embedded_dir, tmp_path_factory):
     return {stage: run_stage(stage, embedded_dir, tmp_path_factory.mktemp(stage) / "run")
-            for stage in ("sft", "dpo", "reward-model")}
+            for stage in ("sft", "sft-frozen", "dpo", "reward-model")}
 
 
 @pytest.mark.parametrize("stage,strategy", [("sft", "ddp"), ("sft", "fsdp"), ("dpo", "fsdp"),
-                                            ("reward-model", "ddp")])
+                                            ("reward-model", "ddp"), ("sft-frozen", "fsdp")])
 def test_offline_stages_on_two_ranks_match_one(embedded_dir, tmp_path, single_stages, stage, strategy):
     """SFT, DPO and reward-model training under torchrun: each rank runs its share of every batch
     (the last batch has one row, so one rank has none), the reference pass and evaluations are
@@ -123,6 +123,15 @@ def test_offline_stages_on_two_ranks_match_one(embedded_dir, tmp_path, single_st
     if stage == "reward-model":
         stats = [json.loads((d / "final_model" / "reward_stats.json").read_text()) for d in (one, two)]
         assert stats[1]["mean"] == pytest.approx(stats[0]["mean"], abs=1e-4)
+    if stage == "sft-frozen":   # --freeze_layers 1 on FSDP2 shards: frozen stays put, the top learns
+        from posttrain.models import load_tokenizer
+        from tests.conftest import make_tiny_model
+        start = make_tiny_model(load_tokenizer(embedded_dir)).state_dict()
+        w = weights(two)
+        for k in ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"):
+            assert torch.equal(w[k], start[k]), k
+        assert not torch.equal(w["model.layers.1.mlp.up_proj.weight"],
+                               start["model.layers.1.mlp.up_proj.weight"])
 
 
 def test_lora_under_fsdp_matches_one_process(embedded_dir, tmp_path):
