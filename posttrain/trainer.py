@@ -671,6 +671,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
               if algo.advantage in NEEDS_VALUES else None)
     if scorer.cfg.model:
         scorer.reward_model.check_tokenizer(tokenizer)
+        scorer.reward_model.to(device)                # beside the policy (a GPU on a GPU run)
     model = wrap(model, world)                        # FSDP2: shard the layers, in place
     engine = make_engine(cfg.rollout.backend, model, tokenizer, **vllm_options(cfg, path, model,
                                                                              world))

@@ -318,6 +318,11 @@ def test_trainer_uses_a_log_ratio_reward_model(tmp_path, log_ratio_rm, tokenizer
     assert any(r["reward/model_score"] != 0 for r in rows)
 
 
+def test_reward_model_moves_with_its_reference(log_ratio_rm):
+    rm = RewardModel(log_ratio_rm["final_model"]).to("meta")    # the trainer: .to(policy device)
+    assert {p.device.type for m in (rm.model, rm.reference) for p in m.parameters()} == {"meta"}
+
+
 def test_log_ratio_reward_model_errors(tmp_path, log_ratio_rm, tokenizer):
     import shutil
     with pytest.raises(ValueError, match="head_lr=0.1 applies to reward_form=score_head"):

@@ -210,6 +210,14 @@ class RewardModel:
         # read the response as the model was trained to (older models: without end-of-turn tokens)
         self.end_of_turn = bool(saved.get("end_of_turn", False))
 
+    def to(self, device: torch.device | str) -> "RewardModel":
+        """Place the reward model (and a log-ratio model's reference) on `device`: the trainer
+        puts it beside the policy. Scores come back on the CPU either way."""
+        self.model.to(device)
+        if self.reference is not None:
+            self.reference.to(device)
+        return self
+
     def check_tokenizer(self, policy_tokenizer) -> None:
         """Say in the log when the reward model reads text differently from the policy."""
         from posttrain.models import check_same_tokenizer
