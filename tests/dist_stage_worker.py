@@ -1,5 +1,5 @@
-"""One rank of a tiny SFT (optionally with frozen lower layers) / DPO / reward-model run; launched by tests/test_distributed.py with or
-without torchrun.
+"""One rank of a tiny SFT (sft-frozen: with frozen lower layers) / DPO / reward-model run;
+launched by tests/test_distributed.py with or without torchrun.
 
     python tests/dist_stage_worker.py STAGE TOKENIZER_DIR RUN_DIR STRATEGY SFT_DATA
 """
