@@ -1,0 +1,358 @@
+"""Learning per step and per minute: posttrain and TRL on the same recipe, several seeds each.
+
+    .venv/bin/python benchmarks/learning.py --seeds 0 1 2 --steps 20                 # both sides
+    .venv/bin/python benchmarks/learning.py --sides posttrain --label lr1e-5 -- --optim.lr 1e-5
+    .venv/bin/python benchmarks/learning.py --report OUT_A OUT_B ...                 # tables + plot only
+
+The recipe is the default job's (posttrain/recipes/addition_grpo.yaml): SmolLM2-135M-Instruct,
+2-digit addition under the chat template's default system prompt, 16 prompts x 4 answers a step,
+lr 2e-5 constant, beta 0, at most 24 new tokens, temperature 1, answers scored on the text before the
+first blank line by posttrain's verifier. Anything after `--` is passed to `posttrain train` (the
+TRL side always runs the fixed recipe, with TRL 1.16's defaults otherwise: its 'dapo' token-mean
+loss, AdamW betas (0.9, 0.999), float32).
+
+Each side runs one seed at a time (never two heavy jobs at once: 2 cores). Every
+`--eval_every` steps the policy's held-out greedy accuracy on the same 200 problems is measured
+(posttrain: its own evaluator; TRL: benchmarks/heldout.py, plain transformers `generate`); the
+final models of both sides are scored again by benchmarks/heldout.py, on 2-digit and on 3-digit
+addition (never trained). Evaluation time is excluded from the training minutes.
+
+Prints, for each side: training reward at every step (mean and spread over seeds), its mean over
+all steps, held-out accuracy at equal steps and at equal training minutes, entropy and the share of
+all-equal groups per step; writes OUT/results.json and OUT/learning.png. Runs already finished
+in OUT are reused, so an interrupted benchmark continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from step_time import MALLOC_ENV, ensure_trl_venv  # noqa: E402
+
+RECIPE = dict(prompts=16, group=4, lr=2e-5, max_new_tokens=24, threads=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# posttrain
+# ---------------------------------------------------------------------------------------------
+
+def run_posttrain(out: Path, seed: int, steps: int, eval_every: int, overrides: list[str],
+                  max_minutes: float | None) -> dict:
+    run = out / f"posttrain-s{seed}"
+    result = run / "bench.json"
+    if result.is_file():
+        return json.loads(result.read_text())
+    env = {**os.environ, **MALLOC_ENV, "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "posttrain.cli", "train", "--no-progress",
+           "--run_dir", str(run), "--seed", str(seed), "--steps", str(steps),
+           "--max_minutes", "null" if max_minutes is None else str(max_minutes),
+           "--eval_every", str(eval_every), "--threads", str(RECIPE["threads"]),
+           "--tensorboard", "false", *overrides]
+    t0 = time.time()
+    with open(out / f"posttrain-s{seed}.log", "w") as log:
+        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl") if line.strip()]
+    train = [r for r in rows if "reward/mean" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    final = heldout_of(run / "final_model")
+    res = {
+        "steps": [r["step"] for r in train],
+        "reward": [r["reward/mean"] for r in train],
+        "entropy": [r.get("policy/entropy") for r in train],
+        "equal_groups": [r.get("rollout/equal_groups_frac") for r in train],
+        "step_s": [r["perf/step_s"] for r in train],
+        "eval_steps": [r["step"] for r in evals],
+        "eval_minutes": [r["perf/train_minutes"] for r in evals],
+        "eval_accuracy": [r["eval/accuracy"] for r in evals],
+        "final": final, "wall_s": time.time() - t0,
+    }
+    result.write_text(json.dumps(res))
+    return res
+
+
+def heldout_of(model_dir: Path) -> dict:
+    """benchmarks/heldout.py on a saved model: 2-digit (the training task) and 3-digit."""
+    out = {}
+    for digits, n in ((2, 200), (3, 300)):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "heldout.py"), str(model_dir),
+                               "--digits", str(digits), "--n", str(n)],
+                              capture_output=True, text=True, check=True)
+        out[f"{digits}digit"] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# TRL
+# ---------------------------------------------------------------------------------------------
+
+TRL_SCRIPT = textwrap.dedent('''
+    import json, sys, time
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    model_dir, out, w = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    sys.path.insert(0, sys.argv[4])
+    import heldout
+    from posttrain.data.tasks import Problem, addition_task
+    from posttrain.rewards.verifiers import math_correct
+    torch.set_num_threads(w["threads"])
+    seed, steps, every = w["seed"], w["steps"], w["eval_every"]
+    task = addition_task(2)
+    task.build_eval(200, 1234)              # the training stream skips the held-out problems
+    probs = [task.train_problem(seed, i) for i in range(w["prompts"] * (steps + 2))]
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": p.prompt}], "answer": p.answer}
+                            for p in probs])
+    def reward(completions, answer, **kw):
+        return [float(math_correct(c[0]["content"].split("\\n\\n")[0], Problem("", a)))
+                for c, a in zip(completions, answer)]
+    record = {"steps": [], "reward": [], "entropy": [], "equal_groups": [], "step_s": [],
+              "eval_steps": [], "eval_minutes": [], "eval_accuracy": []}
+    eval_set = heldout.problems(2, 200)
+    class Clock(TrainerCallback):
+        train_s = 0.0
+        def evaluate(self, model, step):
+            acc = heldout.greedy_accuracy(model, tok, eval_set)["accuracy"]
+            record["eval_steps"].append(step); record["eval_accuracy"].append(acc)
+            record["eval_minutes"].append(self.train_s / 60)
+            print("eval", step, acc, flush=True)
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            self.evaluate(model, 0)
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+        def on_step_end(self, args, state, control, model=None, **kw):
+            dt = time.perf_counter() - self.t
+            self.train_s += dt
+            record["step_s"].append(dt)
+            if state.global_step % every == 0 or state.global_step == steps:
+                self.evaluate(model, state.global_step)
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                record["steps"].append(state.global_step); record["reward"].append(logs["reward"])
+                record["entropy"].append(logs.get("entropy"))
+                record["equal_groups"].append(logs.get("frac_reward_zero_std"))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=w["prompts"] * w["group"],
+                     num_generations=w["group"], max_completion_length=w["max_new_tokens"],
+                     beta=0.0, learning_rate=w["lr"], lr_scheduler_type="constant",
+                     temperature=1.0, max_steps=steps, logging_steps=1, report_to=[],
+                     use_cpu=True, bf16=False, save_strategy="no", seed=seed)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=cfg, train_dataset=ds,
+                          processing_class=tok, callbacks=[Clock()])
+    trainer.train()
+    model = trainer.model
+    record["final"] = {"2digit": heldout.greedy_accuracy(model, tok, eval_set),
+                       "3digit": heldout.greedy_accuracy(model, tok, heldout.problems(3, 300))}
+    print("RESULT", json.dumps(record))
+''')
+
+
+def run_trl(out: Path, seed: int, steps: int, eval_every: int, model_dir: Path, venv: Path) -> dict:
+    result = out / f"trl-s{seed}.json"
+    if result.is_file():
+        return json.loads(result.read_text())
+    py = ensure_trl_venv(venv)
+    w = {**RECIPE, "seed": seed, "steps": steps, "eval_every": eval_every}
+    t0 = time.time()
+    with open(out / f"trl-s{seed}.log", "w") as log:
+        proc = subprocess.run([str(py), "-c", TRL_SCRIPT, str(model_dir), str(out / f"trl-s{seed}"),
+                               json.dumps(w), str(ROOT / "benchmarks")], stdout=subprocess.PIPE,
+                              stderr=log, text=True, env={**os.environ, **MALLOC_ENV,
+                                                          "HF_HUB_OFFLINE": "1"})
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"TRL run failed; see {out / f'trl-s{seed}.log'}")
+    res = json.loads(line[len("RESULT "):])
+    res["wall_s"] = time.time() - t0
+    result.write_text(json.dumps(res))
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+def mean_sd(xs: list[float]) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "n/a"
+    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{statistics.mean(xs):.3f} ± {sd:.3f}"
+
+
+def pct(xs: list[float]) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "n/a"
+    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{100 * statistics.mean(xs):.1f} ± {100 * sd:.1f}%"
+
+
+def at_minutes(run: dict, t: float) -> float | None:
+    """Held-out accuracy at t training minutes, linear between evaluations (None past the end)."""
+    pts = list(zip(run["eval_minutes"], run["eval_accuracy"]))
+    if not pts or t > pts[-1][0] + 1e-9:
+        return None
+    for (t0, a0), (t1, a1) in zip(pts, pts[1:]):
+        if t0 <= t <= t1:
+            return a0 if t1 == t0 else a0 + (a1 - a0) * (t - t0) / (t1 - t0)
+    return pts[0][1]
+
+
+def report(sides: dict[str, list[dict]], out: Path) -> None:
+    print(f"\n## {', '.join(f'{k}: {len(v)} seeds' for k, v in sides.items())}\n")
+    print("training reward (mean ± sd over seeds) at step:")
+    n_steps = min(len(r["reward"]) for runs in sides.values() for r in runs)
+    marks = sorted({1, 5, 10, 15, 20, n_steps} & set(range(1, n_steps + 1)))
+    print("| side | " + " | ".join(f"step {s}" for s in marks) + f" | mean of steps 1-{n_steps} |")
+    print("|---" * (len(marks) + 2) + "|")
+    for name, runs in sides.items():
+        cells = [mean_sd([r["reward"][s - 1] for r in runs]) for s in marks]
+        overall = mean_sd([statistics.mean(r["reward"][:n_steps]) for r in runs])
+        print(f"| {name} | " + " | ".join(cells) + f" | {overall} |")
+    print("\nheld-out greedy accuracy (200 problems) at equal steps:")
+    steps = sorted(set.intersection(*(set(r["eval_steps"]) for runs in sides.values() for r in runs)))
+    print("| side | " + " | ".join(f"step {s}" for s in steps) + " | s/step |")
+    print("|---" * (len(steps) + 2) + "|")
+    for name, runs in sides.items():
+        cells = [pct([r["eval_accuracy"][r["eval_steps"].index(s)] for r in runs]) for s in steps]
+        step_s = statistics.median(x for r in runs for x in r["step_s"][1:] or r["step_s"])
+        print(f"| {name} | " + " | ".join(cells) + f" | {step_s:.1f} |")
+    print("\nheld-out greedy accuracy at equal training minutes (linear between evaluations):")
+    last = min(r["eval_minutes"][-1] for runs in sides.values() for r in runs)
+    span = max(r["eval_minutes"][-1] for runs in sides.values() for r in runs)
+    grid = [t for t in (0.5, 1, 2, 3, 5, 7.5, 10, 15, 20) if t <= span]
+    print("| side | " + " | ".join(f"{t:g} min" for t in grid) + " |")
+    print("|---" * (len(grid) + 1) + "|")
+    for name, runs in sides.items():
+        cells = []
+        for t in grid:
+            vals = [at_minutes(r, t) for r in runs]
+            cells.append(pct(vals) if all(v is not None for v in vals) else "-")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    del last
+    print("\nfinal models, benchmarks/heldout.py (plain transformers, greedy):")
+    print("| side | 2-digit (trained) | carry | no carry | 3-digit (never trained) |")
+    print("|---|---|---|---|---|")
+    for name, runs in sides.items():
+        f2 = [r["final"]["2digit"] for r in runs]
+        print(f"| {name} | {pct([f['accuracy'] for f in f2])} | "
+              f"{pct([f.get('accuracy_carry=true') for f in f2])} | "
+              f"{pct([f.get('accuracy_carry=false') for f in f2])} | "
+              f"{pct([r['final']['3digit']['accuracy'] for r in runs])} |")
+    print("\nentropy and share of all-equal groups per step (mean over seeds):")
+    for name, runs in sides.items():
+        ent = [statistics.mean(r["entropy"][i] for r in runs) for i in range(n_steps)
+               if all(r["entropy"][i] is not None for r in runs)]
+        eq = [statistics.mean(r["equal_groups"][i] for r in runs) for i in range(n_steps)
+              if all(r["equal_groups"][i] is not None for r in runs)]
+        print(f"  {name} entropy: " + " ".join(f"{x:.2f}" for x in ent))
+        print(f"  {name} all-equal groups: " + " ".join(f"{x:.2f}" for x in eq))
+    plot(sides, out / "learning.png")
+    print(f"\nplot: {out / 'learning.png'}")
+
+
+def plot(sides: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    panels = [("reward", "steps", "training reward", axes[0, 0]),
+              ("eval_accuracy", "eval_steps", "held-out accuracy vs step", axes[0, 1]),
+              ("eval_accuracy", "eval_minutes", "held-out accuracy vs training minutes", axes[0, 2]),
+              ("entropy", "steps", "policy entropy (nats/token)", axes[1, 0]),
+              ("equal_groups", "steps", "share of all-equal groups", axes[1, 1])]
+    for i, (name, runs) in enumerate(sides.items()):
+        color = f"C{i}"
+        for key, xkey, title, ax in panels:
+            for j, r in enumerate(runs):
+                pts = [(x, y) for x, y in zip(r[xkey], r[key]) if y is not None]
+                if pts:
+                    ax.plot(*zip(*pts), color=color, alpha=0.35, lw=1,
+                            label=name if j == 0 else None)
+            n = min(len(r[key]) for r in runs)
+            if key != "eval_accuracy" or xkey == "eval_steps":
+                ys = [[r[key][k] for r in runs] for k in range(n)]
+                if all(all(v is not None for v in y) for y in ys) and n:
+                    ax.plot(runs[0][xkey][:n], [np.mean(y) for y in ys], color=color, lw=2.5)
+            ax.set_title(title)
+            ax.set_xlabel("training minutes" if xkey == "eval_minutes" else "step")
+    axes[0, 0].legend()
+    ax = axes[1, 2]
+    for i, (name, runs) in enumerate(sides.items()):
+        ax.bar(i, np.mean([r["final"]["3digit"]["accuracy"] for r in runs]), color=f"C{i}")
+        ax.scatter([i] * len(runs), [r["final"]["3digit"]["accuracy"] for r in runs], color="k", s=10)
+    ax.set_xticks(range(len(sides)), list(sides), rotation=20)
+    ax.set_title("3-digit addition (never trained), final models")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def load_out(out: Path) -> dict[str, list[dict]]:
+    """The finished runs of an output folder, by side (label from its meta.json)."""
+    meta = json.loads((out / "meta.json").read_text()) if (out / "meta.json").is_file() else {}
+    label = meta.get("label") or out.name
+    sides: dict[str, list[dict]] = {}
+    for f in sorted(out.glob("posttrain-s*/bench.json")):
+        sides.setdefault(f"posttrain {label}".strip(), []).append(json.loads(f.read_text()))
+    for f in sorted(out.glob("trl-s*.json")):
+        sides.setdefault("TRL 1.16", []).append(json.loads(f.read_text()))
+    return sides
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--eval_every", type=int, default=5)
+    ap.add_argument("--max_minutes", type=float, default=None,
+                    help="posttrain: stop at this many training minutes (default: run all steps)")
+    ap.add_argument("--sides", nargs="+", default=["posttrain", "trl"], choices=["posttrain", "trl"])
+    ap.add_argument("--label", default="", help="names this posttrain configuration in the tables")
+    ap.add_argument("--out", type=Path, help="output folder (default benchmarks/out/learning-LABEL)")
+    ap.add_argument("--trl-venv", type=Path, default=ROOT / ".venv-trl")
+    ap.add_argument("--report", type=Path, nargs="+", help="only print tables of finished folders")
+    args, overrides = ap.parse_known_args()
+    overrides = [o for o in overrides if o != "--"]
+    if args.report:
+        sides: dict[str, list[dict]] = {}
+        for folder in args.report:
+            for k, v in load_out(folder).items():
+                sides.setdefault(k if k not in sides else f"{k} ({folder.name})", v)
+        report(sides, args.report[0])
+        return
+    out = args.out or ROOT / "benchmarks" / "out" / f"learning-{args.label or 'default'}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").write_text(json.dumps({"label": args.label, "overrides": overrides,
+                                               "steps": args.steps, "seeds": args.seeds}))
+    from posttrain.models import prepare_embedded
+    model_dir = prepare_embedded()
+    sides = {}
+    for side in args.sides:
+        for seed in args.seeds:
+            t0 = time.time()
+            if side == "posttrain":
+                r = run_posttrain(out, seed, args.steps, args.eval_every, overrides, args.max_minutes)
+            else:
+                r = run_trl(out, seed, args.steps, args.eval_every, model_dir, args.trl_venv)
+            print(f"{side} seed {seed}: held-out {r['eval_accuracy'][-1]:.3f} at step "
+                  f"{r['eval_steps'][-1]}, {time.time() - t0:.0f} s", flush=True)
+    sides = load_out(out)
+    report(sides, out)
+
+
+if __name__ == "__main__":
+    main()
