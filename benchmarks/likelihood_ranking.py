@@ -20,8 +20,8 @@ from posttrain.data.tasks import Problem, make_task
 from posttrain.forward import frozen_logprobs
 from posttrain.losses import sequence_logprob
 from posttrain.models import load_policy, load_tokenizer, resolve_model_path
-from posttrain.stages import pack
-from posttrain.trainer import encode_prompts
+from posttrain.forward import pack
+from posttrain.prompts import encode_prompts
 
 
 def response_logprobs(model, tok, prompts: list[str], responses: list[str]) -> torch.Tensor:

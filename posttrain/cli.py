@@ -14,7 +14,9 @@ from dataclasses import fields
 from importlib import resources
 from pathlib import Path
 
-from posttrain.config import PRESETS, AlgorithmConfig, ConfigError, TrainConfig, load_config
+from posttrain import __version__
+from posttrain.config import (PRESETS, AlgorithmConfig, ConfigError, TrainConfig,
+                              check_option_names, load_config)
 
 DEFAULT_RECIPE = "addition_grpo.yaml"
 
@@ -62,7 +64,6 @@ def _setup_logging(verbose: bool) -> None:
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from posttrain.perf import tune_malloc
-    from posttrain.trainer import train
 
     tune_malloc()
     config_file = args.config
@@ -76,6 +77,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg = load_config(config_file, overrides, base=base)
     else:
         cfg = load_config(config_file, overrides)
+    from posttrain.trainer import train   # after the config is valid: a refused run stays fast
+
     summary = train(cfg, resume=args.resume, show_progress=not args.no_progress)
     if _main_process():
         print_summary(summary)
@@ -116,14 +119,16 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from posttrain.rewards import Scorer
     from posttrain.rollout import make_engine
     from posttrain.distributed import SINGLE
-    from posttrain.trainer import build_task, evaluate, vllm_options
+    from posttrain.data.source import build_task
+    from posttrain.evaluation import evaluate
+    from posttrain.rollout import vllm_options
 
     overrides = [*overrides, "--model.path", args.model]
     if args.task:
         overrides += ["--data.task", args.task]
     # Same generation settings as the default job unless a config says otherwise.
     cfg = load_config(args.config or recipe_path(DEFAULT_RECIPE), overrides)
-    task = build_task(cfg)
+    task = build_task(cfg.data)
     scorer = Scorer(cfg.reward, task.verifier)
     path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     tokenizer, model = load_tokenizer(path), load_policy(path, cfg.model.dtype)
@@ -144,15 +149,17 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_stage(args: argparse.Namespace, overrides: list[str]) -> int:
-    from posttrain.config import build_config, parse_overrides
+    from posttrain.config import StageConfig, build_config, parse_overrides
     from posttrain.perf import tune_malloc
-    from posttrain.stages import StageConfig, dpo, reward_model, sft
 
     tune_malloc()
+    check_option_names(overrides, StageConfig)
     cfg = build_config(StageConfig, parse_overrides(overrides), "")
     if not cfg.data and not cfg.synthetic:
         raise ConfigError("--data FILE (JSONL, CSV, Parquet or a datasets folder) or "
                           "--synthetic TASK is required")
+    from posttrain.stages import dpo, reward_model, sft   # after the config is valid
+
     out = {"sft": sft, "dpo": dpo, "reward-model": reward_model}[args.command](cfg)
     if _main_process():
         print(json.dumps(out, indent=2))
@@ -185,9 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="posttrain", description="Post-train language models with RL (REINFORCE, RLOO, GRPO, "
         "DAPO, Dr. GRPO) on verifiable rewards.", epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("-v", "--verbose", action="store_true", help="log every step")
+    parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    # no prefix abbreviations anywhere: a mistyped option is refused, never read as another one
+    _add_parser = sub.add_parser
+    sub.add_parser = lambda *a, **kw: _add_parser(*a, allow_abbrev=False, **kw)
 
     p = sub.add_parser("train", help="policy-gradient training (default: GRPO on addition)",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -247,11 +258,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _own_flags(parser: argparse.ArgumentParser, command: str) -> tuple[str, ...]:
+    """The options a command declares itself (for the did-you-mean of an unknown option)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return tuple(o for a in sub.choices[command]._actions for o in a.option_strings)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     _setup_logging(args.verbose or getattr(args, "no_progress", False))
     try:
+        if args.fn in (cmd_train, cmd_eval, cmd_generate):   # the rest are config overrides
+            check_option_names(rest, TrainConfig, _own_flags(parser, args.command))
+        elif args.fn in (cmd_prepare_model, cmd_plot) and rest:
+            raise ConfigError(f"unexpected arguments {' '.join(rest)} (every option: "
+                              f"posttrain {args.command} --help)")
         return args.fn(args, rest)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"posttrain: error: {e}", file=sys.stderr)

@@ -8,6 +8,7 @@ cross-field rule is checked here, before any model is loaded, with an error nami
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field, fields, replace
@@ -22,6 +23,61 @@ from posttrain.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 
 class ConfigError(ValueError):
     """A config value is wrong; the message names the field, the value and what is accepted."""
+
+
+def did_you_mean(name: str, known) -> str:
+    """'; did you mean X?' for the closest known name, or '' when none is close."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def option_names(cls: type, prefix: str = "") -> list[str]:
+    """Every `--section.field` a config dataclass accepts, as 'section.field' (algorithm: the
+    AlgorithmConfig fields; mappings such as teacher.domains take any key below them)."""
+    names = []
+    for f in fields(cls):
+        hint = _hint(cls, f.name)
+        if dataclasses.is_dataclass(hint):
+            names += option_names(hint, f"{prefix}{f.name}.")
+        elif cls is TrainConfig and f.name == "algorithm":
+            names += [f"algorithm.{g.name}" for g in fields(AlgorithmConfig)]
+        else:
+            names.append(f"{prefix}{f.name}")
+    return names
+
+
+def check_option_names(args: list[str], cls: type, flags: tuple[str, ...] = ()) -> None:
+    """Refuse an option that is neither a config field of `cls` nor one of the command's own
+    `flags`, naming the closest known one: a mistyped option never starts a job."""
+    known = option_names(cls)
+    mappings = {n for n in known if typing.get_origin(_hint_path(cls, n)) is dict
+                or _hint_path(cls, n) is dict}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--"):
+            key = arg[2:].split("=", 1)[0].replace("-", "_")
+            ok = key in known or any(key.startswith(m + ".") for m in mappings)
+            if not ok:
+                everything = [f"--{n}" for n in known] + list(flags)
+                raise ConfigError(f"unknown option --{arg[2:].split('=', 1)[0]}"
+                                  f"{did_you_mean('--' + key, everything)} "
+                                  "(every option: --help)")
+            i += 1 if "=" in arg else 2
+        else:
+            i += 1
+
+
+def _hint_path(cls: type, dotted: str) -> Any:
+    hint: Any = cls
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(hint):
+            return None
+        if hint is TrainConfig and part == "algorithm":
+            hint = AlgorithmConfig
+            continue
+        hint = _hint(hint, part)
+    return hint
 
 
 def _check_choice(where: str, value: Any, choices) -> None:
@@ -337,7 +393,8 @@ class TrainConfig:
         known = {f.name for f in fields(AlgorithmConfig)}
         for k in self.algorithm:
             if k not in known:
-                raise ConfigError(f"algorithm.{k} is not a field; known: {sorted(known)}")
+                raise ConfigError(f"algorithm.{k} is not a field; known: {sorted(known)}"
+                                  f"{did_you_mean(k, known)}")
         algo = self.algo
         for f in fields(AlgorithmConfig):
             _coerce(f"algorithm.{f.name}", getattr(algo, f.name), _hint(AlgorithmConfig, f.name))
@@ -391,6 +448,53 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    model: str = "smollm2-135m-instruct"
+    data: str = ""                      # JSONL / CSV / Parquet / datasets folder
+    prompt_field: str = "prompt"
+    response_field: str = "response"    # SFT
+    chosen_field: str = "chosen"        # DPO
+    rejected_field: str = "rejected"    # DPO
+    system_prompt: str | None = None
+    lr: float = 1e-5
+    batch_size: int = 8
+    epochs: int = 1
+    beta: float = 0.1                   # DPO
+    max_len: int = 256                  # response tokens kept per example
+    seed: int = 0
+    run_dir: str = "runs/stage"
+    # pairs (dpo, reward-model) or answers (sft) from a built-in task instead of --data
+    # ('addition', 'subtraction', 'arithmetic'), made from the ground truth
+    synthetic: str = ""
+    n_pairs: int = 2000                 # synthetic training pairs (sft: examples)
+    # share of synthetic correct > wrong training pairs whose wrong answer is terse ("{c}", "The
+    # answer is {c}.") whatever the correct one's wording: the answers a reward-hacking policy
+    # drifts to (docs/ppo-rlhf.md: 0.5 kept RLHF from collapsing to bare numbers)
+    terse_wrong_share: float = 0.0
+    eval_data: str = ""                 # held-out pairs file; default: eval_size pairs split off
+    eval_size: int = 200
+    autocast: str = "none"              # 'bfloat16': body in bf16 (faster on AVX512-BF16 / GPU)
+    strategy: str = "ddp"               # under torchrun: 'ddp' (replicated) or 'fsdp' (sharded)
+    head_lr: float | None = None        # reward-model: the score head's own lr (default: lr)
+    end_of_turn: bool = False           # reward-model: score after the template's end-of-turn tokens
+    # reward-model: weight of a next-token loss on the chosen responses (through the tied LM
+    # head), which keeps the body predicting the answer it should be checking
+    lm_coef: float = 0.0
+    # learning rate over the run's optimizer steps: a linear warm-up, then constant or a decay to 0
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
+    # freeze the token embeddings and the first N decoder layers: backward stops at layer N, so
+    # a step is cheaper and more pairs fit in the same time (reward-model: docs/ppo-rlhf.md)
+    freeze_layers: int = 0
+    # reward-model: what r(x, y) is. 'score_head': a scalar head on the last token, saved as an
+    # AutoModelForSequenceClassification. 'log_ratio': beta * log pi(y|x) / pi_ref(y|x) summed
+    # over the response, pi a causal LM trained with the same Bradley-Terry loss (DPO's implicit
+    # reward, §9) and pi_ref the starting model: it reads the LM's own next-token predictions at
+    # every answer digit, where a last-token head has to learn the sum afresh (docs/ppo-rlhf.md)
+    reward_form: Literal["score_head", "log_ratio"] = "score_head"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,7 +572,8 @@ def build_config(cls: type, data: dict[str, Any], where: str) -> Any:
     for key, value in data.items():
         name = f"{where}.{key}" if where else key
         if key not in known:
-            raise ConfigError(f"{name} is not a config field; known: {sorted(known)}")
+            raise ConfigError(f"{name} is not a config field; known: {sorted(known)}"
+                              f"{did_you_mean(key, known)}")
         hint = _hint(cls, key)
         if dataclasses.is_dataclass(hint):
             kwargs[key] = build_config(hint, value, name)

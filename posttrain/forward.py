@@ -14,10 +14,26 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from posttrain.losses import entropy_from_logits, token_logprobs
+from posttrain.prompts import left_pad
 from posttrain.rollout import Rollout
 from posttrain.rollout.hf import cache_kwarg
 
 # ---------------------------------------------------------------------------------------------
+
+def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]],
+         device: torch.device | str = "cpu") -> Rollout:
+    """Prompt ids left-padded, response ids right-padded: the layout the trainer's forward uses."""
+    p_ids, p_mask = left_pad(prompts, tokenizer.pad_token_id)
+    T = max(len(r) for r in responses)
+    r_ids = torch.full((len(responses), T), tokenizer.pad_token_id, dtype=torch.long)
+    r_mask = torch.zeros((len(responses), T))
+    for i, r in enumerate(responses):
+        r_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        r_mask[i, :len(r)] = 1.0
+    return Rollout(p_ids.to(device), p_mask.to(device), r_ids.to(device), r_mask.to(device),
+                   torch.zeros_like(r_mask, device=device),
+                   torch.zeros(len(responses), dtype=torch.bool, device=device), group_size=1)
+
 
 def group_chunks(n_rows: int, group_size: int, max_rows: int) -> list[Tensor]:
     """Split row indices 0..n-1 into micro-batches of whole groups, at most max(max_rows, G) rows."""

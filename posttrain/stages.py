@@ -18,12 +18,13 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from posttrain.config import StageConfig
 from posttrain.data import read_rows
 from posttrain.data.tasks import Problem
 from posttrain.distributed import (World, average_gradients, barrier, clip_grad_norm, device_for,
@@ -33,71 +34,9 @@ from posttrain.logging import MetricsLogger, NullLogger
 from posttrain.losses import dpo_loss, sequence_logprob, sft_loss
 from posttrain.models import (freeze_lower_layers, load_policy, load_tokenizer, resolve_model_path,
                               save_model)
-from posttrain.rollout.base import Rollout
-from posttrain.rollout.hf import left_pad
-from posttrain.trainer import encode_prompts, lr_factor, seed_everything, sequence_logprobs
-
-
-@dataclass(frozen=True)
-class StageConfig:
-    model: str = "smollm2-135m-instruct"
-    data: str = ""                      # JSONL / CSV / Parquet / datasets folder
-    prompt_field: str = "prompt"
-    response_field: str = "response"    # SFT
-    chosen_field: str = "chosen"        # DPO
-    rejected_field: str = "rejected"    # DPO
-    system_prompt: str | None = None
-    lr: float = 1e-5
-    batch_size: int = 8
-    epochs: int = 1
-    beta: float = 0.1                   # DPO
-    max_len: int = 256                  # response tokens kept per example
-    seed: int = 0
-    run_dir: str = "runs/stage"
-    # pairs (dpo, reward-model) or answers (sft) from a built-in task instead of --data
-    # ('addition', 'subtraction', 'arithmetic'), made from the ground truth
-    synthetic: str = ""
-    n_pairs: int = 2000                 # synthetic training pairs (sft: examples)
-    # share of synthetic correct > wrong training pairs whose wrong answer is terse ("{c}", "The
-    # answer is {c}.") whatever the correct one's wording: the answers a reward-hacking policy
-    # drifts to (docs/ppo-rlhf.md: 0.5 kept RLHF from collapsing to bare numbers)
-    terse_wrong_share: float = 0.0
-    eval_data: str = ""                 # held-out pairs file; default: eval_size pairs split off
-    eval_size: int = 200
-    autocast: str = "none"              # 'bfloat16': body in bf16 (faster on AVX512-BF16 / GPU)
-    strategy: str = "ddp"               # under torchrun: 'ddp' (replicated) or 'fsdp' (sharded)
-    head_lr: float | None = None        # reward-model: the score head's own lr (default: lr)
-    end_of_turn: bool = False           # reward-model: score after the template's end-of-turn tokens
-    # reward-model: weight of a next-token loss on the chosen responses (through the tied LM
-    # head), which keeps the body predicting the answer it should be checking
-    lm_coef: float = 0.0
-    # learning rate over the run's optimizer steps: a linear warm-up, then constant or a decay to 0
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = 0
-    # freeze the token embeddings and the first N decoder layers: backward stops at layer N, so
-    # a step is cheaper and more pairs fit in the same time (reward-model: docs/ppo-rlhf.md)
-    freeze_layers: int = 0
-    # reward-model: what r(x, y) is. 'score_head': a scalar head on the last token, saved as an
-    # AutoModelForSequenceClassification. 'log_ratio': beta * log pi(y|x) / pi_ref(y|x) summed
-    # over the response, pi a causal LM trained with the same Bradley-Terry loss (DPO's implicit
-    # reward, §9) and pi_ref the starting model: it reads the LM's own next-token predictions at
-    # every answer digit, where a last-token head has to learn the sum afresh (docs/ppo-rlhf.md)
-    reward_form: Literal["score_head", "log_ratio"] = "score_head"
-
-
-def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]],
-         device: torch.device | str = "cpu") -> Rollout:
-    """Prompt ids left-padded, response ids right-padded: the layout the trainer's forward uses."""
-    p_ids, p_mask = left_pad(prompts, tokenizer.pad_token_id)
-    T = max(len(r) for r in responses)
-    r_ids = torch.full((len(responses), T), tokenizer.pad_token_id, dtype=torch.long)
-    r_mask = torch.zeros((len(responses), T))
-    for i, r in enumerate(responses):
-        r_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        r_mask[i, :len(r)] = 1.0
-    return Rollout(p_ids.to(device), p_mask.to(device), r_ids.to(device), r_mask.to(device),
-                   torch.zeros_like(r_mask, device=device),
-                   torch.zeros(len(responses), dtype=torch.bool, device=device), group_size=1)
+from posttrain.forward import pack, sequence_logprobs
+from posttrain.prompts import encode_prompts
+from posttrain.run import make_scheduler, seed_everything
 
 
 def _response_ids(tokenizer, text: str, max_len: int, ids: list[int] | None = None) -> list[int]:
@@ -176,8 +115,7 @@ class _Stage:
 
     def schedule(self, cfg: StageConfig, total_steps: int) -> None:
         """Set the learning-rate schedule once the number of optimizer steps is known."""
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda i: lr_factor(i, total_steps, cfg.warmup_steps, cfg.schedule))
+        self.scheduler = make_scheduler(self.optimizer, total_steps, cfg.warmup_steps, cfg.schedule)
 
 
 def _start(cfg: StageConfig, model, tokenizer, fields: list[str],
@@ -630,9 +568,10 @@ def generate(cfg, n: int, out: str | Path, samples: int = 1, only_correct: bool 
     from posttrain.rewards import Scorer
     from posttrain.rollout import SamplingParams, make_engine
     from posttrain.distributed import SINGLE
-    from posttrain.trainer import Sampler, build_task, vllm_options
+    from posttrain.data.source import Sampler, build_task
+    from posttrain.rollout import vllm_options
 
-    task = build_task(cfg)
+    task = build_task(cfg.data)
     scorer = Scorer(cfg.reward, task.verifier)
     path = cfg.model.path
     if model is None:

@@ -21,14 +21,12 @@ from contextlib import nullcontext
 import json
 import logging
 import math
-import random
 import time
 from collections import Counter
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -38,8 +36,9 @@ from posttrain.advantages import (ADVANTAGES, NEEDS_TEACHER, NEEDS_VALUES, Advan
 from posttrain.checkpoint import (latest_checkpoint, load_trainer_state, restore_rng,
                                   save_checkpoint)
 from posttrain.config import AlgorithmConfig, ConfigError, TrainConfig
-from posttrain.data import Problem, Task, load_problems, make_task
-from posttrain.data.tasks import MixedTask
+from posttrain.data.source import Sampler, build_task
+from posttrain.data.tasks import Problem
+from posttrain.evaluation import evaluate
 from posttrain.logging import MetricsLogger, NullLogger, console_line, plot_run
 from posttrain.losses import (AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate,
                               explained_variance, forward_kl_from_logits, kl_penalized_rewards,
@@ -49,9 +48,11 @@ from posttrain.memory import estimate as estimate_memory
 from posttrain.models import (add_lora, load_policy, load_tokenizer, merged_lora_copy,
                               resolve_model_path, save_model)
 from posttrain.rewards import Scorer, overlong_penalty
-from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, make_engine
+from posttrain.prompts import encode_prompts, left_pad
+from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, make_engine, vllm_options
 from posttrain.rollout.base import concat_rollouts
-from posttrain.rollout.hf import left_pad, row_seeds
+from posttrain.rollout.hf import row_seeds
+from posttrain.run import make_scheduler, seed_everything
 from posttrain.teachers import Teachers
 from posttrain.critic import Critic
 from posttrain.distributed import (SINGLE, World, average_gradients, barrier,
@@ -59,8 +60,7 @@ from posttrain.distributed import (SINGLE, World, average_gradients, barrier,
                                    full_weights_for_generation, gather_objects,
                                    global_aggregation_weights, global_max, global_sum, init_world,
                                    load_optimizer_state, mean_metrics, wrap)
-from posttrain.forward import (PolicyForward, decoder_and_head, frozen_logprobs,  # noqa: F401
-                               group_chunks, response_hidden, sequence_logprobs)
+from posttrain.forward import frozen_logprobs, group_chunks, sequence_logprobs
 
 log = logging.getLogger("posttrain")
 
@@ -68,22 +68,6 @@ log = logging.getLogger("posttrain")
 # ---------------------------------------------------------------------------------------------
 # Prompts
 # ---------------------------------------------------------------------------------------------
-
-def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str | None,
-                   chat_template: bool = True) -> list[list[int]]:
-    """Token ids of each prompt, with the chat template and the generation prompt applied."""
-    if not chat_template or tokenizer.chat_template is None:
-        return [tokenizer(p.prompt, add_special_tokens=True)["input_ids"] for p in problems]
-    out = []
-    for p in problems:
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
-        messages.append({"role": "user", "content": p.prompt})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers: BatchEncoding
-            ids = ids["input_ids"]
-        out.append(list(ids))
-    return out
-
 
 # ---------------------------------------------------------------------------------------------
 # One scored batch
@@ -137,18 +121,6 @@ def teacher_view(batch: ScoredBatch, cfg: TrainConfig, tokenizer) -> Rollout:
 def equal_reward_groups(rewards_P_G: Tensor) -> Tensor:
     """(P,) bool: groups whose G rewards are all equal (zero group advantage, no signal)."""
     return (rewards_P_G == rewards_P_G[:, :1]).all(dim=1)
-
-
-class Sampler:
-    """Draws training prompts in a fixed order; the position is saved in checkpoints."""
-
-    def __init__(self, task: Task, seed: int, position: int = 0) -> None:
-        self.task, self.seed, self.position = task, seed, position
-
-    def next(self, n: int) -> list[Problem]:
-        problems = [self.task.train_problem(self.seed, self.position + i) for i in range(n)]
-        self.position += n
-        return problems
 
 
 def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, scorer: Scorer,
@@ -463,115 +435,8 @@ def _mean(x: Tensor, m: Tensor) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Evaluation
-# ---------------------------------------------------------------------------------------------
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def evaluate(model, tokenizer, engine: RolloutEngine, problems: list[Problem], scorer: Scorer,
-             cfg: TrainConfig, samples: int = 1, k: int = 1, temperature: float = 1.0,
-             generator: torch.Generator | None = None, world: World = SINGLE) -> dict[str, Any]:
-    """Greedy accuracy (samples=1), or pass@k from `samples` sampled answers per problem.
-
-    Also splits accuracy by every boolean field of the problems' meta (e.g. 'carry' for addition).
-    """
-    greedy = samples == 1
-    params = SamplingParams(cfg.rollout.max_new_tokens, temperature if not greedy else 1.0,
-                            1.0, greedy=greedy, stop=cfg.rollout.stop)
-    correct, texts = [], []
-    all_problems, problems = problems, problems[world.rank::world.size]   # each rank: a share
-    for start in range(0, len(problems), cfg.eval_batch_size):
-        chunk = problems[start:start + cfg.eval_batch_size]
-        rollout = engine.generate(encode_prompts(tokenizer, chunk, cfg.data.system_prompt,
-                                                 cfg.data.chat_template), samples, params, generator)
-        ids = rollout.response_ids_B_T.masked_fill(rollout.response_mask_B_T == 0, tokenizer.pad_token_id)
-        outs = tokenizer.batch_decode(ids, skip_special_tokens=True)
-        res = scorer([p for p in chunk for _ in range(samples)], outs, with_model=False)
-        correct.append(res.correct_B.reshape(len(chunk), samples).cpu())
-        texts.extend(outs[::samples])
-    c = torch.cat(correct) if correct else torch.zeros(0, samples, dtype=torch.bool)
-    if world.distributed:   # put the shares back in order: problem i was evaluated by rank i % W
-        parts = gather_objects((c, texts), world)
-        c = torch.zeros(len(all_problems), samples, dtype=torch.bool)
-        texts = [""] * len(all_problems)
-        for r, (c_r, t_r) in enumerate(parts):
-            c[r::world.size] = c_r
-            texts[r::world.size] = t_r
-        problems = all_problems
-    out: dict[str, Any] = {"eval/accuracy": c.float().mean().item() if len(c) else float("nan")}
-    if not greedy:
-        out[f"eval/pass@{k}"] = float(np.mean([pass_at_k(samples, int(row.sum()), k) for row in c]))
-    domains = sorted({p.domain for p in problems})
-    if len(domains) > 1:
-        for d in domains:
-            idx = [i for i, p in enumerate(problems) if p.domain == d]
-            out[f"eval/accuracy@{d}"] = c[idx].float().mean().item()
-    keys = {key for p in problems for key, v in p.meta.items() if isinstance(v, bool)}
-    for key in sorted(keys):
-        for flag in (True, False):
-            idx = [i for i, p in enumerate(problems) if p.meta.get(key) is flag]
-            if idx:
-                out[f"eval/accuracy_{key}={str(flag).lower()}"] = c[idx].float().mean().item()
-    out["_samples"] = [{"prompt": p.prompt, "answer": p.answer, "completion": t, "correct": bool(ok)}
-                       for p, t, ok in zip(problems[:5], texts[:5], c[:5, 0].tolist())]
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
 # Setup and the loop
 # ---------------------------------------------------------------------------------------------
-
-def build_task(cfg: TrainConfig) -> Task:
-    d = cfg.data
-    if d.task == "file":
-        pool = load_problems(d.train_path, d.prompt_field, d.answer_field)
-        if d.eval_path:
-            held_out = load_problems(d.eval_path, d.prompt_field, d.answer_field)
-        else:  # split the held-out set off the file with a fixed seed
-            order = random.Random(d.eval_seed).sample(range(len(pool)), len(pool))
-            n_eval = min(d.eval_size, len(pool) // 5)
-            held_out = [pool[i] for i in order[:n_eval]]
-            pool = [pool[i] for i in order[n_eval:]]
-        return Task("file", lambda rng: pool[0], train_pool=pool, eval_problems=held_out[:d.eval_size])
-    parts = []
-    for spec in d.task.split("+"):   # 'addition+arithmetic:1': a mixture, difficulty per task
-        name, _, level = spec.partition(":")
-        if level and not level.isdigit():
-            raise ConfigError(f"data.task={d.task!r}: {spec!r} must be NAME or NAME:DIFFICULTY "
-                              "(an integer)")
-        try:
-            parts.append(make_task(name, int(level) if level else d.difficulty))
-        except KeyError as e:
-            raise ConfigError(f"data.task={d.task!r} is not valid; {e.args[0]}") from None
-    task = parts[0] if len(parts) == 1 else MixedTask(parts)
-    task.build_eval(d.eval_size, d.eval_seed)
-    return task
-
-
-def lr_factor(i: int, total: int, warmup_steps: int = 0, schedule: str = "constant") -> float:
-    """The learning rate of optimizer step i (0-based) as a share of the peak: a linear warm-up
-    over `warmup_steps`, then constant, linear decay to 0 or cosine decay to 0 at step `total`."""
-    if warmup_steps and i < warmup_steps:
-        return (i + 1) / warmup_steps
-    progress = min((i - warmup_steps) / max(total - warmup_steps, 1), 1.0)
-    if schedule == "linear":
-        return 1.0 - progress
-    if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    return 1.0
-
-
-def make_scheduler(optimizer, cfg: TrainConfig):
-    o = cfg.optim
-    total = max(cfg.steps * o.epochs * o.minibatches, 1)
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda i: lr_factor(i, total, o.warmup_steps, o.schedule))
-
 
 def check_world(cfg: TrainConfig, world: World) -> None:
     """What several ranks need from the config (checked before any model loads)."""
@@ -587,25 +452,6 @@ def check_world(cfg: TrainConfig, world: World) -> None:
                           "rollout.vllm_server, or run on one process")
 
 
-def vllm_options(cfg: TrainConfig, model_path, model, world: World) -> dict[str, Any]:
-    """What a vLLM engine needs besides the policy: the folder it reads the architecture and
-    first weights from, and the sampling set-up (rollout/vllm.py)."""
-    if cfg.rollout.backend != "vllm":
-        return {}
-    # the engine samples in bf16 when the trainer computes in bf16 (its weights are cast on sync)
-    dtype = "bfloat16" if cfg.model.autocast == "bfloat16" else cfg.model.dtype
-    return dict(model_path=str(model_path), rollout_cfg=cfg.rollout, dtype=dtype,
-                seed=cfg.seed, rank=world.rank, world_size=world.size,
-                max_model_len=min(getattr(model.config, "max_position_embeddings", 4096), 4096))
-
-
-def seed_everything(seed: int) -> torch.Generator:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    return torch.Generator().manual_seed(seed)
-
-
 def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokenizer=None,
           show_progress: bool = True, teacher=None) -> dict[str, Any]:
     """Run `cfg`; return the summary (accuracy before/after, timings, paths). `model`,
@@ -616,7 +462,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
     generator = seed_everything(cfg.seed)
     world = init_world(cfg.parallel.strategy)         # torchrun: join the process group
     check_world(cfg, world)
-    scorer_task = build_task(cfg)                     # data errors surface before model loading
+    scorer_task = build_task(cfg.data)                     # data errors surface before model loading
     scorer = Scorer(cfg.reward, scorer_task.verifier, cfg.data.system_prompt, cfg.model.autocast)
     run_dir = Path(resume) if resume else Path(
         cfg.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -679,7 +525,9 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
                                   betas=(cfg.optim.beta1, cfg.optim.beta2),
                                   weight_decay=cfg.optim.weight_decay,
                                   foreach=False if world.strategy == "fsdp" else None)
-    scheduler = make_scheduler(optimizer, cfg)
+    o = cfg.optim
+    scheduler = make_scheduler(optimizer, max(cfg.steps * o.epochs * o.minibatches, 1),
+                               o.warmup_steps, o.schedule)
     sampler = Sampler(scorer_task, cfg.seed)
     start_step, train_seconds = 0, 0.0
     if ckpt is not None:

@@ -29,3 +29,34 @@ def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "posttrain.cli", "--help"], capture_output=True,
                          text=True, check=True).stdout
     assert "posttrain" in out and "train" in out
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["train", "--no-progres"], "unknown option --no-progres; did you mean --no-progress?"),
+    (["train", "--no-prog"], "unknown option --no-prog; did you mean --no-progress?"),   # no prefixes
+    (["train", "--optim.lrr", "1"], "unknown option --optim.lrr; did you mean --optim.lr?"),
+    (["train", "--algorithm.clip_hi", "0.3"], "did you mean --algorithm.clip_high?"),
+    (["eval", "--model", "m", "--sample", "3"], "unknown option --sample; did you mean --samples?"),
+    (["generate", "--model", "m", "--out", "o.jsonl", "--rollout.groupsize", "2"],
+     "did you mean --rollout.group_size?"),
+    (["sft", "--lrr", "1e-5"], "unknown option --lrr; did you mean --lr?"),
+    (["dpo", "--synthetic", "addition", "--bta", "0.1"], "did you mean --beta?"),
+    (["reward-model", "--synthetic", "addition", "--reward_from", "x"], "did you mean --reward_form?"),
+    (["plot", "runs/x", "--dpi", "3"], "unexpected arguments --dpi"),
+])
+def test_a_mistyped_option_never_starts_a_job(argv, msg, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_version(capsys):
+    import posttrain
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"posttrain {posttrain.__version__}"

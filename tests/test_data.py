@@ -51,16 +51,16 @@ def test_subtraction_problems_are_non_negative_and_flag_borrows():
 
 def test_a_mixture_takes_a_difficulty_per_task():
     from posttrain.config import ConfigError, load_config
-    from posttrain.trainer import build_task
+    from posttrain.data.source import build_task
     task = build_task(load_config(None, ["--data.task", "addition+arithmetic:1",
-                                         "--data.eval_size", "10"]))
+                                         "--data.eval_size", "10"]).data)
     by_domain = {d: [p for p in task.eval_problems if p.domain == d]
                  for d in ("addition", "arithmetic")}
     assert len(by_domain["addition"]) == 5 and len(by_domain["arithmetic"]) == 5
     assert all(len(p.prompt.split()[2]) == 2 for p in by_domain["addition"])       # 2 digits
     assert all(len(p.prompt.split()[2]) == 1 for p in by_domain["arithmetic"])     # 1 digit
     with pytest.raises(ConfigError, match="NAME:DIFFICULTY"):
-        build_task(load_config(None, ["--data.task", "addition:two"]))
+        build_task(load_config(None, ["--data.task", "addition:two"]).data)
 
 
 def test_jsonl_csv_parquet_files(tmp_path):
@@ -98,12 +98,12 @@ def test_datasets_folder(tmp_path):
 
 def test_file_task_splits_a_held_out_set_off_the_file(tmp_path):
     from posttrain.config import load_config
-    from posttrain.trainer import build_task
+    from posttrain.data.source import build_task
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(json.dumps({"q": f"What is {i} + 1?", "a": str(i + 1)}) for i in range(50)))
     cfg = load_config(None, ["--data.task", "file", "--data.train_path", str(f),
                              "--data.prompt_field", "q", "--data.answer_field", "a"])
-    task = build_task(cfg)
+    task = build_task(cfg.data)
     held = {p.prompt for p in task.eval_problems}
     train = {task.train_problem(0, i).prompt for i in range(200)}
     assert len(held) == 10 and len(train) == 40 and not held & train

@@ -81,14 +81,16 @@ def test_opsd_teacher_logprobs_line_up_under_a_longer_privileged_context(tmp_pat
     from collections import Counter
     from posttrain.rewards import Scorer
     from posttrain.rollout import make_engine
-    from posttrain.trainer import (Sampler, build_task, encode_prompts, frozen_logprobs,
-                                   generate_and_score, teacher_view)
+    from posttrain.trainer import generate_and_score, teacher_view
+    from posttrain.data.source import Sampler, build_task
+    from posttrain.prompts import encode_prompts
+    from posttrain.forward import frozen_logprobs
     cfg = load_config(None, [*OPD, "--teacher.path", "self", "--teacher.context_template",
                              "{prompt} (The reference answer is {answer}.)",
                              "--rollout.prompts_per_step", "3", "--rollout.group_size", "2"])
     model = make_tiny_model(tokenizer, seed=2).double()
     batch, _ = generate_and_score(make_engine("hf", model, tokenizer), tokenizer,
-                                  Sampler(build_task(cfg), 0), Scorer(cfg.reward), cfg, cfg.algo,
+                                  Sampler(build_task(cfg.data), 0), Scorer(cfg.reward), cfg, cfg.algo,
                                   torch.Generator().manual_seed(0), Counter())
     view = teacher_view(batch, cfg, tokenizer)
     assert view.prompt_ids_B_L.shape[1] > batch.rollout.prompt_ids_B_L.shape[1]
@@ -136,7 +138,9 @@ def test_mopd_routes_each_domain_to_its_teacher_loaded_lazily_and_shared(tmp_pat
     from posttrain.rewards import Scorer
     from posttrain.rollout import make_engine
     from posttrain.teachers import Teachers
-    from posttrain.trainer import Sampler, build_task, frozen_logprobs, generate_and_score
+    from posttrain.trainer import generate_and_score
+    from posttrain.data.source import Sampler, build_task
+    from posttrain.forward import frozen_logprobs
     a = make_tiny_model(tokenizer, seed=11)
     b = make_tiny_model(tokenizer, seed=12)
     save_model(a, tokenizer, tmp_path / "a")
@@ -153,7 +157,7 @@ def test_mopd_routes_each_domain_to_its_teacher_loaded_lazily_and_shared(tmp_pat
                              "--data.task", "addition+countdown", "--rollout.group_size", "2"])
     student = make_tiny_model(tokenizer, seed=13)
     batch, _ = generate_and_score(make_engine("hf", student, tokenizer), tokenizer,
-                                  Sampler(build_task(cfg), 0), Scorer(cfg.reward), cfg, cfg.algo,
+                                  Sampler(build_task(cfg.data), 0), Scorer(cfg.reward), cfg, cfg.algo,
                                   torch.Generator().manual_seed(0), Counter())
     domains = [p.domain for p in batch.problems]
     assert set(domains) == {"addition", "countdown"}
@@ -206,13 +210,14 @@ def test_exact_loss_targets_the_teacher_at_its_own_temperature(tmp_path, tokeniz
     from posttrain.rewards import Scorer
     from posttrain.rollout import make_engine
     from posttrain.teachers import Teachers
-    from posttrain.trainer import Sampler, build_task, generate_and_score, update_policy
+    from posttrain.trainer import generate_and_score, update_policy
+    from posttrain.data.source import Sampler, build_task
     extra = ["--teacher.temperature", str(teacher_temperature)] if teacher_temperature else []
     cfg = load_config(None, [*OPD, "--teacher.path", "t", "--algorithm.distill_loss", "exact",
                              "--rollout.temperature", "0.8", *extra])
     student, teacher = sharpened(tokenizer, 20.0), sharpened(tokenizer, 10.0)
     batch, _ = generate_and_score(make_engine("hf", student, tokenizer), tokenizer,
-                                  Sampler(build_task(cfg), 0), Scorer(cfg.reward), cfg, cfg.algo,
+                                  Sampler(build_task(cfg.data), 0), Scorer(cfg.reward), cfg, cfg.algo,
                                   torch.Generator().manual_seed(0), Counter())
     r, m = batch.rollout, batch.loss_mask_B_T
     with torch.no_grad():

@@ -7,7 +7,8 @@ import torch
 from posttrain.config import load_config
 from posttrain.forward import common_prefix_length, response_logits
 from posttrain.rollout import SamplingParams, make_engine
-from posttrain.trainer import build_task, encode_prompts
+from posttrain.data.source import build_task
+from posttrain.prompts import encode_prompts
 from tests.conftest import make_tiny_model
 
 
@@ -75,7 +76,7 @@ def test_sampled_chat_prompts_and_gradient_checkpointing_match_the_plain_forward
     """Real chat-templated prompts and sampled responses (the trainer's layout); and with gradient
     checkpointing on, the full-sequence path gives the same logits and gradients."""
     model = make_tiny_model(tokenizer, seed=7).double()
-    task = build_task(load_config(None, ["--data.eval_size", "3"]))
+    task = build_task(load_config(None, ["--data.eval_size", "3"]).data)
     engine = make_engine("hf", model, tokenizer)
     r = engine.generate(encode_prompts(tokenizer, task.eval_problems, "Be brief."), 3,
                         SamplingParams(5), torch.Generator().manual_seed(0))

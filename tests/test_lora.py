@@ -11,7 +11,10 @@ from transformers import AutoModelForCausalLM
 from posttrain.config import LoraConfig, load_config
 from posttrain.models import add_lora
 from posttrain.rollout import SamplingParams, make_engine
-from posttrain.trainer import build_task, encode_prompts, frozen_logprobs, train
+from posttrain.trainer import train
+from posttrain.data.source import build_task
+from posttrain.prompts import encode_prompts
+from posttrain.forward import frozen_logprobs
 from tests.conftest import make_tiny_model
 from tests.test_trainer import reward_curve, toy_config
 
@@ -23,7 +26,7 @@ def test_reference_logprobs_are_the_base_models(tokenizer):
     for n, p in model.named_parameters():   # make the adapters matter (lora_B starts at 0)
         if "lora_B" in n:
             p.data.normal_(0, 0.5)
-    task = build_task(load_config(None, ["--data.eval_size", "3"]))
+    task = build_task(load_config(None, ["--data.eval_size", "3"]).data)
     rollout = make_engine("hf", model, tokenizer).generate(
         encode_prompts(tokenizer, task.eval_problems, None), 2, SamplingParams(5),
         torch.Generator().manual_seed(0))

@@ -10,8 +10,9 @@ from posttrain.advantages import ADVANTAGES, AdvantageInputs, AdvantageParams
 from posttrain.config import CriticConfig, load_config
 from posttrain.critic import Critic
 from posttrain.rollout import Rollout, SamplingParams, make_engine
-from posttrain.trainer import (ScoredBatch, build_task, critic_metrics, encode_prompts,
-                               ppo_token_rewards, train, ValueTargets)
+from posttrain.trainer import ScoredBatch, critic_metrics, ppo_token_rewards, train, ValueTargets
+from posttrain.data.source import build_task
+from posttrain.prompts import encode_prompts
 from tests.conftest import make_tiny_model
 from tests.test_trainer import toy_config
 
@@ -83,7 +84,7 @@ def test_critic_warmup_trains_only_the_value_model(tmp_path, tokenizer):
 @pytest.mark.parametrize("shared", [False, True])
 def test_value_model_saves_and_reloads(tmp_path, tokenizer, shared):
     policy = make_tiny_model(tokenizer, seed=1)
-    task = build_task(load_config(None, ["--data.eval_size", "3"]))
+    task = build_task(load_config(None, ["--data.eval_size", "3"]).data)
     rollout = make_engine("hf", policy, tokenizer).generate(
         encode_prompts(tokenizer, task.eval_problems, None), 2, SamplingParams(4),
         torch.Generator().manual_seed(0))

@@ -4,7 +4,7 @@ import torch
 
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.rollout.hf import left_pad, sample_next
-from posttrain.trainer import encode_prompts
+from posttrain.prompts import encode_prompts
 from posttrain.data.tasks import Problem
 
 

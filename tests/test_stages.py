@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from posttrain.stages import StageConfig, dpo, length_buckets, pack, sft, write_jsonl
+from posttrain.stages import StageConfig, dpo, length_buckets, sft, write_jsonl
+from posttrain.forward import pack
 from tests.conftest import make_tiny_model
 
 
@@ -137,7 +138,7 @@ def test_sft_on_synthetic_answers_reports_held_out_behaviour(tmp_path, tokenizer
 
 
 def test_lr_factor_warms_up_then_decays_to_zero():
-    from posttrain.trainer import lr_factor
+    from posttrain.run import lr_factor
     assert [lr_factor(i, 4) for i in range(4)] == [1.0] * 4
     assert [lr_factor(i, 6, 2, "linear") for i in range(7)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
     assert [round(lr_factor(i, 4, 0, "cosine"), 6) for i in range(5)] == [1.0, 0.853553, 0.5, 0.146447, 0.0]

@@ -9,8 +9,10 @@ import torch
 from posttrain.config import load_config
 from posttrain.rewards import Scorer
 from posttrain.rollout import SamplingParams, make_engine
-from posttrain.trainer import (Sampler, build_task, encode_prompts, equal_reward_groups,
-                               frozen_logprobs, generate_and_score, train, update_policy)
+from posttrain.trainer import equal_reward_groups, generate_and_score, train, update_policy
+from posttrain.data.source import Sampler, build_task
+from posttrain.prompts import encode_prompts
+from posttrain.forward import frozen_logprobs
 from tests.conftest import make_tiny_model
 
 TOY = ["--reward.verifier", "none", "--reward.functions", "tests.toy_rewards:first_letter_a_to_e",
@@ -44,7 +46,7 @@ def test_every_preset_learns_a_toy_reward(tmp_path, tokenizer, preset):
 
 
 def test_recorded_old_logprobs_match_a_recomputed_forward(tokenizer, tiny_model):
-    task = build_task(load_config(None, ["--data.eval_size", "4"]))
+    task = build_task(load_config(None, ["--data.eval_size", "4"]).data)
     engine = make_engine("hf", tiny_model, tokenizer)
     prompts = encode_prompts(tokenizer, task.eval_problems, "Be brief.")   # different lengths
     for temperature in (1.0, 0.7):
@@ -62,7 +64,7 @@ def test_one_update_has_ratio_one_and_clipped_equals_vanilla(tmp_path, tokenizer
     algo = cfg.algo
     model_a = make_tiny_model(tokenizer, seed=3)
     engine = make_engine("hf", model_a, tokenizer)
-    task = build_task(cfg)
+    task = build_task(cfg.data)
     batch, _ = generate_and_score(engine, tokenizer, Sampler(task, 0), Scorer(cfg.reward), cfg,
                                   algo, torch.Generator().manual_seed(0), Counter())
     adv = torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T
@@ -83,7 +85,7 @@ def test_several_epochs_move_the_ratio_and_clip(tmp_path, tokenizer):
                      "--optim.minibatches", "2")
     model = make_tiny_model(tokenizer, seed=4)
     engine = make_engine("hf", model, tokenizer)
-    batch, _ = generate_and_score(engine, tokenizer, Sampler(build_task(cfg), 0), Scorer(cfg.reward),
+    batch, _ = generate_and_score(engine, tokenizer, Sampler(build_task(cfg.data), 0), Scorer(cfg.reward),
                                   cfg, cfg.algo, torch.Generator().manual_seed(0), Counter())
     adv = torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T
     opt = torch.optim.AdamW(model.parameters(), lr=5e-2)
@@ -99,7 +101,7 @@ def test_dynamic_sampling_never_trains_on_an_all_equal_group(tmp_path, tokenizer
                              "--algorithm.overlong", "none", "--rollout.group_size", "4"])
     model = make_tiny_model(tokenizer, seed=5)
     engine = make_engine("hf", model, tokenizer)
-    sampler = Sampler(build_task(cfg), 0)
+    sampler = Sampler(build_task(cfg.data), 0)
     for _ in range(3):
         batch, stats = generate_and_score(engine, tokenizer, sampler, Scorer(cfg.reward), cfg,
                                           cfg.algo, torch.Generator().manual_seed(1), Counter())
@@ -154,7 +156,7 @@ def test_checkpoint_resume_continues_identically(tmp_path, tokenizer, preset):
 
 
 def test_bf16_autocast_keeps_logprobs_close_and_head_in_float32(tokenizer, tiny_model):
-    task = build_task(load_config(None, ["--data.eval_size", "3"]))
+    task = build_task(load_config(None, ["--data.eval_size", "3"]).data)
     engine = make_engine("hf", tiny_model, tokenizer)
     rollout = engine.generate(encode_prompts(tokenizer, task.eval_problems, None), 2,
                               SamplingParams(5), torch.Generator().manual_seed(0))
@@ -168,11 +170,11 @@ def test_bf16_autocast_keeps_logprobs_close_and_head_in_float32(tokenizer, tiny_
 def test_skipping_zero_advantage_groups_gives_the_same_update(tmp_path, tokenizer):
     """All-equal groups are not run through the model, yet the step equals the full-batch step."""
     from posttrain.losses import AGGREGATIONS, POLICY_LOSSES, aggregate
-    from posttrain.trainer import sequence_logprobs
+    from posttrain.forward import sequence_logprobs
     cfg = toy_config(tmp_path, "--steps", "1", "--optim.max_grad_norm", "1e9")
     model = make_tiny_model(tokenizer, seed=8)
     engine = make_engine("hf", model, tokenizer)
-    batch, _ = generate_and_score(engine, tokenizer, Sampler(build_task(cfg), 0), Scorer(cfg.reward),
+    batch, _ = generate_and_score(engine, tokenizer, Sampler(build_task(cfg.data), 0), Scorer(cfg.reward),
                                   cfg, cfg.algo, torch.Generator().manual_seed(0), Counter())
     adv = torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T
     adv[:4] = 0.0                                     # the first group carries no signal
@@ -197,7 +199,7 @@ def test_a_batch_without_any_signal_still_steps(tmp_path, tokenizer):
     cfg = toy_config(tmp_path, "--steps", "1")
     model = make_tiny_model(tokenizer, seed=9)
     engine = make_engine("hf", model, tokenizer)
-    batch, _ = generate_and_score(engine, tokenizer, Sampler(build_task(cfg), 0), Scorer(cfg.reward),
+    batch, _ = generate_and_score(engine, tokenizer, Sampler(build_task(cfg.data), 0), Scorer(cfg.reward),
                                   cfg, cfg.algo, torch.Generator().manual_seed(0), Counter())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     before = [p.detach().clone() for p in model.parameters()]

@@ -17,7 +17,8 @@ from posttrain.rewards import Scorer
 from posttrain.rollout import make_engine
 from posttrain.rollout.vllm import (Completion, completion_from_openai, completion_from_vllm,
                                     request_seed, to_rollout)
-from posttrain.trainer import Sampler, build_task, generate_and_score, update_policy
+from posttrain.trainer import generate_and_score, update_policy
+from posttrain.data.source import Sampler, build_task
 from tests.conftest import make_tiny_model
 from tests.test_trainer import toy_config
 
@@ -71,7 +72,7 @@ def test_another_engines_logprobs_reweight_the_update_by_the_capped_ratio(tmp_pa
     is weighted by 1.5, or by the cap when it is lower; the mismatch is logged."""
     cfg = toy_config(tmp_path, "--steps", "1", "--optim.max_grad_norm", "1e9")
     batch, _ = generate_and_score(make_engine("hf", make_tiny_model(tokenizer, seed=11), tokenizer),
-                                  tokenizer, Sampler(build_task(cfg), 0), Scorer(cfg.reward), cfg,
+                                  tokenizer, Sampler(build_task(cfg.data), 0), Scorer(cfg.reward), cfg,
                                   cfg.algo, torch.Generator().manual_seed(0), Counter())
     adv = torch.randn(batch.loss_mask_B_T.shape, generator=torch.Generator().manual_seed(1))
     adv = adv * batch.loss_mask_B_T

@@ -51,7 +51,7 @@ def encode_parts(tokenizer, prompts: list[str], responses: list[str],
     """Token ids of the chat-templated prompt (with generation prompt) and of the response text,
     followed by the template's end-of-turn tokens if `end_of_turn` (the score is then read where
     a finished turn ends, as on any templated conversation)."""
-    from posttrain.trainer import encode_prompts   # the policy's own prompt format
+    from posttrain.prompts import encode_prompts   # the policy's own prompt format
     heads = encode_prompts(tokenizer, [Problem(p, "") for p in prompts], system_prompt)
     return heads, encode_responses(tokenizer, responses, end_of_turn)
 
@@ -73,7 +73,7 @@ def _response_states(model, prompt_ids: list[list[int]], responses: list[list[in
     """(hidden (b, T+1, H) predicting each response token and one step past the last, the padded
     response ids (b, T+1)), each prompt run once per group of `group_size` responses."""
     from posttrain.forward import response_hidden
-    from posttrain.stages import pack
+    from posttrain.forward import pack
     # one dummy token after each response: the hidden state that "predicts" it is the one at
     # the response's last token, the one the score head reads
     rollout = replace(pack(_Pad(pad_id), [p for p in prompt_ids for _ in range(group_size)],
@@ -111,7 +111,7 @@ def log_ratio_scores(policy, reference, prompt_ids: list[list[int]], responses: 
     for groups of `group_size` responses to one prompt (as in group_scores)."""
     from posttrain.forward import frozen_logprobs
     from posttrain.losses import sequence_logprob
-    from posttrain.stages import pack
+    from posttrain.forward import pack
     rollout = pack(_Pad(pad_id), [p for p in prompt_ids for _ in range(group_size)], responses,
                    next(policy.parameters()).device)
     rollout = replace(rollout, group_size=group_size)

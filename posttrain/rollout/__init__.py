@@ -3,7 +3,7 @@
 from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams
 from posttrain.rollout.hf import HFRolloutEngine
 
-__all__ = ["HFRolloutEngine", "Rollout", "RolloutEngine", "SamplingParams", "make_engine"]
+__all__ = ["HFRolloutEngine", "Rollout", "RolloutEngine", "SamplingParams", "make_engine", "vllm_options"]
 
 
 def make_engine(backend: str, model, tokenizer, **vllm_options) -> RolloutEngine:
@@ -14,3 +14,16 @@ def make_engine(backend: str, model, tokenizer, **vllm_options) -> RolloutEngine
         from posttrain.rollout.vllm import VLLMRolloutEngine   # optional dependency, GPU only
         return VLLMRolloutEngine(model, tokenizer, **vllm_options)
     raise ValueError(f"rollout.backend={backend!r} is not available; accepted: ['hf', 'vllm']")
+
+
+def vllm_options(cfg, model_path, model, world) -> dict:
+    """What a vLLM engine needs besides the policy (`cfg` a TrainConfig, `world` its rank and
+    size): the folder it reads the architecture and first weights from, and the sampling set-up
+    (rollout/vllm.py). Empty for the in-process backend."""
+    if cfg.rollout.backend != "vllm":
+        return {}
+    # the engine samples in bf16 when the trainer computes in bf16 (its weights are cast on sync)
+    dtype = "bfloat16" if cfg.model.autocast == "bfloat16" else cfg.model.dtype
+    return dict(model_path=str(model_path), rollout_cfg=cfg.rollout, dtype=dtype,
+                seed=cfg.seed, rank=world.rank, world_size=world.size,
+                max_model_len=min(getattr(model.config, "max_position_embeddings", 4096), 4096))

@@ -17,19 +17,8 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from posttrain.prompts import left_pad
 from posttrain.rollout.base import Rollout, SamplingParams
-
-
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """(P, L) ids and mask, padding on the left so every prompt ends at column L-1."""
-    L = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), L), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        if p:
-            ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, L - len(p):] = 1
-    return ids, mask
 
 
 _MASK64 = (1 << 64) - 1

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from posttrain.rollout.base import Rollout, SamplingParams
-from posttrain.rollout.hf import left_pad
+from posttrain.prompts import left_pad
 
 INSTALL_HINT = ('rollout.backend="vllm" needs vLLM and a CUDA GPU: pip install "posttrain[vllm]" '
                 "(or use rollout.backend=hf)")
