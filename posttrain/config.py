@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from posttrain.advantages import ADVANTAGES, NEEDS_GROUP, NEEDS_TEACHER, NEEDS_VALUES
-from posttrain.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from posttrain.losses import AGGREGATIONS, DISTILL_LOSSES, KL_ESTIMATORS, POLICY_LOSSES
 
 
 class ConfigError(ValueError):
@@ -123,7 +123,7 @@ class AlgorithmConfig:
     # 'forward' = full-vocabulary forward KL(teacher || student) at the student's positions, whose
     # gradient does not vanish where the student is confidently wrong; keeps more entropy (MOPD in
     # docs/distillation.md: no faster than 'exact' there)
-    distill_loss: Literal["sampled", "exact", "forward"] = "sampled"
+    distill_loss: str = "sampled"       # key of losses.DISTILL_LOSSES
 
     def validate(self, group_size: int) -> None:
         _check_choice("algorithm.advantage", self.advantage, ADVANTAGES.names())
@@ -132,7 +132,7 @@ class AlgorithmConfig:
         _check_choice("algorithm.kl_estimator", self.kl_estimator, KL_ESTIMATORS.names())
         _check_choice("algorithm.kl_in", self.kl_in, ("loss", "reward", "none"))
         _check_choice("algorithm.overlong", self.overlong, ("none", "filter", "shape"))
-        _check_choice("algorithm.distill_loss", self.distill_loss, ("sampled", "exact", "forward"))
+        _check_choice("algorithm.distill_loss", self.distill_loss, DISTILL_LOSSES.names())
         _check_range("algorithm.clip_low", self.clip_low, 0.0, 1.0)
         _check_range("algorithm.clip_high", self.clip_high, 0.0)
         _check_range("algorithm.kl_coef", self.kl_coef, 0.0)

@@ -383,6 +383,41 @@ def forward_kl_from_logits(student_logits_N_V: Tensor, teacher_logits_N_V: Tenso
     return exact_kl_from_logits(teacher_logits_N_V, student_logits_N_V, temperature)
 
 
+@dataclass(frozen=True)
+class DistillLoss:
+    """How a teacher enters the update (§8); the registry key is `algorithm.distill_loss`.
+
+    `in_advantage`: the sampled reverse KL of the student's tokens becomes a dense advantage
+    (the teacher's log-probs of the sampled tokens are computed once per batch, before the update).
+    `token_loss(logits, teacher_logits, tau) -> (loss_B_T, reverse_kl_B_T)`: a full-vocabulary
+    loss per position added to the policy loss, with the exact reverse KL (no gradient) to log;
+    the update then runs the teacher on every micro-batch for its logits.
+    """
+
+    in_advantage: bool
+    token_loss: Callable[[Tensor, Tensor, float], tuple[Tensor, Tensor]] | None = None
+
+
+def _exact_reverse_kl_loss(logits: Tensor, teacher_logits: Tensor, tau: float) -> tuple[Tensor, Tensor]:
+    kl = reverse_kl_from_logits(logits, teacher_logits, tau)
+    return kl, kl.detach()
+
+
+def _forward_kl_loss(logits: Tensor, teacher_logits: Tensor, tau: float) -> tuple[Tensor, Tensor]:
+    return (forward_kl_from_logits(logits, teacher_logits, tau),
+            reverse_kl_from_logits(logits.detach(), teacher_logits, tau))
+
+
+DISTILL_LOSSES: Registry[DistillLoss] = Registry("distillation loss")
+# 'sampled': -(logp_S - logp_T) of the sampled tokens as a dense advantage (cheap, any teacher)
+DISTILL_LOSSES.register("sampled")(DistillLoss(in_advantage=True))
+# 'exact': the full-vocabulary reverse KL at every position as the loss (lower variance)
+DISTILL_LOSSES.register("exact")(DistillLoss(in_advantage=False, token_loss=_exact_reverse_kl_loss))
+# 'forward': KL(teacher || student) at the student's positions (its gradient survives where the
+# student is confidently wrong); the reverse KL is still logged
+DISTILL_LOSSES.register("forward")(DistillLoss(in_advantage=False, token_loss=_forward_kl_loss))
+
+
 # ---------------------------------------------------------------------------------------------
 # Preference losses (§1, §9) and SFT
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
-F = TypeVar("F", bound=Callable)
+F = TypeVar("F")   # a function, or a spec object (losses.DistillLoss)
 
 
 class Registry(Generic[F]):

@@ -40,10 +40,10 @@ from posttrain.data.source import Sampler, build_task
 from posttrain.data.tasks import Problem
 from posttrain.evaluation import evaluate
 from posttrain.logging import MetricsLogger, NullLogger, console_line, plot_run
-from posttrain.losses import (AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate,
-                              explained_variance, forward_kl_from_logits, kl_penalized_rewards,
-                              kl_penalty_in_loss, ratio_stats, reverse_kl_from_logits,
-                              sampled_reverse_kl, truncated_is_weights, value_loss)
+from posttrain.losses import (AGGREGATIONS, DISTILL_LOSSES, KL_ESTIMATORS, POLICY_LOSSES,
+                              aggregate, explained_variance, kl_penalized_rewards,
+                              kl_penalty_in_loss, ratio_stats, sampled_reverse_kl,
+                              truncated_is_weights, value_loss)
 from posttrain.memory import estimate as estimate_memory
 from posttrain.models import (add_lora, load_policy, load_tokenizer, merged_lora_copy,
                               resolve_model_path, save_model)
@@ -284,7 +284,8 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
     # minibatch, so the update is the same as with those groups in: only cheaper. Late in a
     # GRPO run most groups are all-correct, and this removes most of the update's compute.
     has_signal = (adv_B_T.abs().sum(-1).reshape(-1, G) > 0).any(-1).repeat_interleave(G).cpu()
-    exact_distill = teachers is not None and algo.distill_loss in ("exact", "forward")
+    distill = DISTILL_LOSSES[algo.distill_loss] if teachers is not None else None
+    exact_distill = distill is not None and distill.token_loss is not None
     domains = [p.domain for p in batch.problems]
     # (FSDP2: every rank must run the same forwards, whose layers gather weights collectively)
     if kl_in_loss or exact_distill or critic is not None or world.strategy == "fsdp":
@@ -349,16 +350,12 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
                                                                 cfg.model.autocast)
                             if cfg.teacher.temperature:   # a sharpened (or flattened) teacher
                                 t_logits = t_logits * (temperature / cfg.teacher.temperature)
-                        if algo.distill_loss == "forward":   # the loss; the reverse KL is logged
-                            loss_t = loss_t + forward_kl_from_logits(logits, t_logits, temperature)
-                            logits = logits.detach()
-                        kl_exact = reverse_kl_from_logits(logits, t_logits, temperature)
-                        if algo.distill_loss == "exact":
-                            loss_t = loss_t + kl_exact
-                        sums["distill/reverse_kl_exact"] += _mean(kl_exact.detach(), m) * len(rows)
+                        distill_t, kl_exact = distill.token_loss(logits, t_logits, temperature)
+                        loss_t = loss_t + distill_t
+                        sums["distill/reverse_kl_exact"] += _mean(kl_exact, m) * len(rows)
                         for d in set(domains[int(r)] for r in rows) if len(set(domains)) > 1 else ():
                             k = torch.tensor([domains[int(r)] == d for r in rows])
-                            sums[f"_kl@{d}"] += (kl_exact.detach()[k] * m[k]).sum().item()
+                            sums[f"_kl@{d}"] += (kl_exact[k] * m[k]).sum().item()
                             sums[f"_tokens@{d}"] += m[k].sum().item()
                     if kl_fn is not None:
                         kl_t = kl_fn(logp, batch.ref_logp_B_T[rows])
@@ -613,7 +610,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
             batch.teacher_view = teacher_view(batch, cfg, tokenizer)
         # (exact KL losses: the update runs the teacher itself, micro-batch by micro-batch, and
         # logs distill/reverse_kl_exact; a separate pass for the sampled KL would be wasted)
-        if teachers is not None and algo.distill_loss == "sampled":
+        if teachers is not None and DISTILL_LOSSES[algo.distill_loss].in_advantage:
             batch.teacher_logp_B_T = teachers.logprobs(
                 batch.teacher_view, [p.domain for p in batch.problems],
                 lambda m, view: frozen_logprobs(m, view,
@@ -639,7 +636,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
                             old_logp_B_T=batch.old_logp_B_T,
                             teacher_logp_B_T=batch.teacher_logp_B_T),
             AdvantageParams(algo.eps, algo.scale_by_std, algo.gamma, algo.lam,
-                            algo.reward_weight, algo.distill_loss != "sampled"))
+                            algo.reward_weight, not DISTILL_LOSSES[algo.distill_loss].in_advantage))
         adv = adv_out.adv_B_T
         if critic is not None:
             targets = ValueTargets(old_values, adv_out.returns_B_T)

@@ -44,6 +44,8 @@ def test_yaml_then_overrides(tmp_path):
     (["--data.task", "file"], "data.task='file' needs data.train_path"),
     (["--model.dtype", "fp8"], "model.dtype='fp8' is not valid"),
     (["lr", "1"], "unexpected argument 'lr'"),
+    (["--algorithm.distill_loss", "kl"], "algorithm.distill_loss='kl' is not valid; accepted: "
+                                         "\\['exact', 'forward', 'sampled'\\]"),
 ])
 def test_invalid_configs_name_the_field(overrides, msg):
     with pytest.raises(ConfigError, match=msg):

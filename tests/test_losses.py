@@ -265,3 +265,24 @@ def test_dpo_loss_and_implicit_rewards():
 
 def test_sft_loss_ignores_masked_tokens():
     close(sft_loss(t([-1.0, -3.0, -100.0]), t([1.0, 1.0, 0.0])), torch.tensor(2.0))
+
+
+def test_distillation_losses_are_a_registry_of_how_the_teacher_enters():
+    """§8: 'sampled' is an advantage (no token loss); 'exact' adds the reverse KL with its
+    gradient; 'forward' adds KL(teacher || student) and logs the reverse KL without a gradient."""
+    from posttrain.losses import DISTILL_LOSSES, exact_kl_from_logits
+    assert DISTILL_LOSSES.names() == ["exact", "forward", "sampled"]
+    assert DISTILL_LOSSES["sampled"].in_advantage and DISTILL_LOSSES["sampled"].token_loss is None
+    torch.manual_seed(0)
+    z_s, z_t = torch.randn(2, 3, 5, requires_grad=True), torch.randn(2, 3, 5)
+    reverse, forward = exact_kl_from_logits(z_s, z_t, 0.7), exact_kl_from_logits(z_t, z_s, 0.7)
+    loss, logged = DISTILL_LOSSES["exact"].token_loss(z_s, z_t, 0.7)
+    torch.testing.assert_close(loss, reverse)
+    torch.testing.assert_close(logged, reverse.detach())
+    assert loss.requires_grad and not logged.requires_grad
+    loss, logged = DISTILL_LOSSES["forward"].token_loss(z_s, z_t, 0.7)
+    torch.testing.assert_close(loss, forward)
+    torch.testing.assert_close(logged, reverse.detach())
+    assert loss.requires_grad and not logged.requires_grad
+    with pytest.raises(KeyError, match="unknown distillation loss 'kl'; known: \\['exact'"):
+        DISTILL_LOSSES["kl"]
