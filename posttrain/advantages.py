@@ -1,6 +1,6 @@
 """Advantage estimators: how much better than expected each response (or token) was.
 
-ALGORITHMS.md §2 (REINFORCE, baselines, RLOO), §5 (GAE), §6 (GRPO), §7 (Dr. GRPO).
+docs/algorithms.md §2 (REINFORCE, baselines, RLOO), §5 (GAE), §6 (GRPO), §7 (Dr. GRPO).
 The pure functions take tensors; the registry `ADVANTAGES` wraps them behind one signature,
 `fn(AdvantageInputs, AdvantageParams) -> Advantages`, so the trainer dispatches with one lookup.
 Shapes: `_P` prompts, `_G` responses per prompt, `_B` = P * G responses, `_T` response tokens.

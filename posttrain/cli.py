@@ -3,39 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import textwrap
-import typing
 import json
 import logging
 import os
 import sys
-from dataclasses import fields
 from importlib import resources
 from pathlib import Path
 
 from posttrain import __version__
-from posttrain.config import (PRESETS, AlgorithmConfig, ConfigError, TrainConfig,
-                              check_option_names, load_config)
+from posttrain.config import (PRESETS, ConfigError, StageConfig, TrainConfig, check_option_names,
+                              load_config, load_stage_config)
 
 DEFAULT_RECIPE = "addition_grpo.yaml"
-
-def _fields_help() -> str:
-    hints = typing.get_type_hints(TrainConfig)
-    lines = []
-    for f in fields(TrainConfig):
-        if f.name == "algorithm":
-            defaults = AlgorithmConfig()
-            lines.append("  algorithm (on top of the preset): " + ", ".join(
-                f"{g.name}={getattr(defaults, g.name)!r}" for g in fields(AlgorithmConfig)))
-        elif dataclasses.is_dataclass(hints[f.name]):
-            section = hints[f.name]()
-            lines.append(f"  {f.name}: " + ", ".join(
-                f"{g.name}={getattr(section, g.name)!r}" for g in fields(section)))
-        else:
-            lines.append(f"  {f.name}={f.default!r}")
-    return "\n".join(textwrap.fill(line, 100, subsequent_indent="      ") for line in lines)
-
 
 EPILOG = f"""
 Configuration: every field can be set in a YAML file (--config) and overridden on the command line
@@ -43,9 +23,24 @@ as --section.field VALUE, e.g. --optim.lr 2e-5 --rollout.group_size 8 --algorith
 Without --config, `train` uses the packaged recipe {DEFAULT_RECIPE} (GRPO on 2-digit addition with
 the embedded SmolLM2-135M-Instruct, 10 minutes on a 2-core CPU).
 
-Presets (--preset): {', '.join(PRESETS)}.
-Fields and their dataclass defaults (the recipe overrides some):
-""" + _fields_help()
+Presets (--preset): {', '.join(PRESETS)}. The algorithm.* fields override the preset's.
+Options (type, dataclass default; the recipe overrides some):
+"""
+
+
+def _epilog(cls: type, head: str) -> str:
+    """`head`, then one line per option with its type, default and description."""
+    from posttrain.config import options_help
+    lines = [textwrap.fill(line, 100, subsequent_indent="      ") for line in options_help(cls)]
+    return head + "\n".join(lines)
+
+
+STAGE_EPILOG = """
+Configuration: every option below can also be set in a YAML file (--config FILE; the command line
+wins). Under torchrun: torchrun --nproc-per-node N -m posttrain.cli sft ... --strategy fsdp.
+
+Options (type, default):
+"""
 
 
 def recipe_path(name: str) -> Path:
@@ -149,12 +144,11 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_stage(args: argparse.Namespace, overrides: list[str]) -> int:
-    from posttrain.config import StageConfig, build_config, parse_overrides
     from posttrain.perf import tune_malloc
 
     tune_malloc()
-    check_option_names(overrides, StageConfig)
-    cfg = build_config(StageConfig, parse_overrides(overrides), "")
+    check_option_names(overrides, StageConfig, ("--config",))
+    cfg = load_stage_config(args.config, overrides)
     if not cfg.data and not cfg.synthetic:
         raise ConfigError("--data FILE (JSONL, CSV, Parquet or a datasets folder) or "
                           "--synthetic TASK is required")
@@ -190,8 +184,8 @@ def cmd_plot(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="posttrain", description="Post-train language models with RL (REINFORCE, RLOO, GRPO, "
-        "DAPO, Dr. GRPO) on verifiable rewards.", epilog=EPILOG,
+        prog="posttrain", description="Post-train language models with RL (REINFORCE, RLOO, PPO, "
+        "GRPO, DAPO, Dr. GRPO), on-policy distillation, SFT and DPO.",
         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("-v", "--verbose", action="store_true", help="log every step")
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
@@ -201,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser = lambda *a, **kw: _add_parser(*a, allow_abbrev=False, **kw)
 
     p = sub.add_parser("train", help="policy-gradient training (default: GRPO on addition)",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=_epilog(TrainConfig, EPILOG),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, help="YAML config file (default: packaged recipe)")
     p.add_argument("--resume", help="run folder to resume from its latest checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar; a log line per step")
@@ -217,25 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for pass@k")
     p.set_defaults(fn=cmd_eval)
 
-    stage_help = ("options: --model --data --prompt_field --response_field --chosen_field "
-                  "--rejected_field --system_prompt --lr --batch_size --epochs --beta --max_len "
-                  "--seed --run_dir --autocast --strategy (ddp|fsdp, under torchrun: "
-                  "torchrun --nproc-per-node N -m posttrain.cli sft ...)")
-    p = sub.add_parser("sft", help="supervised fine-tuning on prompt/response pairs",
-                       epilog=stage_help + " --synthetic TASK --n_pairs (examples). Example: "
-                       "posttrain sft --synthetic subtraction --n_pairs 1000 --lr 3e-5")
-    p.set_defaults(fn=cmd_stage)
-    p = sub.add_parser("dpo", help="DPO on prompt/chosen/rejected preference pairs",
-                       epilog=stage_help + " --synthetic TASK --n_pairs --eval_data --eval_size. "
-                       "Example: posttrain dpo --synthetic addition --beta 0.1")
-    p.set_defaults(fn=cmd_stage)
-
-    p = sub.add_parser("reward-model", help="train a Bradley-Terry reward model on preference pairs",
-                       epilog=stage_help + " --synthetic TASK --n_pairs --eval_data --eval_size "
-                       "--reward_form {score_head,log_ratio} (a last-token score head, or beta "
-                       "log pi/pi_ref with --beta). Example: posttrain reward-model --synthetic "
-                       "addition")
-    p.set_defaults(fn=cmd_stage)
+    for name, what, example in (
+            ("sft", "supervised fine-tuning on prompt/response pairs",
+             "posttrain sft --synthetic subtraction --n_pairs 1000 --lr 3e-5"),
+            ("dpo", "DPO on prompt/chosen/rejected preference pairs",
+             "posttrain dpo --synthetic addition --beta 0.1"),
+            ("reward-model", "train a Bradley-Terry reward model on preference pairs",
+             "posttrain reward-model --synthetic addition --reward_form log_ratio")):
+        p = sub.add_parser(name, help=what, epilog=_epilog(StageConfig, f"\nExample: {example}\n"
+                                                           + STAGE_EPILOG),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--config", type=Path, help="YAML file of the options below")
+        p.set_defaults(fn=cmd_stage)
 
     p = sub.add_parser("generate", help="write a model's answers to training problems as SFT data",
                        epilog="Any config field can follow as an override, e.g. --data.task "

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
+import io
+import tokenize
 import types
 import typing
 from dataclasses import dataclass, field, fields, replace
@@ -95,7 +98,7 @@ def _check_range(where: str, value: float, lo: float | None = None, hi: float | 
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    """How a scored batch becomes a gradient: the parts of ALGORITHMS.md §2-§8 to combine."""
+    """How a scored batch becomes a gradient: the parts of docs/algorithms.md §2-§8 to combine."""
 
     advantage: str = "group"            # key of advantages.ADVANTAGES
     scale_by_std: bool = True           # GRPO divides by the group std; Dr. GRPO does not (§7)
@@ -155,7 +158,7 @@ class AlgorithmConfig:
                               f"it needs a group advantage, not {self.advantage!r}")
 
 
-# ALGORITHMS.md §2, §6, §7. Each preset is a `replace` of a few fields of GRPO.
+# docs/algorithms.md §2, §6, §7. Each preset is a `replace` of a few fields of GRPO.
 GRPO = AlgorithmConfig()
 PRESETS: dict[str, AlgorithmConfig] = {
     # REINFORCE with a batch-mean baseline: one on-policy update per batch, sum over the tokens.
@@ -186,7 +189,7 @@ PRESETS: dict[str, AlgorithmConfig] = {
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = "smollm2-135m-instruct"  # local HF folder, or the embedded 'smollm2-135m-instruct'
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"   # weights as loaded
     # bf16 autocast for the training forward/backward and the reference (LM head stays float32);
     # generation runs in `dtype`. Faster on CPUs with AVX512-BF16 and on GPUs.
     autocast: Literal["none", "bfloat16"] = "none"
@@ -202,7 +205,7 @@ class TeacherConfig:
     # frozen teacher for distillation: a local folder, the embedded name, or 'self' = the student's
     # own current weights (no second copy in memory) seeing privileged context: OPSD (§8)
     path: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"   # the teacher's weights
     # the teacher's user message, e.g. "{prompt}\nThe reference answer is {answer}."; the student
     # sees only {prompt}. None: the teacher sees exactly the student's prompt.
     context_template: str | None = None
@@ -241,10 +244,10 @@ class CriticConfig:
 
     shared_backbone: bool = False       # True: a scalar head on the policy's body (no second model)
     path: str | None = None             # separate critic from this folder; None: the policy's start
-    lr: float = 1e-5
+    lr: float = 1e-5                    # the value model's own learning rate
     vf_coef: float = 0.5                # weight of the value loss (matters when the body is shared)
     clip: float | None = 0.2            # value clipping around V_old (None: plain regression)
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0          # gradient clipping of the value model
     warmup_steps: int = 0               # first steps train only the critic (policy frozen)
 
     def validate(self) -> None:
@@ -265,11 +268,11 @@ class DataConfig:
     task: str = "addition"              # built-in task ('addition', 'countdown', ...) or 'file'
     difficulty: int = 2                 # task knob: digits per operand; numbers for countdown
     eval_size: int = 200                # held-out problems (fixed seed, disjoint from training)
-    eval_seed: int = 1234
+    eval_seed: int = 1234               # seed of the held-out set
     train_path: str | None = None       # task 'file': JSONL / CSV / Parquet file or datasets folder
     eval_path: str | None = None        # task 'file': held-out file; None splits eval_size off train
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
+    prompt_field: str = "prompt"        # task 'file': the column holding the question
+    answer_field: str = "answer"        # task 'file': the column holding the ground truth
     system_prompt: str | None = None    # None: the chat template's own system prompt
     chat_template: bool = True          # apply the tokenizer's chat template to prompts
 
@@ -282,9 +285,9 @@ class RolloutConfig:
     backend: Literal["hf", "vllm"] = "hf"
     prompts_per_step: int = 8           # P prompts per generated batch
     group_size: int = 4                 # G responses per prompt
-    max_new_tokens: int = 24
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_new_tokens: int = 24            # response length limit (a longer answer is truncated)
+    temperature: float = 1.0            # sampling temperature; log-probs are taken at it too
+    top_p: float = 1.0                  # nucleus sampling (1: the full distribution)
     stop: tuple[str, ...] = ()          # stop strings, also used by evaluation (e.g. "\n\n")
     # Another engine's log-probs differ from the trainer's for the same weights: each token's
     # policy-gradient term is weighted by min(pi_trainer / pi_engine, tis_cap) (None: no
@@ -298,7 +301,7 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class RewardConfig:
     verifier: Literal["math", "exact", "none"] = "math"  # how an answer is compared to the truth
-    correct_reward: float = 1.0
+    correct_reward: float = 1.0         # reward of a verified answer (0 for a wrong one)
     format_weight: float = 0.0          # extra reward for an answer in the expected format
     functions: tuple[str, ...] = ()     # user rewards as 'module:function' (added, weight 1 each)
     timeout_s: float = 5.0              # a reward call running longer gets the fallback
@@ -307,9 +310,9 @@ class RewardConfig:
     # AutoModelForSequenceClassification with one label works), added with weight model_weight.
     # Set correct_reward 0 to train on the model's score alone: accuracy is still measured.
     model: str | None = None
-    model_weight: float = 1.0
+    model_weight: float = 1.0           # weight of the reward model's score in the reward
     model_normalize: bool = True        # (score - mean) / std with the stats saved at RM training
-    model_batch_size: int = 32
+    model_batch_size: int = 32          # responses per reward-model forward
 
     def validate(self) -> None:
         if self.model is not None and not Path(self.model).is_dir():
@@ -319,13 +322,13 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.99
-    warmup_steps: int = 0
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    max_grad_norm: float = 1.0
+    lr: float = 1e-5                    # AdamW learning rate (the peak, with a schedule)
+    weight_decay: float = 0.0           # AdamW decoupled weight decay
+    beta1: float = 0.9                  # AdamW first-moment decay
+    beta2: float = 0.99                 # AdamW second-moment decay
+    warmup_steps: int = 0               # optimizer steps of linear warm-up
+    schedule: Literal["constant", "linear", "cosine"] = "constant"  # lr after warm-up (decays to 0 at the last step)
+    max_grad_norm: float = 1.0          # gradient clipping (global norm)
     epochs: int = 1                     # passes over each generated batch (>1 reuses samples, §3)
     minibatches: int = 1                # optimizer steps per pass
     micro_batch_size: int = 32          # responses per forward/backward (gradient accumulation)
@@ -336,9 +339,10 @@ class LoraConfig:
     """LoRA adapters through peft (rank 0: full fine-tuning). The reference policy is then the
     base model with the adapters switched off: no second copy of the weights."""
 
-    rank: int = 0
-    alpha: float = 32.0
-    dropout: float = 0.0
+    rank: int = 0                       # adapter rank; 0: full fine-tuning
+    alpha: float = 32.0                 # adapter scale alpha (the update is alpha / rank * B A)
+    dropout: float = 0.0                # dropout on the adapters' input
+    # the linear layers that get adapters
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj",
                                        "gate_proj", "up_proj", "down_proj")
 
@@ -358,7 +362,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    preset: str = "grpo"
+    preset: str = "grpo"                # the algorithm: a key of PRESETS (reinforce, rloo, grpo, ...)
     algorithm: dict[str, Any] = field(default_factory=dict)  # field overrides on top of the preset
     model: ModelConfig = ModelConfig()
     teacher: TeacherConfig = TeacherConfig()
@@ -371,11 +375,11 @@ class TrainConfig:
     lora: LoraConfig = LoraConfig()
     steps: int = 50                     # generated batches
     max_minutes: float | None = None    # stop training after this wall time (evaluation excluded)
-    seed: int = 0
+    seed: int = 0                       # training prompts, sampling noise, minibatch order
     threads: int | None = None          # torch intra-op threads; None: torch's default
     run_dir: str | None = None          # None: runs/<preset>-<time>
     eval_every: int = 0                 # held-out greedy accuracy every N steps (0: before/after)
-    eval_batch_size: int = 100
+    eval_batch_size: int = 100          # held-out problems per generation batch
     checkpoint_every: int = 0           # 0: only the final model
     log_samples: int = 2                # completions printed per step with --verbose
     tensorboard: bool = True            # also write TensorBoard events when it is installed
@@ -452,20 +456,22 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class StageConfig:
-    model: str = "smollm2-135m-instruct"
+    """`posttrain sft | dpo | reward-model`: offline training on rows of a file (or synthetic ones)."""
+
+    model: str = "smollm2-135m-instruct"  # the starting model: a local HF folder or the embedded name
     data: str = ""                      # JSONL / CSV / Parquet / datasets folder
-    prompt_field: str = "prompt"
+    prompt_field: str = "prompt"        # the column holding the user message
     response_field: str = "response"    # SFT
     chosen_field: str = "chosen"        # DPO
     rejected_field: str = "rejected"    # DPO
-    system_prompt: str | None = None
-    lr: float = 1e-5
-    batch_size: int = 8
-    epochs: int = 1
-    beta: float = 0.1                   # DPO
+    system_prompt: str | None = None    # None: the chat template's own system prompt
+    lr: float = 1e-5                    # AdamW learning rate (peak, with a schedule)
+    batch_size: int = 8                 # examples (or pairs) per optimizer step
+    epochs: int = 1                     # passes over the training rows
+    beta: float = 0.1                   # DPO / log-ratio reward model: the KL strength beta
     max_len: int = 256                  # response tokens kept per example
-    seed: int = 0
-    run_dir: str = "runs/stage"
+    seed: int = 0                       # batch order, synthetic rows, held-out split
+    run_dir: str = "runs/stage"         # where metrics, summary.json and final_model/ go
     # pairs (dpo, reward-model) or answers (sft) from a built-in task instead of --data
     # ('addition', 'subtraction', 'arithmetic'), made from the ground truth
     synthetic: str = ""
@@ -475,9 +481,9 @@ class StageConfig:
     # drifts to (docs/ppo-rlhf.md: 0.5 kept RLHF from collapsing to bare numbers)
     terse_wrong_share: float = 0.0
     eval_data: str = ""                 # held-out pairs file; default: eval_size pairs split off
-    eval_size: int = 200
-    autocast: str = "none"              # 'bfloat16': body in bf16 (faster on AVX512-BF16 / GPU)
-    strategy: str = "ddp"               # under torchrun: 'ddp' (replicated) or 'fsdp' (sharded)
+    eval_size: int = 200                # held-out pairs (or problems) for the before/after figures
+    autocast: Literal["none", "bfloat16"] = "none"  # 'bfloat16': body in bf16 (faster on AVX512-BF16 / GPU)
+    strategy: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicated weights or sharded (FSDP2)
     head_lr: float | None = None        # reward-model: the score head's own lr (default: lr)
     end_of_turn: bool = False           # reward-model: score after the template's end-of-turn tokens
     # reward-model: weight of a next-token loss on the chosen responses (through the tied LM
@@ -485,7 +491,7 @@ class StageConfig:
     lm_coef: float = 0.0
     # learning rate over the run's optimizer steps: a linear warm-up, then constant or a decay to 0
     schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = 0
+    warmup_steps: int = 0               # optimizer steps of linear warm-up
     # freeze the token embeddings and the first N decoder layers: backward stops at layer N, so
     # a step is cheaper and more pairs fit in the same time (reward-model: docs/ppo-rlhf.md)
     freeze_layers: int = 0
@@ -495,6 +501,23 @@ class StageConfig:
     # reward, §9) and pi_ref the starting model: it reads the LM's own next-token predictions at
     # every answer digit, where a last-token head has to learn the sum afresh (docs/ppo-rlhf.md)
     reward_form: Literal["score_head", "log_ratio"] = "score_head"
+
+    def validate(self) -> StageConfig:
+        """Every range, before any model or data loads."""
+        _check_range("lr", self.lr, 0.0, lo_open=True)
+        for name in ("batch_size", "epochs", "n_pairs"):
+            _check_range(name, getattr(self, name), 1)
+        _check_range("max_len", self.max_len, 2)
+        _check_range("beta", self.beta, 0.0, lo_open=True)
+        for name in ("eval_size", "warmup_steps", "freeze_layers", "lm_coef"):
+            _check_range(name, getattr(self, name), 0)
+        _check_range("terse_wrong_share", self.terse_wrong_share, 0.0, 1.0)
+        if self.head_lr is not None:
+            _check_range("head_lr", self.head_lr, 0.0, lo_open=True)
+        if self.synthetic and self.synthetic not in ("addition", "subtraction", "arithmetic"):
+            raise ConfigError(f"synthetic={self.synthetic!r} is not valid; accepted: "
+                              "['addition', 'arithmetic', 'subtraction']")
+        return self
 
 
 # ---------------------------------------------------------------------------------------------
@@ -619,20 +642,80 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's description, read from the comments beside and above it in the dataclass's
+    source (the one place they are written), for `--help`."""
+    docs: dict[str, str] = {}
+    pending: list[str] = []
+    names = {f.name for f in fields(cls)}
+    lines = inspect.getsource(cls).splitlines()
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            pending.append(stripped.lstrip("# "))
+            continue
+        name = stripped.split(":", 1)[0].strip()
+        if name in names and ":" in stripped:
+            comment = ""
+            try:   # the comment token, so a '#' inside a default string is not taken for one
+                for tok in tokenize.generate_tokens(io.StringIO(stripped + "\n").readline):
+                    if tok.type == tokenize.COMMENT:
+                        comment = tok.string.lstrip("# ")
+            except tokenize.TokenError:   # a default that continues on the next line
+                pass
+            docs[name] = " ".join([*pending, comment]).strip()
+        pending = []
+    return docs
+
+
+def options_help(cls: type, prefix: str = "", overrides: dict[str, Any] | None = None) -> list[str]:
+    """One line per option of a config dataclass: '--section.field (type, default): description'."""
+    out = []
+    docs = field_docs(cls)
+    instance = cls()
+    for f in fields(cls):
+        hint = _hint(cls, f.name)
+        if dataclasses.is_dataclass(hint):
+            out += options_help(hint, f"{prefix}{f.name}.")
+            continue
+        if cls is TrainConfig and f.name == "algorithm":
+            out += options_help(AlgorithmConfig, "algorithm.")
+            continue
+        if typing.get_origin(hint) is Literal:
+            kind = "|".join(map(str, typing.get_args(hint)))
+        else:
+            kind = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+        out.append(f"  --{prefix}{f.name} ({kind}, default {getattr(instance, f.name)!r}): "
+                   f"{docs.get(f.name, '')}".rstrip(": "))
+    return out
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML config file as a mapping; errors name the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        loaded = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of sections")
+    return loaded
+
+
+def load_stage_config(path: str | Path | None = None, overrides: list[str] | None = None) -> StageConfig:
+    """The SFT / DPO / reward-model config: defaults < YAML file < overrides, type-checked."""
+    data = read_yaml(path) if path is not None else {}
+    data = _merge(data, parse_overrides(overrides or []))
+    return build_config(StageConfig, data, "").validate()
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 base: dict[str, Any] | None = None) -> TrainConfig:
     """Defaults < `base` < YAML file < overrides; validated before anything expensive happens."""
     data: dict[str, Any] = dict(base or {})
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p} must hold a mapping of sections")
-        data = _merge(data, loaded)
+        data = _merge(data, read_yaml(path))
     data = _merge(data, parse_overrides(overrides or []))
     return build_config(TrainConfig, data, "").validate()

@@ -1,4 +1,4 @@
-"""The value model of PPO: V(x, y_<t) at every response position.  ALGORITHMS.md §5.
+"""The value model of PPO: V(x, y_<t) at every response position.  docs/algorithms.md §5.
 
 Two layouts, chosen by `critic.shared_backbone`:
 

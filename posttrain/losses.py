@@ -4,7 +4,7 @@ Shape suffixes: `_B` responses (B = P * G), `_T` response tokens, `_V` vocabular
 flattened positions. `mask_B_T` is 1 on response tokens and 0 on padding. Nothing here calls
 `.item()`: metrics come back as tensors and the trainer syncs once per step.
 
-Sections refer to ALGORITHMS.md (`§N`), which restates the lecture `lecture-rl-for-llms.zh.txt`.
+Sections refer to docs/algorithms.md (`§N`), which states each formula and names the lecture section.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _rowwise_float(fn: Callable[[Tensor], Tensor], logits_N_V: Tensor) -> Tensor
 # ---------------------------------------------------------------------------------------------
 
 def token_logprobs(logits_N_V: Tensor, tokens_N: Tensor, temperature: float = 1.0) -> Tensor:
-    """Log-probability of the chosen tokens.  ALGORITHMS.md notation, §2.
+    """Log-probability of the chosen tokens.  docs/algorithms.md notation, §2.
 
         logp_t = z_t[y_t] / tau - logsumexp_v(z_t[v] / tau)
 

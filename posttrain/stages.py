@@ -1,4 +1,4 @@
-"""The offline stages around RL: SFT (ALGORITHMS.md §8, the warm-up before distillation), DPO
+"""The offline stages around RL: SFT (docs/algorithms.md §8, the warm-up before distillation), DPO
 (§9, the closed-form counterpart of the KL-regularised objective) and Bradley-Terry reward models
 (§1). Short loops with no rollout; they share the trainer's prompt encoding, its response-only
 forward pass, its logging and its data parallelism:

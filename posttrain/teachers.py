@@ -1,4 +1,4 @@
-"""Who scores the student's tokens in distillation (ALGORITHMS.md §8).
+"""Who scores the student's tokens in distillation (docs/algorithms.md §8).
 
 One frozen teacher (any local model, e.g. an earlier checkpoint of the student), the student's own
 current weights shown privileged context (OPSD), or one teacher per domain (MOPD). Teachers are

@@ -1,4 +1,4 @@
-"""The one policy-gradient loop. ALGORITHMS.md §2-§7.
+"""The one policy-gradient loop. docs/algorithms.md §2-§7.
 
     for each step:
         sample a group of G responses for each of P prompts      (rollout, pi_old = pi_theta)

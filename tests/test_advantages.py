@@ -1,4 +1,4 @@
-"""Advantage estimators: hand values, invariances, and the GAE limits of ALGORITHMS.md §5."""
+"""Advantage estimators: hand values, invariances, and the GAE limits of docs/algorithms.md §5."""
 
 import pytest
 import torch

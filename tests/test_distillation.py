@@ -1,4 +1,4 @@
-"""On-policy distillation through the one loop (ALGORITHMS.md §8), on tiny models."""
+"""On-policy distillation through the one loop (docs/algorithms.md §8), on tiny models."""
 
 import copy
 import json

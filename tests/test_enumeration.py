@@ -2,7 +2,7 @@
 
 Vocabulary 3, responses of length 2: all 9 responses y = (y1, y2) are enumerated with their exact
 probabilities, so every expectation below is a finite sum and every equality is exact up to float.
-ALGORITHMS.md §2 (policy gradient, baselines), §3 (importance sampling), §6 (KL estimators),
+docs/algorithms.md §2 (policy gradient, baselines), §3 (importance sampling), §6 (KL estimators),
 §8 (sampled reverse KL).
 """
 

@@ -1,4 +1,4 @@
-"""PPO (ALGORITHMS.md §5): the value model, KL folded into per-token rewards, GAE, in the real loop."""
+"""PPO (docs/algorithms.md §5): the value model, KL folded into per-token rewards, GAE, in the real loop."""
 
 import json
 

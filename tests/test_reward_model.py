@@ -1,4 +1,4 @@
-"""Bradley-Terry reward models (ALGORITHMS.md §1): synthetic pairs, training, use as a reward."""
+"""Bradley-Terry reward models (docs/algorithms.md §1): synthetic pairs, training, use as a reward."""
 
 import json
 import logging

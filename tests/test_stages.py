@@ -1,4 +1,4 @@
-"""SFT and DPO stages on tiny models (ALGORITHMS.md §8 SFT warm-up, §9 DPO)."""
+"""SFT and DPO stages on tiny models (docs/algorithms.md §8 SFT warm-up, §9 DPO)."""
 
 import json
 import random

@@ -1,4 +1,4 @@
-"""Synthetic preference pairs from the verifiable tasks (ALGORITHMS.md §1: reward models learn
+"""Synthetic preference pairs from the verifiable tasks (docs/algorithms.md §1: reward models learn
 from comparisons; here the comparisons are made from ground truth, so a reward model's accuracy
 and an RLHF run's reward hacking can both be measured against the verifier).
 

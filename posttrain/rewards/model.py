@@ -1,4 +1,4 @@
-"""A Bradley-Terry reward model as a reward source (RLHF).  ALGORITHMS.md §1.
+"""A Bradley-Terry reward model as a reward source (RLHF).  docs/algorithms.md §1.
 
 The model is an `AutoModelForSequenceClassification` with one label: r(x, y) is the score head
 on the last token of (chat-templated prompt + response). `posttrain reward-model` trains one

@@ -1,4 +1,4 @@
-"""Verifiable rewards (RLVR, ALGORITHMS.md §1): a rule checks the answer against the truth."""
+"""Verifiable rewards (RLVR, docs/algorithms.md §1): a rule checks the answer against the truth."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def is_bare_answer(completion: str) -> bool:
 
 
 def overlong_penalty(lengths_B: Tensor, max_len: int, buffer: int, penalty: float) -> Tensor:
-    """DAPO's soft overlong punishment (ALGORITHMS.md §7), added to the reward.
+    """DAPO's soft overlong punishment (docs/algorithms.md §7), added to the reward.
 
         0                                  if |y| <= L_max - L_buf
         -penalty * (|y| - (L_max - L_buf)) / L_buf     if L_max - L_buf < |y| <= L_max

@@ -2,7 +2,7 @@
 
 A backend (in-process transformers today; a vLLM engine or a remote server later) takes token ids
 of P prompts and returns G sampled responses for each, with the log-probability of every sampled
-token under the policy that generated it (`pi_old`, ALGORITHMS.md §3). The trainer never needs to
+token under the policy that generated it (`pi_old`, docs/algorithms.md §3). The trainer never needs to
 know which backend produced a `Rollout`.
 """
 

@@ -6,7 +6,7 @@ Written as a short loop instead of `model.generate` for three reasons, each meas
 2. rows that emitted EOS leave the batch (their cache rows are dropped), so late steps only pay
    for responses still being written;
 3. the log-prob of every sampled token is recorded from the same temperature-scaled distribution
-   the trainer uses, so `pi_old` needs no second forward pass (ALGORITHMS.md §3).
+   the trainer uses, so `pi_old` needs no second forward pass (docs/algorithms.md §3).
 """
 
 from __future__ import annotations
