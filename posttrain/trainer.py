@@ -449,34 +449,174 @@ def check_world(cfg: TrainConfig, world: World) -> None:
                           "rollout.vllm_server, or run on one process")
 
 
+@dataclass
+class Run:
+    """Everything one training run holds: what `setup` built, and the state the loop moves on
+    (step count and training seconds; the rest lives in the model, optimizer and sampler)."""
+
+    cfg: TrainConfig
+    world: World
+    run_dir: Path
+    model: Any
+    tokenizer: Any
+    engine: RolloutEngine
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    sampler: Sampler
+    scorer: Scorer
+    generator: torch.Generator
+    logger: MetricsLogger | NullLogger
+    eval_problems: list[Problem]
+    teachers: Teachers | None = None
+    ref_model: Any = None               # pi_ref when it is a separate copy (no LoRA)
+    uses_ref: bool = False              # a KL term needs pi_ref's log-probs
+    critic: Critic | None = None
+    start_step: int = 0
+    train_seconds: float = 0.0
+    resumed: bool = False
+
+    @property
+    def algo(self) -> AlgorithmConfig:
+        return self.cfg.algo
+
+    @property
+    def lora(self) -> bool:
+        return self.cfg.lora.rank > 0
+
+
 def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokenizer=None,
           show_progress: bool = True, teacher=None) -> dict[str, Any]:
     """Run `cfg`; return the summary (accuracy before/after, timings, paths). `model`,
-    `tokenizer` and `teacher` may be passed in (tests, notebooks) instead of being loaded."""
-    algo = cfg.algo
+    `tokenizer` and `teacher` may be passed in (tests, notebooks) instead of being loaded.
+    The loop is the lecture's: sample and score -> frozen log-probs -> advantages -> update."""
+    t_setup = time.perf_counter()
+    run = setup(cfg, resume, model, tokenizer, teacher)
+    algo, world = run.algo, run.world
+    summary: dict[str, Any] = {"run_dir": str(run.run_dir), "preset": cfg.preset,
+                               "setup_s": time.perf_counter() - t_setup}
+    if run.eval_problems and not run.resumed:
+        summary["eval_before"] = run_eval(run, 0, "before")
+    bar = tqdm(total=cfg.steps, initial=run.start_step, desc="train", dynamic_ncols=True,
+               disable=not (show_progress and world.main))
+    step = run.start_step
+    for step in range(run.start_step + 1, cfg.steps + 1):
+        if cfg.max_minutes is not None and run.train_seconds >= cfg.max_minutes * 60:
+            log.info("max_minutes=%s reached after %d steps", cfg.max_minutes, step - 1)
+            step -= 1
+            break
+        t_step = time.perf_counter()
+        timings: Counter = Counter()
+
+        # 1. sample a group per prompt and score it (pi_old = the current policy)
+        batch, metrics = generate_and_score(run.engine, run.tokenizer, run.sampler, run.scorer,
+                                            cfg, algo, run.generator, timings, world)
+        if len(batch.rewards_B) == 0:   # dynamic sampling found nothing informative
+            metrics["perf/step_s"] = time.perf_counter() - t_step
+            run.train_seconds += metrics["perf/step_s"]
+            run.logger.log(step, metrics)
+            bar.update(1)
+            continue
+
+        # 2. frozen log-probs: the trainer's pi_old (another engine sampled), pi_ref, the teacher
+        batch = frozen_passes(run, batch, metrics, timings)
+
+        # 3. advantages (PPO: the value model's V_old, the KL folded into the rewards, GAE)
+        adv, targets = compute_advantages(run, batch, metrics)
+
+        # 4. epochs x minibatches of clipped updates (the critic learns on the same minibatches)
+        t0 = time.perf_counter()
+        warming_up = run.critic is not None and step <= cfg.critic.warmup_steps
+        metrics.update(update_policy(run.model, run.optimizer, run.scheduler, batch, adv, cfg,
+                                     algo, run.generator, run.teachers, run.critic, targets,
+                                     train_policy=not warming_up, world=world))
+        timings["update"] += time.perf_counter() - t0
+        run.engine.sync_weights()
+
+        # 5. log, evaluate, checkpoint
+        log_step(run, step, batch, adv, metrics, timings, t_step, bar, show_progress)
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and run.eval_problems:
+            run_eval(run, step, f"step {step}")
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            checkpoint(run, step)
+    bar.close()
+    if run.eval_problems:
+        summary["eval_after"] = run_eval(run, step, "after")
+    return finish(run, step, summary)
+
+
+def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher) -> Run:
+    """Check the inputs (before any model loads), load the policy, pi_ref, teachers and value
+    model, place and wrap them, build the engine and optimizer, and restore a checkpoint."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     generator = seed_everything(cfg.seed)
     world = init_world(cfg.parallel.strategy)         # torchrun: join the process group
     check_world(cfg, world)
-    scorer_task = build_task(cfg.data)                     # data errors surface before model loading
-    scorer = Scorer(cfg.reward, scorer_task.verifier, cfg.data.system_prompt, cfg.model.autocast)
+    task = build_task(cfg.data)                       # data errors surface before model loading
+    scorer = Scorer(cfg.reward, task.verifier, cfg.data.system_prompt, cfg.model.autocast)
     run_dir = Path(resume) if resume else Path(
         cfg.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     ckpt = latest_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:
         raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir}/checkpoints")
+    model, tokenizer, teachers, path = load_models(cfg, ckpt, model, tokenizer, teacher)
+    if world.main:   # created once the inputs have loaded: a refused run leaves no empty folder
+        run_dir.mkdir(parents=True, exist_ok=True)
+    barrier(world)
+    device = device_for(world) if cfg.model.device == "auto" else torch.device(cfg.model.device)
+    model.to(device)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = cfg.lora.rank > 0
+    if world.main:
+        n_params = sum(p.numel() for p in model.parameters())
+        n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad) if lora else None
+        log.info("%s", estimate_memory(cfg, model.config, n_params, world.size, n_lora).table())
+    if teachers is not None:
+        teachers.bind_student(model)
+    algo = cfg.algo
+    uses_ref = algo.kl_in != "none" and algo.kl_coef > 0
+    ref_model = reference_model(cfg, model, tokenizer, run_dir, ckpt, world) if uses_ref else None
+    # PPO's value model (§5), initialised from the policy's starting weights or critic.path
+    critic = (Critic(cfg.critic, model, world, ckpt / "critic" if ckpt is not None else None)
+              if algo.advantage in NEEDS_VALUES else None)
+    if scorer.cfg.model:
+        scorer.reward_model.check_tokenizer(tokenizer)
+        scorer.reward_model.to(device)                # beside the policy (a GPU on a GPU run)
+    model = wrap(model, world)                        # FSDP2: shard the layers, in place
+    engine = make_engine(cfg.rollout.backend, model, tokenizer,
+                         **vllm_options(cfg, path, model, world))
+    o = cfg.optim
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr,
+                                  betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
+                                  foreach=False if world.strategy == "fsdp" else None)
+    scheduler = make_scheduler(optimizer, max(cfg.steps * o.epochs * o.minibatches, 1),
+                               o.warmup_steps, o.schedule)
+    if world.main:   # only rank 0 writes files; every rank computes and reduces the metrics
+        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
+    logger = (MetricsLogger(run_dir, cfg.tensorboard, resume=ckpt is not None) if world.main
+              else NullLogger())
+    log.info("run folder %s; algorithm %s", run_dir, algo)
+    run = Run(cfg, world, run_dir, model, tokenizer, engine, optimizer, scheduler,
+              Sampler(task, cfg.seed), scorer, generator, logger, task.eval_problems, teachers,
+              ref_model, uses_ref, critic)
+    if ckpt is not None:
+        restore(run, ckpt)
+    return run
 
-    t_setup = time.perf_counter()
-    uses_teacher = algo.advantage in NEEDS_TEACHER
+
+def load_models(cfg: TrainConfig, ckpt: Path | None, model, tokenizer, teacher):
+    """The policy (from the checkpoint when resuming; LoRA: the base, then its adapters), its
+    tokenizer and the distillation teachers, whose tokenizers are checked before the student's
+    weights load. Returns (model, tokenizer, teachers, the folder the policy came from)."""
     lora = cfg.lora.rank > 0
     path = cfg.model.path
     if model is None:   # (LoRA: the base model never changes; checkpoints hold the adapters)
         path = ckpt / "model" if ckpt and not lora else resolve_model_path(cfg.model.path,
                                                                             cfg.model.cache_dir)
         tokenizer = tokenizer or load_tokenizer(path)
-    # teachers are resolved and their tokenizers checked before the student's weights load
-    teachers = Teachers(cfg.teacher, tokenizer, cfg.model.cache_dir, teacher) if uses_teacher else None
+    teachers = (Teachers(cfg.teacher, tokenizer, cfg.model.cache_dir, teacher)
+                if cfg.algo.advantage in NEEDS_TEACHER else None)
     if model is None:
         model = load_policy(path, cfg.model.dtype)
     elif ckpt is not None and not lora:
@@ -485,233 +625,178 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
         model = add_lora(model, cfg.lora, ckpt / "adapter" if ckpt else None)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if world.main:   # created once the inputs have loaded: a refused run leaves no empty folder
-        run_dir.mkdir(parents=True, exist_ok=True)
-    barrier(world)
-    device = device_for(world) if cfg.model.device == "auto" else torch.device(cfg.model.device)
-    model.to(device)
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if world.main:
-        n_params = sum(p.numel() for p in model.parameters())
-        n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad) if lora else None
-        memory = estimate_memory(cfg, model.config, n_params, world.size, n_lora)
-        log.info("%s", memory.table())
-    if teachers is not None:
-        teachers.bind_student(model)
-    uses_ref = algo.kl_in != "none" and algo.kl_coef > 0
-    # pi_ref is the starting policy, frozen; it is not built at all when the KL is off, and with
-    # LoRA it is the policy itself with its adapters switched off (no second copy).
-    ref_model = None
-    if uses_ref and not lora:
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        if ckpt is not None:  # the reference is the *initial* model, saved with the run
-            ref_model.load_state_dict(load_policy(run_dir / "reference_model", cfg.model.dtype).state_dict())
-    if ref_model is not None and ckpt is None and cfg.checkpoint_every and world.main:
+    return model, tokenizer, teachers, path
+
+
+def reference_model(cfg: TrainConfig, model, tokenizer, run_dir: Path, ckpt: Path | None,
+                    world: World):
+    """pi_ref: the starting policy, frozen (saved with the run, so a resumed run gets the same
+    one). With LoRA it is the policy with its adapters switched off: None, no second copy."""
+    if cfg.lora.rank > 0:
+        return None
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    if ckpt is not None:  # the reference is the *initial* model, saved with the run
+        ref_model.load_state_dict(load_policy(run_dir / "reference_model", cfg.model.dtype).state_dict())
+    elif cfg.checkpoint_every and world.main:
         save_model(ref_model, tokenizer, run_dir / "reference_model")
-    # PPO's value model (§5), initialised from the policy's starting weights or critic.path
-    critic = (Critic(cfg.critic, model, world, ckpt / "critic" if ckpt is not None else None)
-              if algo.advantage in NEEDS_VALUES else None)
-    if scorer.cfg.model:
-        scorer.reward_model.check_tokenizer(tokenizer)
-        scorer.reward_model.to(device)                # beside the policy (a GPU on a GPU run)
-    model = wrap(model, world)                        # FSDP2: shard the layers, in place
-    engine = make_engine(cfg.rollout.backend, model, tokenizer, **vllm_options(cfg, path, model,
-                                                                             world))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,
-                                  betas=(cfg.optim.beta1, cfg.optim.beta2),
-                                  weight_decay=cfg.optim.weight_decay,
-                                  foreach=False if world.strategy == "fsdp" else None)
-    o = cfg.optim
-    scheduler = make_scheduler(optimizer, max(cfg.steps * o.epochs * o.minibatches, 1),
-                               o.warmup_steps, o.schedule)
-    sampler = Sampler(scorer_task, cfg.seed)
-    start_step, train_seconds = 0, 0.0
-    if ckpt is not None:
-        state = load_trainer_state(ckpt)
-        load_optimizer_state(model, optimizer, state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        restore_rng(state["rng"], generator)
-        if critic is not None:
-            critic.load_optimizer_state(state["critic_optimizer"])
-        start_step, sampler.position = state["step"], state["data_position"]
-        train_seconds = state["train_seconds"]
-    setup_s = time.perf_counter() - t_setup
-    if world.main:   # only rank 0 writes files; every rank computes and reduces the metrics
-        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
-    logger = (MetricsLogger(run_dir, cfg.tensorboard, resume=ckpt is not None) if world.main
-              else NullLogger())
-    log.info("run folder %s; algorithm %s", run_dir, algo)
+    return ref_model
 
-    eval_problems = scorer_task.eval_problems
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "setup_s": setup_s, "preset": cfg.preset}
 
-    def run_eval(step: int, label: str) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        with full_weights_for_generation(model, world):
-            res = evaluate(model, tokenizer, engine, eval_problems, scorer, cfg, world=world)
-        samples = res.pop("_samples")
-        res["eval/seconds"] = time.perf_counter() - t0
-        res["perf/train_minutes"] = train_seconds / 60
-        logger.log(step, res)
-        if world.main:
-            with open(run_dir / "eval_samples.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "label": label, "samples": samples}) + "\n")
-        log.info("eval %s (step %d): accuracy %.3f", label, step, res["eval/accuracy"])
-        return res
+def restore(run: Run, ckpt: Path) -> None:
+    """Optimizer, scheduler, RNG, data position and clock of a checkpoint: the run continues as
+    if it had never stopped."""
+    state = load_trainer_state(ckpt)
+    load_optimizer_state(run.model, run.optimizer, state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    restore_rng(state["rng"], run.generator)
+    if run.critic is not None:
+        run.critic.load_optimizer_state(state["critic_optimizer"])
+    run.start_step, run.sampler.position = state["step"], state["data_position"]
+    run.train_seconds, run.resumed = state["train_seconds"], True
 
-    if eval_problems and ckpt is None:
-        summary["eval_before"] = run_eval(0, "before")
 
-    bar = tqdm(total=cfg.steps, initial=start_step, disable=not (show_progress and world.main),
-               desc="train",
-               dynamic_ncols=True)
-    step = start_step
-    for step in range(start_step + 1, cfg.steps + 1):
-        if cfg.max_minutes is not None and train_seconds >= cfg.max_minutes * 60:
-            log.info("max_minutes=%s reached after %d steps", cfg.max_minutes, step - 1)
-            step -= 1
-            break
-        t_step = time.perf_counter()
-        timings: Counter = Counter()
+def checkpoint(run: Run, step: int) -> None:
+    extra = {"data_position": run.sampler.position, "train_seconds": run.train_seconds}
+    if run.critic is not None:
+        extra["critic_optimizer"] = run.critic.optimizer_state()
+    save_checkpoint(run.run_dir, step, run.model, run.tokenizer, run.optimizer, run.scheduler,
+                    run.generator, extra, run.cfg.to_dict(),
+                    extra_models={"critic": run.critic.save} if run.critic is not None else None,
+                    world=run.world)
 
-        # 1. sample a group per prompt and score it (pi_old = the current policy)
-        batch, metrics = generate_and_score(engine, tokenizer, sampler, scorer, cfg, algo,
-                                            generator, timings, world)
-        if len(batch.rewards_B) == 0:
-            metrics["perf/step_s"] = time.perf_counter() - t_step
-            train_seconds += metrics["perf/step_s"]
-            logger.log(step, metrics)
-            bar.update(1)
-            continue
 
-        # 1b. another engine sampled (vLLM): the trainer's own log pi_old, for the ratios and
-        # advantages (the engine's differ slightly; the update reweights by their ratio, §3)
-        if cfg.rollout.backend != "hf":
-            t0 = time.perf_counter()
-            batch.trainer_old_logp_B_T = frozen_logprobs(model, batch.rollout,
-                                                         cfg.rollout.temperature,
-                                                         cfg.optim.micro_batch_size,
-                                                         cfg.model.autocast)
-            timings["old_logprobs"] += time.perf_counter() - t0
-
-        # 2. the frozen reference, for the KL penalty
-        t0 = time.perf_counter()
-        if uses_ref:
-            with model.disable_adapter() if lora else nullcontext():
-                batch.ref_logp_B_T = frozen_logprobs(ref_model or model, batch.rollout,
-                                                     cfg.rollout.temperature,
-                                                     cfg.optim.micro_batch_size, cfg.model.autocast)
-        timings["reference"] += time.perf_counter() - t0
-
-        # 2b. the teacher scores the student's own tokens in one forward pass (distillation, §8)
-        t0 = time.perf_counter()
-        if teachers is not None:
-            batch.teacher_view = teacher_view(batch, cfg, tokenizer)
-        # (exact KL losses: the update runs the teacher itself, micro-batch by micro-batch, and
-        # logs distill/reverse_kl_exact; a separate pass for the sampled KL would be wasted)
-        if teachers is not None and DISTILL_LOSSES[algo.distill_loss].in_advantage:
-            batch.teacher_logp_B_T = teachers.logprobs(
-                batch.teacher_view, [p.domain for p in batch.problems],
-                lambda m, view: frozen_logprobs(m, view,
-                                                cfg.teacher.temperature or cfg.rollout.temperature,
-                                                cfg.optim.micro_batch_size, cfg.model.autocast))
-            kl = sampled_reverse_kl(batch.old_logp_B_T, batch.teacher_logp_B_T)
-            metrics["distill/reverse_kl"] = _mean(kl, batch.loss_mask_B_T)
-            metrics.update(per_domain(batch, kl))
-        elif teachers is not None:
-            metrics.update(per_domain(batch))
-        timings["teacher"] += time.perf_counter() - t0
-
-        # 3. advantages; PPO: the value model's V_old, the KL folded into per-token rewards, GAE
-        token_rewards = targets = None
-        if critic is not None:
-            old_values = critic.predict(batch.rollout, cfg.optim.micro_batch_size,
-                                        cfg.model.autocast, model, cfg.rollout.temperature)
-            token_rewards = ppo_token_rewards(batch, algo)
-        adv_out = ADVANTAGES[algo.advantage](
-            AdvantageInputs(batch.rewards_P_G, batch.loss_mask_B_T,
-                            token_rewards_B_T=token_rewards,
-                            values_B_T=old_values if critic is not None else None,
-                            old_logp_B_T=batch.old_logp_B_T,
-                            teacher_logp_B_T=batch.teacher_logp_B_T),
-            AdvantageParams(algo.eps, algo.scale_by_std, algo.gamma, algo.lam,
-                            algo.reward_weight, not DISTILL_LOSSES[algo.distill_loss].in_advantage))
-        adv = adv_out.adv_B_T
-        if critic is not None:
-            targets = ValueTargets(old_values, adv_out.returns_B_T)
-            metrics.update(critic_metrics(batch, adv, targets, token_rewards))
-        if algo.whiten_advantages:
-            adv = whiten(adv, batch.loss_mask_B_T, total=lambda t: global_sum(t, world))
-
-        # 4. several clipped updates on the batch (the critic learns on the same minibatches)
-        t0 = time.perf_counter()
-        warming_up = critic is not None and step <= cfg.critic.warmup_steps
-        metrics.update(update_policy(model, optimizer, scheduler, batch, adv, cfg, algo, generator,
-                                     teachers,
-                                     critic, targets, train_policy=not warming_up, world=world))
-        timings["update"] += time.perf_counter() - t0
-        engine.sync_weights()
-
-        # 5. log
-        step_s = global_max(time.perf_counter() - t_step, world)   # ranks stop at the same step
-        train_seconds += step_s
-        metrics.update(rollout_metrics(batch, adv))
-        gen_tokens = batch.rollout.response_mask_B_T.sum().item()
-        metrics.update({f"perf/{k}_s": v for k, v in timings.items()})
-        metrics.update({"perf/step_s": step_s, "perf/train_minutes": train_seconds / 60,
-                        "perf/generated_tokens_per_s": gen_tokens / max(timings["generate"], 1e-9),
-                        "perf/samples": sampler.position})
-        metrics = mean_metrics(metrics, world)
-        logger.log(step, metrics)
-        if world.main:
-            with open(run_dir / "samples.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "samples": [
-                    {"prompt": p.prompt, "completion": c, "reward": r}
-                    for p, c, r in zip(batch.problems[:cfg.log_samples],
-                                       batch.completions[:cfg.log_samples],
-                                       batch.rewards_B[:cfg.log_samples].tolist())]}) + "\n")
-        bar.set_postfix_str(console_line(step, cfg.steps, metrics).split(" | ", 1)[-1])
-        bar.update(1)
-        if not show_progress and world.main:
-            log.info(console_line(step, cfg.steps, metrics))
-
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and eval_problems:
-            run_eval(step, f"step {step}")
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-            extra = {"data_position": sampler.position, "train_seconds": train_seconds}
-            if critic is not None:
-                extra["critic_optimizer"] = critic.optimizer_state()
-            save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, generator,
-                            extra, cfg.to_dict(),
-                            extra_models={"critic": critic.save} if critic is not None else None,
-                            world=world)
-    bar.close()
-
-    if eval_problems:
-        summary["eval_after"] = run_eval(step, "after")
-    summary["steps"] = step
-    summary["train_minutes"] = train_seconds / 60
+def frozen_passes(run: Run, batch: ScoredBatch, metrics: dict[str, Any],
+                  timings: Counter) -> ScoredBatch:
+    """The log-probs no gradient flows through (§3, §6, §8): the trainer's own pi_old when
+    another engine sampled (its log-probs differ slightly; the update reweights by their ratio),
+    pi_ref for the KL penalty, and the teacher's log-probs of the student's own tokens."""
+    cfg, algo, model = run.cfg, run.algo, run.model
+    temperature, micro, autocast = cfg.rollout.temperature, cfg.optim.micro_batch_size, cfg.model.autocast
     t0 = time.perf_counter()
-    # the final model is a plain HF model: LoRA adapters merged into the base (under FSDP, into
-    # a CPU copy built from the gathered weights, since peft merges in place and the layers are
-    # sharded)
-    if lora and world.strategy == "fsdp" and world.distributed:
+    if cfg.rollout.backend != "hf":
+        batch = replace(batch, trainer_old_logp_B_T=frozen_logprobs(model, batch.rollout,
+                                                                    temperature, micro, autocast))
+        timings["old_logprobs"] += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if run.uses_ref:
+        with model.disable_adapter() if run.lora else nullcontext():
+            batch = replace(batch, ref_logp_B_T=frozen_logprobs(run.ref_model or model,
+                                                                batch.rollout, temperature,
+                                                                micro, autocast))
+    timings["reference"] += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if run.teachers is not None:
+        batch = replace(batch, teacher_view=teacher_view(batch, cfg, run.tokenizer))
+    # (a per-position loss, distill_loss exact / forward: the update runs the teacher itself,
+    # micro-batch by micro-batch; a separate pass here would be wasted)
+    if run.teachers is not None and DISTILL_LOSSES[algo.distill_loss].in_advantage:
+        tau = cfg.teacher.temperature or temperature
+        teacher_logp = run.teachers.logprobs(
+            batch.teacher_view, [p.domain for p in batch.problems],
+            lambda m, view: frozen_logprobs(m, view, tau, micro, autocast))
+        batch = replace(batch, teacher_logp_B_T=teacher_logp)
+        kl = sampled_reverse_kl(batch.old_logp_B_T, batch.teacher_logp_B_T)
+        metrics["distill/reverse_kl"] = _mean(kl, batch.loss_mask_B_T)
+        metrics.update(per_domain(batch, kl))
+    elif run.teachers is not None:
+        metrics.update(per_domain(batch))
+    timings["teacher"] += time.perf_counter() - t0
+    return batch
+
+
+def compute_advantages(run: Run, batch: ScoredBatch,
+                       metrics: dict[str, Any]) -> tuple[Tensor, ValueTargets | None]:
+    """A_t for every response token by the preset's estimator (ADVANTAGES); PPO also gets the
+    value model's V_old and the returns it regresses on."""
+    cfg, algo, critic = run.cfg, run.algo, run.critic
+    token_rewards = old_values = targets = None
+    if critic is not None:
+        old_values = critic.predict(batch.rollout, cfg.optim.micro_batch_size,
+                                    cfg.model.autocast, run.model, cfg.rollout.temperature)
+        token_rewards = ppo_token_rewards(batch, algo)
+    adv_out = ADVANTAGES[algo.advantage](
+        AdvantageInputs(batch.rewards_P_G, batch.loss_mask_B_T, token_rewards_B_T=token_rewards,
+                        values_B_T=old_values, old_logp_B_T=batch.old_logp_B_T,
+                        teacher_logp_B_T=batch.teacher_logp_B_T),
+        AdvantageParams(algo.eps, algo.scale_by_std, algo.gamma, algo.lam, algo.reward_weight,
+                        not DISTILL_LOSSES[algo.distill_loss].in_advantage))
+    adv = adv_out.adv_B_T
+    if critic is not None:
+        targets = ValueTargets(old_values, adv_out.returns_B_T)
+        metrics.update(critic_metrics(batch, adv, targets, token_rewards))
+    if algo.whiten_advantages:
+        adv = whiten(adv, batch.loss_mask_B_T, total=lambda t: global_sum(t, run.world))
+    return adv, targets
+
+
+def log_step(run: Run, step: int, batch: ScoredBatch, adv: Tensor, metrics: dict[str, Any],
+             timings: Counter, t_step: float, bar, show_progress: bool) -> None:
+    """The step's metrics (JSONL, TensorBoard, console), its first samples, and the clock."""
+    cfg, world = run.cfg, run.world
+    step_s = global_max(time.perf_counter() - t_step, world)   # ranks stop at the same step
+    run.train_seconds += step_s
+    metrics.update(rollout_metrics(batch, adv))
+    gen_tokens = batch.rollout.response_mask_B_T.sum().item()
+    metrics.update({f"perf/{k}_s": v for k, v in timings.items()})
+    metrics.update({"perf/step_s": step_s, "perf/train_minutes": run.train_seconds / 60,
+                    "perf/generated_tokens_per_s": gen_tokens / max(timings["generate"], 1e-9),
+                    "perf/samples": run.sampler.position})
+    metrics = mean_metrics(metrics, world)
+    run.logger.log(step, metrics)
+    if world.main:
+        n = cfg.log_samples
+        with open(run.run_dir / "samples.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "samples": [
+                {"prompt": p.prompt, "completion": c, "reward": r}
+                for p, c, r in zip(batch.problems[:n], batch.completions[:n],
+                                   batch.rewards_B[:n].tolist())]}) + "\n")
+    bar.set_postfix_str(console_line(step, cfg.steps, metrics).split(" | ", 1)[-1])
+    bar.update(1)
+    if not show_progress and world.main:
+        log.info(console_line(step, cfg.steps, metrics))
+
+
+def run_eval(run: Run, step: int, label: str) -> dict[str, Any]:
+    """Held-out accuracy now, logged with the training minutes so far; samples to a file."""
+    t0 = time.perf_counter()
+    with full_weights_for_generation(run.model, run.world):
+        res = evaluate(run.model, run.tokenizer, run.engine, run.eval_problems, run.scorer,
+                       run.cfg, world=run.world)
+    samples = res.pop("_samples")
+    res["eval/seconds"] = time.perf_counter() - t0
+    res["perf/train_minutes"] = run.train_seconds / 60
+    run.logger.log(step, res)
+    if run.world.main:
+        with open(run.run_dir / "eval_samples.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "label": label, "samples": samples}) + "\n")
+    log.info("eval %s (step %d): accuracy %.3f", label, step, res["eval/accuracy"])
+    return res
+
+
+def finish(run: Run, step: int, summary: dict[str, Any]) -> dict[str, Any]:
+    """Save the final model (a plain HF model: LoRA adapters merged; under FSDP into a CPU copy
+    built from the gathered weights, since peft merges in place and the layers are sharded), the
+    value model, the plot and summary.json."""
+    world, model, tokenizer, run_dir = run.world, run.model, run.tokenizer, run.run_dir
+    summary["steps"] = step
+    summary["train_minutes"] = run.train_seconds / 60
+    t0 = time.perf_counter()
+    if run.lora and world.strategy == "fsdp" and world.distributed:
         weights = full_state_dict(model, world)
         model, weights = (merged_lora_copy(model, weights) if world.main else None), None
     else:
-        if lora:
+        if run.lora:
             model = model.merge_and_unload()
         weights = full_state_dict(model, world)       # FSDP: gathered from the shards
     if world.main:
         save_model(model, tokenizer, run_dir / "final_model", weights)
     summary["final_model"] = str(run_dir / "final_model")
-    if critic is not None:   # a shared value head sits beside the policy it reads
-        value_dir = run_dir / ("final_model" if critic.shared else "final_value_model")
-        critic.save(value_dir, tokenizer)           # every rank: FSDP gathers the shards
+    if run.critic is not None:   # a shared value head sits beside the policy it reads
+        value_dir = run_dir / ("final_model" if run.critic.shared else "final_value_model")
+        run.critic.save(value_dir, tokenizer)       # every rank: FSDP gathers the shards
         summary["value_model"] = str(value_dir)
     summary["save_s"] = time.perf_counter() - t0
-    logger.close()
+    run.logger.close()
     if world.main:
         try:
             summary["plot"] = str(plot_run(run_dir))
