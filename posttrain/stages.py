@@ -265,6 +265,74 @@ def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
     return summary
 
 
+def _pair_responses(tok, cfg: StageConfig, rows: list[dict]) -> tuple[list, list]:
+    """Token ids of each pair's chosen and rejected responses (EOS-terminated, max_len)."""
+    return ([_response_ids(tok, str(r[cfg.chosen_field]), cfg.max_len) for r in rows],
+            [_response_ids(tok, str(r[cfg.rejected_field]), cfg.max_len) for r in rows])
+
+
+def _pair_logp(st: _Stage, cfg: StageConfig, data, batch: list[int]) -> tuple[Tensor, Tensor]:
+    """log pi(y_c|x), log pi(y_r|x) of the pairs `batch`, chosen and rejected in one forward
+    (rows [c_0..c_n, r_0..r_n])."""
+    prompts, chosen, rejected = data
+    r = pack(st.tokenizer, [prompts[i] for i in batch] * 2,
+             [chosen[i] for i in batch] + [rejected[i] for i in batch], st.device)
+    logp = sequence_logprobs(st.model, r, torch.arange(2 * len(batch)), 1.0,
+                             autocast=cfg.autocast).logp
+    seq = sequence_logprob(logp, r.response_mask_B_T)
+    return seq[:len(batch)], seq[len(batch):]
+
+
+@torch.no_grad()
+def _all_pair_logp(st: _Stage, cfg: StageConfig, data) -> tuple[Tensor, Tensor]:
+    """_pair_logp of every pair, split over the ranks and gathered."""
+    st.model.eval()
+    out = sharded_rows(lambda idx: _pair_logp(st, cfg, data, idx), len(data[0]), 16, st.world)
+    st.model.train()
+    return out
+
+
+def _implicit_reward_metrics(c: Tensor, r: Tensor, ref: tuple[Tensor, Tensor], beta: float,
+                             rows: list[dict], prefix: str) -> dict[str, float]:
+    """Held-out accuracy and margin of the implicit rewards beta log pi/pi_ref (per pair kind);
+    '_mean' and '_std' of the rewards (a log-ratio reward model's normalisation) are private."""
+    out = dpo_loss(c, r, *ref, beta)
+    win = out.chosen_rewards > out.rejected_rewards
+    rewards = torch.cat([out.chosen_rewards, out.rejected_rewards])
+    accuracy_key = f"{prefix}/eval_accuracy" if prefix == "rm" else "dpo/eval_reward_accuracy"
+    res = {accuracy_key: win.float().mean().item(),
+           f"{prefix}/eval_margin": (out.chosen_rewards - out.rejected_rewards).mean().item(),
+           "_mean": rewards.mean().item(), "_std": rewards.std().item()}
+    for kind in sorted({row.get("kind") for row in rows if row.get("kind")}):
+        idx = torch.tensor([i for i, row in enumerate(rows) if row.get("kind") == kind])
+        res[f"{accuracy_key}@{kind}"] = win[idx].float().mean().item()
+    return res
+
+
+def _public(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if not k.startswith("_")}
+
+
+def _dpo_steps(st: _Stage, cfg: StageConfig, batches: list[list[int]], data, ref) -> float:
+    """The DPO optimizer steps over `batches` of pairs; returns the last batch's accuracy."""
+    world, acc = st.world, float("nan")
+    for step, batch in enumerate(batches, start=1):
+        mine, weight = share_of_batch(batch, world)
+        idx = torch.tensor(mine)
+        pol_c, pol_r = _pair_logp(st, cfg, data, mine)
+        out = dpo_loss(pol_c, pol_r, ref[0][idx].to(st.device), ref[1][idx].to(st.device), cfg.beta)
+        share = weight / len(batch)           # the mean over the global batch, this rank's part
+        lr = _step(st, out.loss.sum() * share * world.size)
+        margin = out.chosen_rewards - out.rejected_rewards
+        loss, acc, margin, chosen, rejected = (global_sum(torch.stack([
+            out.loss.detach().sum(), (margin > 0).float().sum(), margin.sum(),
+            out.chosen_rewards.sum(), out.rejected_rewards.sum()]) * share, world)).tolist()
+        st.logger.log(step, {"loss/dpo": loss, "optim/lr": lr, "dpo/reward_accuracy": acc,
+                             "dpo/margin": margin,
+                             "dpo/chosen_reward": chosen, "dpo/rejected_reward": rejected})
+    return acc
+
+
 def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True, *,
         as_reward_model: bool = False) -> dict[str, Any]:
     """DPO (§9) on (prompt, chosen, rejected) pairs from --data or --synthetic TASK.
@@ -286,57 +354,19 @@ def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
     reference = _reference_spec(cfg.model) if as_reward_model else None
     st = _start(cfg, model, tokenizer, fields, rows=train_rows)
     tok, world = st.tokenizer, st.world
-    accuracy_key, margin_key = (("rm/eval_accuracy", "rm/eval_margin") if as_reward_model
-                                else ("dpo/eval_reward_accuracy", "dpo/eval_margin"))
-
-    def responses(rows):
-        return ([_response_ids(tok, str(r[cfg.chosen_field]), cfg.max_len) for r in rows],
-                [_response_ids(tok, str(r[cfg.rejected_field]), cfg.max_len) for r in rows])
-
-    def seq_logp(data, batch: list[int]) -> tuple[Tensor, Tensor]:
-        # chosen and rejected of each pair in one forward: rows [c_0..c_n, r_0..r_n]
-        prompts, chosen, rejected = data
-        r = pack(tok, [prompts[i] for i in batch] * 2,
-                 [chosen[i] for i in batch] + [rejected[i] for i in batch], st.device)
-        logp = sequence_logprobs(st.model, r, torch.arange(2 * len(batch)), 1.0,
-                                 autocast=cfg.autocast).logp
-        seq = sequence_logprob(logp, r.response_mask_B_T)
-        return seq[:len(batch)], seq[len(batch):]
-
-    @torch.no_grad()
-    def all_logp(data) -> tuple[Tensor, Tensor]:
-        st.model.eval()
-        out = sharded_rows(lambda idx: seq_logp(data, idx), len(data[0]), 16, world)
-        st.model.train()
-        return out
-
-    train_data = (st.prompts, *responses(train_rows))
-    eval_data = (_encode(tok, cfg, [r[cfg.prompt_field] for r in eval_rows]), *responses(eval_rows))
+    prefix = "rm" if as_reward_model else "dpo"
+    train_data = (st.prompts, *_pair_responses(tok, cfg, train_rows))
+    eval_data = (_encode(tok, cfg, [r[cfg.prompt_field] for r in eval_rows]),
+                 *_pair_responses(tok, cfg, eval_rows))
     t0 = time.perf_counter()
-    ref_train, ref_eval = all_logp(train_data), all_logp(eval_data)
-    ref_s = time.perf_counter() - t0
-
-    def evaluate_pairs(c: Tensor, r: Tensor) -> dict[str, float]:
-        out = dpo_loss(c, r, *ref_eval, cfg.beta)
-        win = out.chosen_rewards > out.rejected_rewards
-        rewards = torch.cat([out.chosen_rewards, out.rejected_rewards])
-        res = {accuracy_key: win.float().mean().item(),
-               margin_key: (out.chosen_rewards - out.rejected_rewards).mean().item(),
-               "_mean": rewards.mean().item(), "_std": rewards.std().item()}
-        for kind in sorted({row.get("kind") for row in eval_rows if row.get("kind")}):
-            idx = torch.tensor([i for i, row in enumerate(eval_rows) if row.get("kind") == kind])
-            res[f"{accuracy_key}@{kind}"] = win[idx].float().mean().item()
-        return res
-
-    def public(metrics: dict[str, float]) -> dict[str, float]:
-        return {k: v for k, v in metrics.items() if not k.startswith("_")}
-
-    task = synthetic_task(cfg) if cfg.synthetic and not as_reward_model else None
+    ref_train, ref_eval = _all_pair_logp(st, cfg, train_data), _all_pair_logp(st, cfg, eval_data)
     summary: dict[str, Any] = {"run_dir": str(st.run_dir), "source": source,
                                "train_pairs": len(train_rows), "eval_pairs": len(eval_rows),
-                               "reference_s": ref_s}
+                               "reference_s": time.perf_counter() - t0}
+    task = synthetic_task(cfg) if cfg.synthetic and not as_reward_model else None
     if as_reward_model:       # pi = pi_ref: every implicit reward is 0, every pair a tie
-        summary["eval_before"] = public(evaluate_pairs(*ref_eval))
+        summary["eval_before"] = _public(_implicit_reward_metrics(*ref_eval, ref_eval, cfg.beta,
+                                                                  eval_rows, prefix))
         st.logger.log(0, summary["eval_before"])
     if task is not None:
         summary["behaviour_before"] = held_out_behaviour(st.model, tok, task, cfg, world)
@@ -345,27 +375,13 @@ def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
     batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
     st.schedule(cfg, len(batches))
     t_start = time.perf_counter()
-    acc = float("nan")
     bar = tqdm(batches, disable=not (show_progress and world.main),
                desc="reward-model" if as_reward_model else "dpo")
-    for step, batch in enumerate(bar, start=1):
-        mine, weight = share_of_batch(batch, world)
-        idx = torch.tensor(mine)
-        pol_c, pol_r = seq_logp(train_data, mine)
-        out = dpo_loss(pol_c, pol_r, ref_train[0][idx].to(st.device), ref_train[1][idx].to(st.device),
-                       cfg.beta)
-        share = weight / len(batch)           # the mean over the global batch, this rank's part
-        lr = _step(st, out.loss.sum() * share * world.size)
-        margin = out.chosen_rewards - out.rejected_rewards
-        loss, acc, margin, chosen, rejected = (global_sum(torch.stack([
-            out.loss.detach().sum(), (margin > 0).float().sum(), margin.sum(),
-            out.chosen_rewards.sum(), out.rejected_rewards.sum()]) * share, world)).tolist()
-        st.logger.log(step, {"loss/dpo": loss, "optim/lr": lr, "dpo/reward_accuracy": acc,
-                             "dpo/margin": margin,
-                             "dpo/chosen_reward": chosen, "dpo/rejected_reward": rejected})
+    acc = _dpo_steps(st, cfg, bar, train_data, ref_train)
     summary["train_minutes"] = (time.perf_counter() - t_start) / 60
-    after = evaluate_pairs(*all_logp(eval_data))
-    summary["eval_after"] = public(after)
+    after = _implicit_reward_metrics(*_all_pair_logp(st, cfg, eval_data), ref_eval, cfg.beta,
+                                     eval_rows, prefix)
+    summary["eval_after"] = _public(after)
     st.logger.log(len(batches), summary["eval_after"])
     if task is not None:
         summary["behaviour_after"] = held_out_behaviour(st.model, tok, task, cfg, world)
@@ -470,6 +486,30 @@ def load_reward_model_start(path: str | Path):
     return model
 
 
+def _bradley_terry_step(st: _Stage, cfg: StageConfig, step: int, batch: list[int], scores,
+                        chosen: list[list[int]]) -> None:
+    """One reward-model optimizer step on a global batch of pairs (this rank's share):
+    -log sigmoid(r_c - r_r), plus lm_coef x the next-token loss on the chosen responses."""
+    from posttrain.losses import bradley_terry_loss
+    world = st.world
+    mine, weight = share_of_batch(batch, world)
+    c, r, nll = scores(mine)
+    losses = bradley_terry_loss(c, r)
+    share = weight / len(batch)           # the mean over the global batch, this rank's part
+    loss = losses.sum() * share
+    logged = {}
+    if nll is not None:                   # mean over the global batch's chosen tokens
+        n_tokens = global_sum(torch.tensor(weight * sum(len(chosen[i]) for i in mine),
+                                           dtype=torch.float32, device=st.device), world)
+        lm = nll.sum() * weight / n_tokens
+        loss = loss + cfg.lm_coef * lm
+        logged["loss/chosen_nll"] = global_sum(lm.detach(), world).item()
+    logged["optim/lr"] = _step(st, loss * world.size)
+    bt, acc = (global_sum(torch.stack([losses.detach().sum(), (c > r).float().sum()]) * share,
+                          world)).tolist()
+    st.logger.log(step, {"loss/bradley_terry": bt, "rm/train_accuracy": acc, **logged})
+
+
 def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
                  ) -> dict[str, Any]:
     """Train a Bradley-Terry reward model (§1) on (prompt, chosen, rejected) pairs:
@@ -484,7 +524,7 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
                 raise ValueError(f"{name}={getattr(cfg, name)!r} applies to reward_form=score_head "
                                  "only (a log-ratio reward model has no score head)")
         return dpo(cfg, model, tokenizer, show_progress, as_reward_model=True)
-    from posttrain.losses import bradley_terry_loss, pairwise_accuracy
+    from posttrain.losses import pairwise_accuracy
     from posttrain.rewards.model import STATS_FILE, encode_responses, pair_scores
 
     fields = [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
@@ -521,11 +561,8 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
             out[f"rm/eval_accuracy@{kind}"] = pairwise_accuracy(c[idx], r[idx]).item()
         return out
 
-    def public(metrics: dict[str, float]) -> dict[str, float]:
-        return {k: v for k, v in metrics.items() if not k.startswith("_")}
-
     before = evaluate_pairs()
-    st.logger.log(0, public(before))
+    st.logger.log(0, _public(before))
     heads, chosen, rejected = encode(train_rows, st.prompts)    # prompts encoded by _start
     lengths = [len(h) + max(len(c), len(r)) for h, c, r in zip(heads, chosen, rejected)]
     batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
@@ -534,30 +571,16 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
     st.model.train()
     bar = tqdm(batches, disable=not (show_progress and world.main), desc="reward-model")
     for step, batch in enumerate(bar, start=1):
-        mine, weight = share_of_batch(batch, world)
-        c, r, nll = scores(mine, heads, chosen, rejected, cfg.lm_coef > 0)
-        losses = bradley_terry_loss(c, r)
-        share = weight / len(batch)           # the mean over the global batch, this rank's part
-        loss = losses.sum() * share
-        logged = {}
-        if nll is not None:                   # mean over the global batch's chosen tokens
-            n_tokens = global_sum(torch.tensor(weight * sum(len(chosen[i]) for i in mine),
-                                               dtype=torch.float32, device=st.device), world)
-            lm = nll.sum() * weight / n_tokens
-            loss = loss + cfg.lm_coef * lm
-            logged["loss/chosen_nll"] = global_sum(lm.detach(), world).item()
-        logged["optim/lr"] = _step(st, loss * world.size)
-        bt, acc = (global_sum(torch.stack([losses.detach().sum(), (c > r).float().sum()]) * share,
-                              world)).tolist()
-        st.logger.log(step, {"loss/bradley_terry": bt, "rm/train_accuracy": acc, **logged})
+        _bradley_terry_step(st, cfg, step, batch, lambda mine: scores(mine, heads, chosen, rejected,
+                                                                      cfg.lm_coef > 0), chosen)
     train_minutes = (time.perf_counter() - t_start) / 60
     after = evaluate_pairs()
-    st.logger.log(len(batches), public(after))
+    st.logger.log(len(batches), _public(after))
     stats = json.dumps({"mean": after["_mean"], "std": after["_std"], "source": source,
                         "end_of_turn": cfg.end_of_turn})
     return {"run_dir": str(st.run_dir), "final_model": _finish(st, {STATS_FILE: stats}),
             "steps": len(batches), "train_pairs": len(train_rows), "eval_pairs": len(eval_rows),
-            "train_minutes": train_minutes, "eval_before": public(before), "eval_after": public(after)}
+            "train_minutes": train_minutes, "eval_before": _public(before), "eval_after": _public(after)}
 
 
 def generate(cfg, n: int, out: str | Path, samples: int = 1, only_correct: bool = True,
