@@ -182,20 +182,17 @@ def run_trl(out: Path, seed: int, steps: int, eval_every: int, model_dir: Path, 
 # Report
 # ---------------------------------------------------------------------------------------------
 
-def mean_sd(xs: list[float]) -> str:
-    xs = [x for x in xs if x is not None]
+def mean_sd(xs: list[float], scale: float = 1.0, digits: int = 3, unit: str = "") -> str:
+    """'mean ± sd' over seeds (sample sd), None values left out."""
+    xs = [scale * x for x in xs if x is not None]
     if not xs:
         return "n/a"
     sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    return f"{statistics.mean(xs):.3f} ± {sd:.3f}"
+    return f"{statistics.mean(xs):.{digits}f} ± {sd:.{digits}f}{unit}"
 
 
 def pct(xs: list[float]) -> str:
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return "n/a"
-    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    return f"{100 * statistics.mean(xs):.1f} ± {100 * sd:.1f}%"
+    return mean_sd(xs, 100.0, 1, "%")
 
 
 def at_minutes(run: dict, t: float) -> float | None:
