@@ -113,15 +113,15 @@ class Critic:
             parts.append(self.values(rollout, rows, autocast, hidden))
         return torch.cat(parts) * rollout.response_mask_B_T
 
-    def step(self) -> float:
+    def step(self) -> Tensor:
         """Average the replicated gradients over ranks (FSDP already reduced the sharded ones),
-        clip them, take an optimizer step; returns the gradient norm."""
+        clip them, take an optimizer step; returns the gradient norm (a tensor: no sync)."""
         params = self.parameters()    # (after backward: FSDP2 has re-registered its shards)
         average_gradients(params, self.world)
         norm = clip_grad_norm(params, self.cfg.max_grad_norm, self.world)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm.item()
+        return norm
 
     def optimizer_state(self) -> dict:
         """The value model's optimizer state, full and keyed by parameter name (resumes on any

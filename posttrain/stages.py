@@ -617,7 +617,7 @@ def generate(cfg, n: int, out: str | Path, samples: int = 1, only_correct: bool 
         # the response as the teacher wrote it, its stop string included: a student warmed up on
         # it ends its answers as the teacher does, which the distillation that follows compares
         # token by token (stripped, the student learned to end with EOS where the teacher writes
-        # a blank line, docs/distillation.md section 3)
+        # a blank line, docs/distillation.md, MOPD)
         # and its token ids, which `sft` trains on (the text may re-tokenise differently)
         token_ids = [row[m > 0].tolist() for row, m in zip(rollout.response_ids_B_T.cpu(),
                                                           rollout.response_mask_B_T.cpu())]

@@ -20,10 +20,9 @@ import copy
 from contextlib import nullcontext
 import json
 import logging
-import math
 import time
 from collections import Counter
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,62 +39,28 @@ from posttrain.data.source import Sampler, build_task
 from posttrain.data.tasks import Problem
 from posttrain.evaluation import evaluate
 from posttrain.logging import MetricsLogger, NullLogger, console_line, plot_run
-from posttrain.losses import (AGGREGATIONS, DISTILL_LOSSES, KL_ESTIMATORS, POLICY_LOSSES,
-                              aggregate, explained_variance, kl_penalized_rewards,
-                              kl_penalty_in_loss, ratio_stats, sampled_reverse_kl,
-                              truncated_is_weights, value_loss)
+from posttrain.losses import (DISTILL_LOSSES, KL_ESTIMATORS, explained_variance,
+                              kl_penalized_rewards, sampled_reverse_kl)
 from posttrain.memory import estimate as estimate_memory
 from posttrain.models import (add_lora, load_policy, load_tokenizer, merged_lora_copy,
                               resolve_model_path, save_model)
 from posttrain.rewards import Scorer, overlong_penalty
 from posttrain.prompts import encode_prompts, left_pad
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, make_engine, vllm_options
-from posttrain.rollout.base import concat_rollouts
 from posttrain.rollout.hf import row_seeds
 from posttrain.run import make_scheduler, seed_everything
 from posttrain.teachers import Teachers
 from posttrain.critic import Critic
-from posttrain.distributed import (SINGLE, World, average_gradients, barrier,
-                                   clip_grad_norm, device_for, full_state_dict,
+from posttrain.distributed import (SINGLE, World, barrier,
+                                   device_for, full_state_dict,
                                    full_weights_for_generation, gather_objects,
-                                   global_aggregation_weights, global_max, global_sum, init_world,
+                                   global_max, global_sum, init_world,
                                    load_optimizer_state, mean_metrics, wrap)
-from posttrain.forward import frozen_logprobs, group_chunks, sequence_logprobs
+from posttrain.forward import frozen_logprobs
+from posttrain.batch import ScoredBatch, equal_reward_groups, merge
+from posttrain.update import ValueTargets, masked_mean, update_policy
 
 log = logging.getLogger("posttrain")
-
-
-# ---------------------------------------------------------------------------------------------
-# Prompts
-# ---------------------------------------------------------------------------------------------
-
-# ---------------------------------------------------------------------------------------------
-# One scored batch
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class ScoredBatch:
-    rollout: Rollout
-    problems: list[Problem]         # one per response (B)
-    completions: list[str]
-    rewards_B: Tensor               # total reward, shaping included
-    correct_B: Tensor
-    loss_mask_B_T: Tensor           # response tokens that enter the loss
-    ref_logp_B_T: Tensor | None = None
-    teacher_logp_B_T: Tensor | None = None
-    teacher_view: Rollout | None = None   # the same responses after the teacher's own prompts
-    # another engine sampled (vLLM): rollout.logp_B_T are its log-probs, these the trainer's own
-    # for the same tokens (ratios, advantages, KL and the truncated IS weights use them)
-    trainer_old_logp_B_T: Tensor | None = None
-
-    @property
-    def old_logp_B_T(self) -> Tensor:
-        """log pi_old of the sampled tokens as the trainer computes them."""
-        return self.rollout.logp_B_T if self.trainer_old_logp_B_T is None else self.trainer_old_logp_B_T
-
-    @property
-    def rewards_P_G(self) -> Tensor:
-        return self.rewards_B.reshape(-1, self.rollout.group_size)
 
 
 def teacher_view(batch: ScoredBatch, cfg: TrainConfig, tokenizer) -> Rollout:
@@ -116,11 +81,6 @@ def teacher_view(batch: ScoredBatch, cfg: TrainConfig, tokenizer) -> Rollout:
     device = batch.rollout.prompt_ids_B_L.device
     return replace(batch.rollout, prompt_ids_B_L=ids.repeat_interleave(G, 0).to(device),
                    prompt_mask_B_L=mask.repeat_interleave(G, 0).to(device))
-
-
-def equal_reward_groups(rewards_P_G: Tensor) -> Tensor:
-    """(P,) bool: groups whose G rewards are all equal (zero group advantage, no signal)."""
-    return (rewards_P_G == rewards_P_G[:, :1]).all(dim=1)
 
 
 def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, scorer: Scorer,
@@ -179,7 +139,7 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
         keep_groups = (~equal).nonzero().squeeze(-1)
         if keep_groups.numel():
             rows = (keep_groups[:, None] * G + torch.arange(G)).reshape(-1)
-            kept.append((rounds, select(batch, rows)))
+            kept.append((rounds, batch.select(rows)))
         # informative groups over all ranks: every rank counts the same, so they stop together
         n_kept += sum(gather_objects(keep_groups.numel(), world))
         if n_kept >= P_global or rounds > algo.max_refill_rounds:
@@ -190,29 +150,17 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
     stats["rollout/dynamic_rounds"] = rounds
     stats["rollout/kept_groups"] = n_use
     if n_use == 0:  # nothing informative after every refill: train on nothing rather than noise
-        return select(first, torch.arange(0)), dict(stats)
+        return first.select(torch.arange(0)), dict(stats)
     parts = [part for _, part in kept]
     if world.distributed:   # each rank kept its own prompts' groups: share them out again evenly
         device = first.rewards_B.device
-        shares = gather_objects([(rnd, batch_to(part, "cpu")) for rnd, part in kept], world)
+        shares = gather_objects([(rnd, part.to("cpu")) for rnd, part in kept], world)
         ordered = sorted((rnd, rank, part) for rank, share in enumerate(shares)
                          for rnd, part in share)
-        parts = [batch_to(part, device) for _, _, part in ordered]
+        parts = [part.to(device) for _, _, part in ordered]
     merged = merge(parts, tokenizer.pad_token_id)
     mine = world.share(n_use)
-    return select(merged, torch.arange(mine.start * G, mine.stop * G)), dict(stats)
-
-
-def batch_to(obj, device):
-    """A ScoredBatch (or Rollout) with every tensor moved to `device`."""
-    changes = {}
-    for f in fields(obj):
-        v = getattr(obj, f.name)
-        if isinstance(v, Tensor):
-            changes[f.name] = v.to(device)
-        elif isinstance(v, Rollout):
-            changes[f.name] = batch_to(v, device)
-    return replace(obj, **changes)
+    return merged.select(torch.arange(mine.start * G, mine.stop * G)), dict(stats)
 
 
 def reward_model_metrics(scores_B: Tensor, correct_B: Tensor) -> dict[str, float]:
@@ -221,214 +169,6 @@ def reward_model_metrics(scores_B: Tensor, correct_B: Tensor) -> dict[str, float
         if rows.any():
             out[f"reward/model_score_{name}"] = scores_B[rows].mean().item()
     return out
-
-
-def select(b: ScoredBatch, rows: Tensor) -> ScoredBatch:
-    idx = rows.tolist()
-    return ScoredBatch(b.rollout.select(rows), [b.problems[i] for i in idx],
-                       [b.completions[i] for i in idx], b.rewards_B[rows], b.correct_B[rows],
-                       b.loss_mask_B_T[rows],
-                       None if b.ref_logp_B_T is None else b.ref_logp_B_T[rows])
-
-
-def merge(parts: list[ScoredBatch], pad_id: int) -> ScoredBatch:
-    rollout = concat_rollouts([p.rollout for p in parts], pad_id)
-    T = rollout.response_ids_B_T.shape[1]
-    masks = [torch.nn.functional.pad(p.loss_mask_B_T, (0, T - p.loss_mask_B_T.shape[1])) for p in parts]
-    return ScoredBatch(rollout, [x for p in parts for x in p.problems],
-                       [x for p in parts for x in p.completions],
-                       torch.cat([p.rewards_B for p in parts]),
-                       torch.cat([p.correct_B for p in parts]), torch.cat(masks))
-
-
-# ---------------------------------------------------------------------------------------------
-# Policy update (§3, §5, §6): epochs x minibatches x micro-batches
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class ValueTargets:
-    """What the critic regresses on in the update (§5): V_old and the GAE returns, (B, T)."""
-    old_values_B_T: Tensor
-    returns_B_T: Tensor
-
-
-def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tensor,
-                  cfg: TrainConfig, algo: AlgorithmConfig, generator: torch.Generator,
-                  teachers: Teachers | None = None, critic: Critic | None = None,
-                  targets: ValueTargets | None = None,
-                  train_policy: bool = True, world: World = SINGLE) -> dict[str, float]:
-    """Epochs x minibatches of clipped updates; the critic (PPO) learns on the same minibatches.
-    With train_policy=False (critic warm-up) only the critic is updated."""
-    o, temperature = cfg.optim, cfg.rollout.temperature
-    rollout, mask = batch.rollout, batch.loss_mask_B_T
-    G = rollout.group_size
-    n_groups = len(batch.rewards_B) // G
-    # With a single update the policy cannot have moved since sampling: pi_old = pi_theta exactly,
-    # the ratio is 1 and the recorded log-probs are not needed (§3).
-    single_update = o.epochs == 1 and o.minibatches == 1
-    # Another engine sampled (vLLM): its log-probs are not the trainer's. The ratio is taken
-    # against the trainer's own pi_old, and each token's policy-gradient term is weighted by the
-    # truncated importance ratio pi_trainer / pi_engine (§3, losses.truncated_is_weights).
-    foreign = cfg.rollout.backend != "hf"
-    if foreign and not single_update and batch.trainer_old_logp_B_T is None:
-        raise ValueError("several updates on another engine's samples need the trainer's pi_old "
-                         "log-probs (batch.trainer_old_logp_B_T)")
-    old_logp = batch.old_logp_B_T
-    tis_cap = cfg.rollout.tis_cap if foreign else None
-    policy_loss = POLICY_LOSSES[algo.policy_loss]
-    kl_fn = KL_ESTIMATORS[algo.kl_estimator] if batch.ref_logp_B_T is not None else None
-    kl_in_loss = kl_fn is not None and algo.kl_in == "loss"
-    # A group whose advantages are all 0 (all-equal rewards under a group baseline) adds exactly
-    # nothing to the loss or its gradient unless a KL term is in the loss, so its forward and
-    # backward passes are skipped. The aggregation weights are still computed over the whole
-    # minibatch, so the update is the same as with those groups in: only cheaper. Late in a
-    # GRPO run most groups are all-correct, and this removes most of the update's compute.
-    has_signal = (adv_B_T.abs().sum(-1).reshape(-1, G) > 0).any(-1).repeat_interleave(G).cpu()
-    distill = DISTILL_LOSSES[algo.distill_loss] if teachers is not None else None
-    exact_distill = distill is not None and distill.token_loss is not None
-    domains = [p.domain for p in batch.problems]
-    # (FSDP2: every rank must run the same forwards, whose layers gather weights collectively)
-    if kl_in_loss or exact_distill or critic is not None or world.strategy == "fsdp":
-        has_signal = torch.ones_like(has_signal)
-    # the policy forward is needed for its loss, or for the hidden states a shared value head reads
-    policy_forward = train_policy or (critic is not None and critic.shared)
-    sums: Counter = Counter()
-    n_updates = 0
-    model.train()
-    if critic is not None:
-        critic.train()
-    # Minibatches are drawn over the *global* batch (every rank holds n_groups groups, rank r
-    # those numbered r * n_groups onwards), so N ranks split it exactly as one process would.
-    offset, n_global = world.rank * n_groups, n_groups * world.size
-    for _ in range(o.epochs):
-        group_order = torch.randperm(n_global, generator=generator)
-        for mb_global in group_order.chunk(o.minibatches):
-            mb_groups = mb_global[(mb_global >= offset) & (mb_global < offset + n_groups)] - offset
-            rows_mb = (mb_groups[:, None] * G + torch.arange(G)).reshape(-1)
-            # Aggregation weights over the whole minibatch, so micro-batches sum to the same loss.
-            # (several ranks: normalised over the global minibatch, see global_aggregation_weights)
-            weights = global_aggregation_weights(AGGREGATIONS[algo.aggregation], mask[rows_mb],
-                                                 float(cfg.rollout.max_new_tokens), world)
-            value_weights = (global_aggregation_weights(AGGREGATIONS["token_mean"], mask[rows_mb],
-                                                        1.0, world) if critic is not None else None)
-            kept = has_signal[rows_mb].nonzero().squeeze(-1)
-            sums["policy/skipped_rows"] += len(rows_mb) - len(kept)
-            micros: list[Tensor | None] = [kept[c] for c in group_chunks(len(kept), G,
-                                                                          o.micro_batch_size)]
-            if world.strategy == "fsdp" and world.distributed and n_groups:
-                # ranks may hold different shares of a minibatch, but FSDP's forward and backward
-                # are collectives: pad with zero-weight passes over this rank's first group
-                micros += [None] * (int(global_max(len(micros), world)) - len(micros))
-            for micro in micros:
-                padding = micro is None
-                if padding:
-                    saved_sums = Counter(sums)
-                rows = torch.arange(G) if padding else rows_mb[micro]
-                m = mask[rows]
-                w_micro = torch.zeros_like(m) if padding else weights[micro]
-                vw_micro = (None if value_weights is None else
-                            torch.zeros_like(m) if padding else value_weights[micro])
-                loss = torch.zeros(())
-                if policy_forward:
-                    logp, entropy, logits, hidden = sequence_logprobs(
-                        model, rollout, rows, temperature, with_entropy=True,
-                        autocast=cfg.model.autocast, keep_logits=exact_distill,
-                        keep_hidden=critic is not None and critic.shared)
-                if train_policy:
-                    old = logp.detach() if single_update else old_logp[rows]
-                    loss_t = policy_loss(logp, old, adv_B_T[rows], clip_low=algo.clip_low,
-                                         clip_high=algo.clip_high, dual_clip=algo.dual_clip)
-                    if tis_cap is not None:
-                        w = truncated_is_weights(old, rollout.logp_B_T[rows], tis_cap)
-                        loss_t = loss_t * w
-                        sums["rollout/tis_weight_mean"] += _mean(w, m) * len(rows)
-                        sums["rollout/tis_capped_frac"] += _mean((w >= tis_cap).float(), m) * len(rows)
-                    if exact_distill:   # §8: the full-vocabulary reverse KL is itself the loss
-                        tv = batch.teacher_view or rollout
-                        with torch.no_grad():
-                            t_logits = teachers.response_logits(tv, rows, domains,
-                                                                cfg.model.autocast)
-                            if cfg.teacher.temperature:   # a sharpened (or flattened) teacher
-                                t_logits = t_logits * (temperature / cfg.teacher.temperature)
-                        distill_t, kl_exact = distill.token_loss(logits, t_logits, temperature)
-                        loss_t = loss_t + distill_t
-                        sums["distill/reverse_kl_exact"] += _mean(kl_exact, m) * len(rows)
-                        for d in set(domains[int(r)] for r in rows) if len(set(domains)) > 1 else ():
-                            k = torch.tensor([domains[int(r)] == d for r in rows])
-                            sums[f"_kl@{d}"] += (kl_exact[k] * m[k]).sum().item()
-                            sums[f"_tokens@{d}"] += m[k].sum().item()
-                    if kl_fn is not None:
-                        kl_t = kl_fn(logp, batch.ref_logp_B_T[rows])
-                        if kl_in_loss:
-                            loss_t = kl_penalty_in_loss(loss_t, kl_t, algo.kl_coef)
-                        sums["policy/kl_ref"] += _mean(kl_t.detach(), m) * len(rows)
-                    loss = aggregate(loss_t, w_micro)
-                    sums["loss/policy"] += loss.item()
-                    if n_updates == 0:   # policy not yet moved: sampler vs trainer numerics only
-                        diff = logp.detach() - rollout.logp_B_T[rows]
-                        sums["_mismatch"] += _mean(diff.abs(), m) * len(rows)
-                        sums["_rows_first"] += len(rows)
-                        big = torch.where(m > 0, diff, torch.full_like(diff, -1e9)).max().item()
-                        sums["rollout/is_ratio_max"] = max(sums["rollout/is_ratio_max"],
-                                                           math.exp(min(big, 50.0)))
-                    st = ratio_stats(logp, old, adv_B_T[rows], m, algo.clip_low, algo.clip_high)
-                    for name in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio_mean"):
-                        sums[f"policy/{name}"] += getattr(st, name).item() * len(rows)
-                    sums["policy/ratio_max"] = max(sums["policy/ratio_max"], st.ratio_max.item())
-                    sums["policy/entropy"] += _mean(entropy, m) * len(rows)
-                if critic is not None:   # §5: regress V on the GAE returns, clipped around V_old
-                    values = critic.values(rollout, rows, cfg.model.autocast,
-                                           hidden if critic.shared else None)
-                    v_loss_t, v_clipped = value_loss(values, targets.old_values_B_T[rows],
-                                                     targets.returns_B_T[rows], cfg.critic.clip)
-                    v_loss = aggregate(v_loss_t, vw_micro)
-                    loss = loss + cfg.critic.vf_coef * v_loss
-                    sums["loss/value"] += v_loss.item()
-                    sums["critic/clip_frac"] += _mean(v_clipped.float(), m) * len(rows)
-                if padding:   # the same collectives, no gradient and no metrics
-                    loss = loss * 0.0
-                    sums = saved_sums
-                loss.backward()
-                sums["_rows"] += 0 if padding else len(rows)
-            if train_policy:
-                if len(kept) == 0:   # keep the optimizer step (Adam momentum, decay) as it would be
-                    for p in model.parameters():
-                        # (FSDP: a padding pass already holds the other ranks' reduced shards)
-                        if p.requires_grad and p.grad is None:
-                            p.grad = torch.zeros_like(p)
-                average_gradients(list(model.parameters()), world)
-                grad_norm = clip_grad_norm(list(model.parameters()), o.max_grad_norm, world)
-                sums["policy/grad_norm"] += grad_norm.item()
-                optimizer.step()
-                scheduler.step()
-            optimizer.zero_grad(set_to_none=True)   # warm-up: a shared body's value grads dropped
-            if critic is not None:
-                sums["critic/grad_norm"] += critic.step()
-            n_updates += 1
-    per_domain_kl = {}   # MOPD: the exact reverse KL to each domain's teacher, per token
-    for key in [k for k in sums if k.startswith("_kl@")]:
-        d = key[len("_kl@"):]
-        per_domain_kl[f"distill/reverse_kl_exact@{d}"] = sums.pop(key) / max(sums.pop(f"_tokens@{d}"), 1)
-    rows_seen, skipped = sums.pop("_rows", 0), sums.pop("policy/skipped_rows", 0)
-    mismatch, rows_first = sums.pop("_mismatch", 0.0), sums.pop("_rows_first", 0)
-    per_update = ("loss/policy", "loss/value", "policy/grad_norm", "critic/grad_norm")
-    maxima = ("policy/ratio_max", "rollout/is_ratio_max")
-    out = {k: v / max(rows_seen, 1) for k, v in sums.items()
-           if k not in per_update and k not in maxima}
-    out.update({k: sums[k] / max(n_updates, 1) for k in per_update if k in sums})
-    out.update(per_domain_kl)
-    out["policy/skipped_rows_frac"] = skipped / max(skipped + rows_seen, 1)
-    if rows_first:   # mean |log pi_trainer - log pi_sampler| of the sampled tokens (§3)
-        out["rollout/logp_mismatch"] = mismatch / rows_first
-        out["rollout/is_ratio_max"] = sums["rollout/is_ratio_max"]
-    if train_policy:
-        out["policy/ratio_max"] = sums["policy/ratio_max"]
-    out["optim/lr"] = scheduler.get_last_lr()[0]
-    return out
-
-
-def _mean(x: Tensor, m: Tensor) -> float:
-    return ((x * m).sum() / m.sum().clamp(min=1)).item()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -805,6 +545,10 @@ def finish(run: Run, step: int, summary: dict[str, Any]) -> dict[str, Any]:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     barrier(world)
     return summary
+
+
+def _mean(x: Tensor, m: Tensor) -> float:
+    return masked_mean(x, m).item()
 
 
 def ppo_token_rewards(batch: ScoredBatch, algo: AlgorithmConfig) -> Tensor:

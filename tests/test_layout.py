@@ -19,12 +19,14 @@ PACKAGE = ROOT / "posttrain"
 # never from a layer above (and never in a cycle, even within a layer).
 LAYERS = [
     ["registry", "perf", "data.tasks", "recipes"],                           # plain Python
-    ["losses", "advantages", "data", "data.files", "data.preferences", "rollout.base"],  # math, data
+    ["losses", "advantages", "data", "data.files", "data.preferences", "rollout.base",
+     "batch"],                                                               # math, data
     ["config"],                                                              # typed configs
     ["data.source", "prompts", "models", "distributed", "memory", "logging", "checkpoint",
      "rewards.safe", "rewards.verifiers", "run"],                            # machinery
     ["rollout", "rollout.hf", "rollout.vllm", "forward"],                    # sampling, forward
     ["rewards", "rewards.model", "teachers", "critic", "evaluation"],        # scores, teachers
+    ["update"],                                                              # the policy update
     ["trainer", "stages"],                                                   # the loops
     ["cli", ""],                                                             # entry points
 ]
@@ -102,13 +104,13 @@ def test_the_checks_catch_a_planted_cycle():
     (the cycle trainer -> rewards -> rewards.model -> stages -> trainer that once existed)."""
     edges = import_graph()
     edges["rewards.model"].add("stages")
-    assert upward_imports(edges) == ["rewards.model (layer 5) imports stages (layer 6)"]
+    assert upward_imports(edges) == ["rewards.model (layer 5) imports stages (layer 7)"]
     assert ["rewards", "rewards.model", "stages", "rewards"] in cycles(edges)
 
 
 # Functions that are longer than a reader can follow, with their length today: the list may only
 # shrink (split them; issue "one pipeline you can read"), and no new function may join it.
-TOO_LONG_TODAY = {"trainer.py::update_policy": 173}
+TOO_LONG_TODAY: dict[str, int] = {}
 
 
 def test_no_function_grows_past_80_lines():

@@ -9,7 +9,9 @@ import torch
 from posttrain.config import load_config
 from posttrain.rewards import Scorer
 from posttrain.rollout import SamplingParams, make_engine
-from posttrain.trainer import equal_reward_groups, generate_and_score, train, update_policy
+from posttrain.batch import equal_reward_groups
+from posttrain.trainer import generate_and_score, train
+from posttrain.update import update_policy
 from posttrain.data.source import Sampler, build_task
 from posttrain.prompts import encode_prompts
 from posttrain.forward import frozen_logprobs

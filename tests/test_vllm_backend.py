@@ -17,7 +17,8 @@ from posttrain.rewards import Scorer
 from posttrain.rollout import make_engine
 from posttrain.rollout.vllm import (Completion, completion_from_openai, completion_from_vllm,
                                     request_seed, to_rollout)
-from posttrain.trainer import generate_and_score, update_policy
+from posttrain.trainer import generate_and_score
+from posttrain.update import update_policy
 from posttrain.data.source import Sampler, build_task
 from tests.conftest import make_tiny_model
 from tests.test_trainer import toy_config

@@ -1,0 +1,326 @@
+"""The policy update (docs/algorithms.md §3, §5, §6, §8): one step's batch, epochs x minibatches
+of whole groups, each minibatch in micro-batches whose losses sum to the minibatch's loss.
+
+    for each epoch:
+        for each minibatch (a random share of the groups):
+            weights = AGGREGATIONS[algo.aggregation](mask of the whole minibatch)
+            for each micro-batch:                 policy_terms + value_terms, backward
+            optimizer_step                         average over ranks, clip, Adam, lr schedule
+
+The terms a step uses (policy loss, truncated IS weights, KL to the reference, an exact
+distillation loss, the critic's value loss) are chosen once per update in `UpdateTerms`, from
+registries. Metrics stay on the device as tensors (`Metrics`) and reach the host in one transfer
+at the end of the update, so a GPU step is not stalled by a sync per micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from posttrain.batch import ScoredBatch
+from posttrain.config import AlgorithmConfig, TrainConfig
+from posttrain.critic import Critic
+from posttrain.distributed import (SINGLE, World, average_gradients, clip_grad_norm,
+                                   global_aggregation_weights, global_max)
+from posttrain.forward import group_chunks, sequence_logprobs
+from posttrain.losses import (AGGREGATIONS, DISTILL_LOSSES, KL_ESTIMATORS, POLICY_LOSSES,
+                              DistillLoss, aggregate, kl_penalty_in_loss, ratio_stats,
+                              truncated_is_weights, value_loss)
+from posttrain.teachers import Teachers
+
+
+@dataclass
+class ValueTargets:
+    """What the critic regresses on in the update (§5): V_old and the GAE returns, (B, T)."""
+    old_values_B_T: Tensor
+    returns_B_T: Tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics on the device
+# ---------------------------------------------------------------------------------------------
+
+class Metrics:
+    """Metric tensors summed where they were computed, read with one host transfer.
+
+    `rows(name, mean, n)` adds a per-row mean weighted by its n rows (logged divided by all rows),
+    `update(name, x)` one value per optimizer step (logged averaged over steps), `max` a maximum.
+    Sums are float64 (float32 on MPS), the precision the Python floats they replace had."""
+
+    def __init__(self) -> None:
+        self.row_sums: dict[str, Tensor] = {}
+        self.update_sums: dict[str, Tensor] = {}
+        self.maxima: dict[str, Tensor] = {}
+
+    @staticmethod
+    def _wide(x: Tensor) -> Tensor:
+        x = x.detach()
+        return x.float() if x.device.type == "mps" else x.double()
+
+    def rows(self, name: str, mean: Tensor, n: int) -> None:
+        v = self._wide(mean) * n
+        self.row_sums[name] = self.row_sums[name] + v if name in self.row_sums else v
+
+    def update(self, name: str, x: Tensor) -> None:
+        v = self._wide(x)
+        self.update_sums[name] = self.update_sums[name] + v if name in self.update_sums else v
+
+    def max(self, name: str, x: Tensor) -> None:
+        v = self._wide(x)
+        self.maxima[name] = torch.maximum(self.maxima[name], v) if name in self.maxima else v
+
+    def read(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        """(row sums, update sums, maxima) as floats: the update's one device-to-host transfer."""
+        groups = (self.row_sums, self.update_sums, self.maxima)
+        tensors = [v for g in groups for v in g.values()]
+        if not tensors:
+            return {}, {}, {}
+        device = tensors[0].device
+        values = iter(torch.stack([v.to(device) for v in tensors]).tolist())
+        return tuple({k: next(values) for k in g} for g in groups)
+
+
+def masked_mean(x: Tensor, m: Tensor) -> Tensor:
+    """sum(x * m) / max(sum(m), 1), a tensor (no sync)."""
+    return (x * m).sum() / m.sum().clamp(min=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# What one update computes
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class UpdateTerms:
+    """The loss terms of one step's update, chosen once from the registries."""
+    policy_loss: Callable[..., Tensor]        # POLICY_LOSSES[algo.policy_loss]
+    old_logp_B_T: Tensor                      # the trainer's pi_old
+    single_update: bool                       # one epoch, one minibatch: pi_old = pi_theta exactly
+    tis_cap: float | None                     # another engine sampled: truncated IS weights (§3)
+    kl_fn: Callable[[Tensor, Tensor], Tensor] | None   # KL_ESTIMATORS[...] when a reference ran
+    kl_in_loss: bool
+    distill: DistillLoss | None               # an exact (full-vocabulary) teacher loss, per token
+    domains: list[str]
+
+
+def update_terms(batch: ScoredBatch, cfg: TrainConfig, algo: AlgorithmConfig,
+                 teachers: Teachers | None) -> UpdateTerms:
+    o = cfg.optim
+    # With a single update the policy cannot have moved since sampling: pi_old = pi_theta exactly,
+    # the ratio is 1 and the recorded log-probs are not needed (§3).
+    single_update = o.epochs == 1 and o.minibatches == 1
+    # Another engine sampled (vLLM): its log-probs are not the trainer's. The ratio is taken
+    # against the trainer's own pi_old, and each token's policy-gradient term is weighted by the
+    # truncated importance ratio pi_trainer / pi_engine (§3, losses.truncated_is_weights).
+    foreign = cfg.rollout.backend != "hf"
+    if foreign and not single_update and batch.trainer_old_logp_B_T is None:
+        raise ValueError("several updates on another engine's samples need the trainer's pi_old "
+                         "log-probs (batch.trainer_old_logp_B_T)")
+    kl_fn = KL_ESTIMATORS[algo.kl_estimator] if batch.ref_logp_B_T is not None else None
+    distill = DISTILL_LOSSES[algo.distill_loss] if teachers is not None else None
+    return UpdateTerms(
+        policy_loss=POLICY_LOSSES[algo.policy_loss], old_logp_B_T=batch.old_logp_B_T,
+        single_update=single_update, tis_cap=cfg.rollout.tis_cap if foreign else None,
+        kl_fn=kl_fn, kl_in_loss=kl_fn is not None and algo.kl_in == "loss",
+        distill=distill if distill is not None and distill.token_loss is not None else None,
+        domains=[p.domain for p in batch.problems])
+
+
+def rows_with_signal(adv_B_T: Tensor, group_size: int, terms: UpdateTerms, critic: Critic | None,
+                     world: World) -> Tensor:
+    """(B,) bool on the host: rows whose forward and backward can change the update.
+
+    A group whose advantages are all 0 (all-equal rewards under a group baseline) adds exactly
+    nothing to the loss or its gradient unless a KL, exact-distillation or value term is in the
+    loss, so its passes are skipped. The aggregation weights are still computed over the whole
+    minibatch, so the update is the same as with those groups in, only cheaper: late in a GRPO
+    run most groups are all-correct. (FSDP2: every rank runs the same forwards, whose layers
+    gather weights collectively, so nothing is skipped.)"""
+    B = adv_B_T.shape[0]
+    if terms.kl_in_loss or terms.distill is not None or critic is not None or world.strategy == "fsdp":
+        return torch.ones(B, dtype=torch.bool)
+    return (adv_B_T.abs().sum(-1).reshape(-1, group_size) > 0).any(-1).repeat_interleave(group_size).cpu()
+
+
+def minibatch_rows(n_groups: int, group_size: int, cfg: TrainConfig, generator: torch.Generator,
+                   world: World) -> Iterator[Tensor]:
+    """Row indices of each minibatch, epoch after epoch, drawn as whole groups over the *global*
+    batch (rank r holds the n_groups groups numbered r * n_groups onwards), so N ranks split it
+    exactly as one process would."""
+    offset, n_global = world.rank * n_groups, n_groups * world.size
+    for _ in range(cfg.optim.epochs):
+        for mb_global in torch.randperm(n_global, generator=generator).chunk(cfg.optim.minibatches):
+            mb = mb_global[(mb_global >= offset) & (mb_global < offset + n_groups)] - offset
+            yield (mb[:, None] * group_size + torch.arange(group_size)).reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# One micro-batch
+# ---------------------------------------------------------------------------------------------
+
+def policy_terms(batch: ScoredBatch, rows: Tensor, logp: Tensor, entropy: Tensor,
+                 logits: Tensor | None, adv_B_T: Tensor, w_micro: Tensor, terms: UpdateTerms,
+                 cfg: TrainConfig, algo: AlgorithmConfig, teachers: Teachers | None,
+                 metrics: Metrics, first_update: bool) -> Tensor:
+    """The policy's share of one micro-batch's loss (§5-§8), its metrics added to `metrics`."""
+    rollout, m, n = batch.rollout, batch.loss_mask_B_T[rows], len(rows)
+    temperature = cfg.rollout.temperature
+    old = logp.detach() if terms.single_update else terms.old_logp_B_T[rows]
+    loss_t = terms.policy_loss(logp, old, adv_B_T[rows], clip_low=algo.clip_low,
+                               clip_high=algo.clip_high, dual_clip=algo.dual_clip)
+    if terms.tis_cap is not None:
+        w = truncated_is_weights(old, rollout.logp_B_T[rows], terms.tis_cap)
+        loss_t = loss_t * w
+        metrics.rows("rollout/tis_weight_mean", masked_mean(w, m), n)
+        metrics.rows("rollout/tis_capped_frac", masked_mean((w >= terms.tis_cap).float(), m), n)
+    if terms.distill is not None:   # §8: the full-vocabulary reverse KL is itself the loss
+        with torch.no_grad():
+            t_logits = teachers.response_logits(batch.teacher_view or rollout, rows, terms.domains,
+                                                cfg.model.autocast)
+            if cfg.teacher.temperature:   # a sharpened (or flattened) teacher
+                t_logits = t_logits * (temperature / cfg.teacher.temperature)
+        distill_t, kl_exact = terms.distill.token_loss(logits, t_logits, temperature)
+        loss_t = loss_t + distill_t
+        metrics.rows("distill/reverse_kl_exact", masked_mean(kl_exact, m), n)
+        row_domains = [terms.domains[int(r)] for r in rows]
+        for d in set(row_domains) if len(set(terms.domains)) > 1 else ():
+            k = torch.tensor([rd == d for rd in row_domains])
+            metrics.update(f"_kl@{d}", (kl_exact[k] * m[k]).sum())
+            metrics.update(f"_tokens@{d}", m[k].sum())
+    if terms.kl_fn is not None:
+        kl_t = terms.kl_fn(logp, batch.ref_logp_B_T[rows])
+        if terms.kl_in_loss:
+            loss_t = kl_penalty_in_loss(loss_t, kl_t, algo.kl_coef)
+        metrics.rows("policy/kl_ref", masked_mean(kl_t.detach(), m), n)
+    loss = aggregate(loss_t, w_micro)
+    metrics.update("loss/policy", loss)
+    if first_update:   # the policy has not moved yet: sampler vs trainer numerics only
+        diff = logp.detach() - rollout.logp_B_T[rows]
+        metrics.rows("_mismatch", masked_mean(diff.abs(), m), n)
+        big = torch.where(m > 0, diff, torch.full_like(diff, -1e9)).max()
+        metrics.max("rollout/is_ratio_max", metrics._wide(big).clamp(max=50.0).exp())
+    st = ratio_stats(logp, old, adv_B_T[rows], m, algo.clip_low, algo.clip_high)
+    for name in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio_mean"):
+        metrics.rows(f"policy/{name}", getattr(st, name), n)
+    metrics.max("policy/ratio_max", st.ratio_max)
+    metrics.rows("policy/entropy", masked_mean(entropy, m), n)
+    return loss
+
+
+def value_terms(critic: Critic, batch: ScoredBatch, rows: Tensor, hidden: Tensor | None,
+                targets: ValueTargets, vw_micro: Tensor, cfg: TrainConfig,
+                metrics: Metrics) -> Tensor:
+    """The critic's share of one micro-batch's loss (§5): V regressed on the GAE returns,
+    clipped around V_old, times vf_coef."""
+    m = batch.loss_mask_B_T[rows]
+    values = critic.values(batch.rollout, rows, cfg.model.autocast, hidden if critic.shared else None)
+    v_loss_t, v_clipped = value_loss(values, targets.old_values_B_T[rows], targets.returns_B_T[rows],
+                                     cfg.critic.clip)
+    v_loss = aggregate(v_loss_t, vw_micro)
+    metrics.update("loss/value", v_loss)
+    metrics.rows("critic/clip_frac", masked_mean(v_clipped.float(), m), len(rows))
+    return cfg.critic.vf_coef * v_loss
+
+
+# ---------------------------------------------------------------------------------------------
+# The update
+# ---------------------------------------------------------------------------------------------
+
+def optimizer_step(model, optimizer, scheduler, cfg: TrainConfig, any_rows: bool, world: World,
+                   metrics: Metrics) -> None:
+    """Average the gradients over ranks, clip them to max_grad_norm, step Adam and the schedule."""
+    if not any_rows:   # keep the optimizer step (Adam momentum, decay) as it would be
+        for p in model.parameters():
+            # (FSDP: a padding pass already holds the other ranks' reduced shards)
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    average_gradients(list(model.parameters()), world)
+    metrics.update("policy/grad_norm", clip_grad_norm(list(model.parameters()),
+                                                      cfg.optim.max_grad_norm, world))
+    optimizer.step()
+    scheduler.step()
+
+
+def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tensor,
+                  cfg: TrainConfig, algo: AlgorithmConfig, generator: torch.Generator,
+                  teachers: Teachers | None = None, critic: Critic | None = None,
+                  targets: ValueTargets | None = None,
+                  train_policy: bool = True, world: World = SINGLE) -> dict[str, float]:
+    """Epochs x minibatches of clipped updates; the critic (PPO) learns on the same minibatches.
+    With train_policy=False (critic warm-up) only the critic is updated. Returns the metrics,
+    read from the device once."""
+    G, mask = batch.rollout.group_size, batch.loss_mask_B_T
+    n_groups = len(batch.rewards_B) // G
+    terms = update_terms(batch, cfg, algo, teachers)
+    signal = rows_with_signal(adv_B_T, G, terms, critic, world)
+    # the policy forward is needed for its loss, or for the hidden states a shared value head reads
+    policy_forward = train_policy or (critic is not None and critic.shared)
+    metrics, n_rows, n_first, n_skipped, n_updates = Metrics(), 0, 0, 0, 0
+    model.train()
+    if critic is not None:
+        critic.train()
+    for rows_mb in minibatch_rows(n_groups, G, cfg, generator, world):
+        # aggregation weights over the whole minibatch, so micro-batches sum to its loss
+        # (several ranks: normalised over the global minibatch, see global_aggregation_weights)
+        weights = global_aggregation_weights(AGGREGATIONS[algo.aggregation], mask[rows_mb],
+                                             float(cfg.rollout.max_new_tokens), world)
+        value_weights = (global_aggregation_weights(AGGREGATIONS["token_mean"], mask[rows_mb], 1.0,
+                                                    world) if critic is not None else None)
+        kept = signal[rows_mb].nonzero().squeeze(-1)
+        n_skipped += len(rows_mb) - len(kept)
+        micros: list[Tensor | None] = list(group_chunks(len(kept), G, cfg.optim.micro_batch_size))
+        if world.strategy == "fsdp" and world.distributed and n_groups:
+            # ranks may hold different shares of a minibatch, but FSDP's forward and backward
+            # are collectives: pad with zero-weight passes over this rank's first group
+            micros += [None] * (int(global_max(len(micros), world)) - len(micros))
+        for micro in micros:
+            padding = micro is None   # the same collectives, no gradient and no metrics
+            rows = torch.arange(G) if padding else rows_mb[kept[micro]]
+            into = Metrics() if padding else metrics
+            loss = torch.zeros(())
+            if policy_forward:
+                logp, entropy, logits, hidden = sequence_logprobs(
+                    model, batch.rollout, rows, cfg.rollout.temperature, with_entropy=True,
+                    autocast=cfg.model.autocast, keep_logits=terms.distill is not None,
+                    keep_hidden=critic is not None and critic.shared)
+            if train_policy:
+                w_micro = torch.zeros_like(mask[rows]) if padding else weights[kept[micro]]
+                loss = policy_terms(batch, rows, logp, entropy, logits, adv_B_T, w_micro, terms,
+                                    cfg, algo, teachers, into, first_update=n_updates == 0)
+            if critic is not None:
+                vw_micro = torch.zeros_like(mask[rows]) if padding else value_weights[kept[micro]]
+                loss = loss + value_terms(critic, batch, rows, hidden, targets, vw_micro, cfg, into)
+            (loss * 0.0 if padding else loss).backward()
+            n_rows += 0 if padding else len(rows)
+            n_first += 0 if padding or n_updates else len(rows)
+        if train_policy:
+            optimizer_step(model, optimizer, scheduler, cfg, len(kept) > 0, world, metrics)
+        optimizer.zero_grad(set_to_none=True)   # warm-up: a shared body's value grads dropped
+        if critic is not None:
+            metrics.update("critic/grad_norm", critic.step())
+        n_updates += 1
+    return finish_metrics(metrics, n_rows, n_first, n_skipped, n_updates, train_policy, scheduler)
+
+
+def finish_metrics(metrics: Metrics, n_rows: int, n_first: int, n_skipped: int, n_updates: int,
+                   train_policy: bool, scheduler) -> dict[str, float]:
+    """The update's metrics as floats (one transfer), normalised as they are logged: per-row
+    means over the rows seen, per-step values over the optimizer steps."""
+    row_sums, update_sums, maxima = metrics.read()
+    mismatch = row_sums.pop("_mismatch", None)
+    out = {k: v / max(n_rows, 1) for k, v in row_sums.items()}
+    out.update({k: v / max(n_updates, 1) for k, v in update_sums.items() if not k.startswith("_")})
+    for key in [k for k in update_sums if k.startswith("_kl@")]:   # MOPD: per teacher, per token
+        d = key[len("_kl@"):]
+        out[f"distill/reverse_kl_exact@{d}"] = update_sums[key] / max(update_sums[f"_tokens@{d}"], 1)
+    out.update(maxima)
+    if mismatch is not None:   # mean |log pi_trainer - log pi_sampler| of the first update's tokens
+        out["rollout/logp_mismatch"] = mismatch / max(n_first, 1)
+    if train_policy:
+        out.setdefault("policy/ratio_max", 0.0)   # (every group skipped: nothing moved)
+    out["policy/skipped_rows_frac"] = n_skipped / max(n_skipped + n_rows, 1)
+    out["optim/lr"] = scheduler.get_last_lr()[0]
+    return out
