@@ -1,11 +1,11 @@
 """Bradley-Terry reward model on the built-in synthetic preferences (issue: RLHF path).
 
-    .venv/bin/python benchmarks/reward_model.py [--reward_form log_ratio] [--n_pairs 2000 ...]
+    .venv/bin/python benchmarks/reward_model.py [--reward_form log_ratio] [--data.n_pairs 2000 ...]
 
 Trains a reward model from SmolLM2-135M-Instruct on pairs built from 2-digit addition (correct >
 wrong, concise > rambling, answer > no answer), then prints held-out pairwise accuracy (overall and
 per kind) and the training wall time. Any StageConfig field can be overridden as --field VALUE
-(e.g. --model PATH to start from another checkpoint). Two forms of r(x, y), each with its own
+(e.g. --model.path PATH to start from another checkpoint). Two forms of r(x, y), each with its own
 defaults below:
 - score_head (default): a scalar head on the last token (AutoModelForSequenceClassification).
   Measured 2026-11-30 on the reference machine: 89.0% held-out (correct > wrong 78%), 8.2 min of
@@ -19,21 +19,21 @@ import json
 import sys
 import time
 
-from posttrain.config import build_config, parse_overrides
+from posttrain.config import _merge, build_config, parse_overrides
 from posttrain.perf import tune_malloc
 from posttrain.stages import StageConfig, reward_model
 
-COMMON = {"synthetic": "addition", "eval_size": 200, "batch_size": 8, "autocast": "bfloat16",
-          "run_dir": "runs/reward-model-bench"}
-DEFAULTS = {"score_head": {**COMMON, "n_pairs": 1600, "lr": 5e-5},
-            # the setting of docs/distillation.md section 4 (the reference pass costs a third)
-            "log_ratio": {**COMMON, "n_pairs": 1000, "lr": 5e-6, "beta": 0.1}}
+COMMON = {"data": {"synthetic": "addition", "eval_size": 200}, "batch_size": 8,
+          "model": {"autocast": "bfloat16"}, "run_dir": "runs/reward-model-bench"}
+DEFAULTS = {"score_head": _merge(COMMON, {"data": {"n_pairs": 1600}, "optim": {"lr": 5e-5}}),
+            # the setting of docs/distillation.md, DPO (the reference pass costs a third)
+            "log_ratio": _merge(COMMON, {"data": {"n_pairs": 1000}, "optim": {"lr": 5e-6}, "beta": 0.1})}
 
 if __name__ == "__main__":
     tune_malloc()
     overrides = parse_overrides(sys.argv[1:])
     form = overrides.get("reward_form", "score_head")
-    cfg = build_config(StageConfig, {**DEFAULTS.get(form, {}), **overrides}, "")
+    cfg = build_config(StageConfig, _merge(DEFAULTS.get(form, {}), overrides), "").validate()
     t0 = time.perf_counter()
     out = reward_model(cfg)
     total = (time.perf_counter() - t0) / 60

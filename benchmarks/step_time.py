@@ -33,7 +33,7 @@ MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000",
 WORKLOAD = dict(prompts=8, group=4, max_new_tokens=32, beta=0.04, lr=1e-5, threads=2)
 
 
-def run_posttrain(steps: int, autocast: str = "none") -> dict:
+def run_posttrain(steps: int, autocast: str = "none", attention: str = "auto") -> dict:
     import torch
 
     from posttrain.config import load_config
@@ -47,7 +47,8 @@ def run_posttrain(steps: int, autocast: str = "none") -> dict:
         "--rollout.prompts_per_step", str(w["prompts"]), "--rollout.group_size", str(w["group"]),
         "--rollout.max_new_tokens", str(w["max_new_tokens"]), "--steps", str(steps + 1),
         "--data.eval_size", "0", "--threads", str(w["threads"]), "--run_dir", str(run_dir),
-        "--tensorboard", "false", "--data.system_prompt", "null", "--model.autocast", autocast])
+        "--tensorboard", "false", "--data.system_prompt", "null", "--model.autocast", autocast,
+        "--model.attention", attention])
     train(cfg, show_progress=False)
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")][1:]   # skip warm-up
     med = lambda k: statistics.median(r.get(k, 0.0) for r in rows)  # noqa: E731
@@ -123,22 +124,25 @@ def main() -> None:
     ap.add_argument("--trl-venv", type=Path, default=ROOT / ".venv-trl")
     ap.add_argument("--autocast", default="none", choices=["none", "bfloat16"],
                     help="posttrain's model.autocast (TRL always runs float32 here)")
+    ap.add_argument("--attention", default="auto", choices=["auto", "sdpa", "eager"],
+                    help="posttrain's model.attention (the default recipe's: eager)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print("RESULT", json.dumps(run_posttrain(args.steps, args.autocast)))
+        print("RESULT", json.dumps(run_posttrain(args.steps, args.autocast, args.attention)))
         return
     from posttrain.models import prepare_embedded
     model_dir = prepare_embedded()
     print(f"workload: {WORKLOAD}, model {model_dir}", flush=True)
     t0 = time.time()
     proc = subprocess.run([sys.executable, __file__, "--child", "--steps", str(args.steps),
-                           "--autocast", args.autocast],
+                           "--autocast", args.autocast, "--attention", args.attention],
                           capture_output=True, text=True, env={**os.environ, **MALLOC_ENV})
     ours = next((json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     if ours is None:
         raise RuntimeError(proc.stderr[-3000:])
-    print(f"posttrain, autocast={args.autocast} ({time.time() - t0:.0f} s wall):")
+    print(f"posttrain, autocast={args.autocast}, attention={args.attention} "
+          f"({time.time() - t0:.0f} s wall):")
     for k, v in ours.items():
         print(f"  {k:22s} {v:8.2f}")
     gen_tps = ours["gen_tokens_per_step"] / ours["generate_s"]

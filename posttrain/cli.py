@@ -37,7 +37,7 @@ def _epilog(cls: type, head: str) -> str:
 
 STAGE_EPILOG = """
 Configuration: every option below can also be set in a YAML file (--config FILE; the command line
-wins). Under torchrun: torchrun --nproc-per-node N -m posttrain.cli sft ... --strategy fsdp.
+wins). Under torchrun: torchrun --nproc-per-node N -m posttrain.cli sft ... --parallel.strategy fsdp.
 
 Options (type, default):
 """
@@ -118,7 +118,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from posttrain.evaluation import evaluate
     from posttrain.rollout import vllm_options
 
-    overrides = [*overrides, "--model.path", args.model]
+    overrides = [*overrides, "--model.path", args.model_path]
     if args.task:
         overrides += ["--data.task", args.task]
     # Same generation settings as the default job unless a config says otherwise.
@@ -134,7 +134,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.k > 1:
         n = max(args.samples, args.k)
         res_k = evaluate(model, tokenizer, engine, task.eval_problems, scorer, cfg, samples=n,
-                         k=args.k, temperature=args.temperature,
+                         k=args.k, temperature=cfg.rollout.temperature,
                          generator=torch.Generator().manual_seed(cfg.seed))
         res[f"eval/pass@{args.k}"] = res_k[f"eval/pass@{args.k}"]
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}, indent=2))
@@ -147,14 +147,21 @@ def cmd_stage(args: argparse.Namespace, overrides: list[str]) -> int:
     from posttrain.perf import tune_malloc
 
     tune_malloc()
-    check_option_names(overrides, StageConfig, ("--config",))
-    cfg = load_stage_config(args.config, overrides)
-    if not cfg.data and not cfg.synthetic:
-        raise ConfigError("--data FILE (JSONL, CSV, Parquet or a datasets folder) or "
-                          "--synthetic TASK is required")
+    check_option_names(overrides, StageConfig, ("--config", "--resume"))
+    base = None
+    if args.resume is not None:
+        saved = Path(args.resume) / "config.json"
+        if not saved.is_file():
+            raise ConfigError(f"--resume {args.resume}: {saved} not found")
+        base = json.loads(saved.read_text())
+    cfg = load_stage_config(args.config, overrides, base=base)
+    if not cfg.data.train_path and not cfg.data.synthetic:
+        raise ConfigError("--data.train_path FILE (JSONL, CSV, Parquet or a datasets folder) or "
+                          "--data.synthetic TASK is required")
     from posttrain.stages import dpo, reward_model, sft   # after the config is valid
 
-    out = {"sft": sft, "dpo": dpo, "reward-model": reward_model}[args.command](cfg)
+    stage = {"sft": sft, "dpo": dpo, "reward-model": reward_model}[args.command]
+    out = stage(cfg, resume=args.resume)
     if _main_process():
         print(json.dumps(out, indent=2))
     return 0
@@ -163,7 +170,7 @@ def cmd_stage(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     from posttrain.stages import generate
 
-    overrides = [*overrides, "--model.path", args.model]
+    overrides = [*overrides, "--model.path", args.model_path]
     cfg = load_config(args.config or recipe_path(DEFAULT_RECIPE), overrides)
     out = generate(cfg, args.n, args.out, args.samples, not args.keep_wrong)
     print(json.dumps(out, indent=2))
@@ -203,32 +210,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("eval", help="held-out greedy accuracy and pass@k of a model")
-    p.add_argument("--model", required=True, help="model folder, or 'smollm2-135m-instruct'")
-    p.add_argument("--task", help="built-in task (addition, arithmetic, countdown) or 'file'")
+    p.add_argument("--model.path", dest="model_path", required=True,
+                   help="model folder, or 'smollm2-135m-instruct'")
+    p.add_argument("--data.task", dest="task", help="built-in task (addition, arithmetic, countdown) or 'file'")
     p.add_argument("--config", type=Path, help="YAML config for data/reward/rollout settings "
                    "(default: the packaged default recipe, or pass a run's config.json)")
     p.add_argument("--k", type=int, default=1, help="also report pass@k (sampled)")
-    p.add_argument("--samples", type=int, default=0, help="samples per problem for pass@k (>= k)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for pass@k")
+    p.add_argument("--samples", type=int, default=0, help="samples per problem for pass@k (>= k; "
+                   "at --rollout.temperature, default 1)")
     p.set_defaults(fn=cmd_eval)
 
     for name, what, example in (
             ("sft", "supervised fine-tuning on prompt/response pairs",
-             "posttrain sft --synthetic subtraction --n_pairs 1000 --lr 3e-5"),
+             "posttrain sft --data.synthetic subtraction --data.n_pairs 1000 --optim.lr 3e-5"),
             ("dpo", "DPO on prompt/chosen/rejected preference pairs",
-             "posttrain dpo --synthetic addition --beta 0.1"),
+             "posttrain dpo --data.synthetic addition --beta 0.1"),
             ("reward-model", "train a Bradley-Terry reward model on preference pairs",
-             "posttrain reward-model --synthetic addition --reward_form log_ratio")):
+             "posttrain reward-model --data.synthetic addition --reward_form log_ratio")):
         p = sub.add_parser(name, help=what, epilog=_epilog(StageConfig, f"\nExample: {example}\n"
                                                            + STAGE_EPILOG),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--config", type=Path, help="YAML file of the options below")
+        p.add_argument("--resume", help="run folder to resume from its latest checkpoint "
+                       "(written with --checkpoint_every N)")
         p.set_defaults(fn=cmd_stage)
 
     p = sub.add_parser("generate", help="write a model's answers to training problems as SFT data",
                        epilog="Any config field can follow as an override, e.g. --data.task "
                        "subtraction --rollout.max_new_tokens 32.")
-    p.add_argument("--model", required=True, help="the teacher: model folder or embedded name")
+    p.add_argument("--model.path", dest="model_path", required=True,
+                   help="the teacher: model folder or embedded name")
     p.add_argument("--out", required=True, help="output JSONL (prompt, response, answer, correct)")
     p.add_argument("--n", type=int, default=1000, help="training problems to answer")
     p.add_argument("--samples", type=int, default=1, help="answers per problem (1: greedy)")
@@ -237,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("prepare-model", help="convert the embedded SmolLM2 GGUF once into the cache")
-    p.add_argument("--cache-dir", help="cache folder (default: $POSTTRAIN_CACHE or ~/.cache/posttrain)")
+    p.add_argument("--model.cache_dir", dest="cache_dir",
+                   help="cache folder (default: $POSTTRAIN_CACHE or ~/.cache/posttrain)")
     p.set_defaults(fn=cmd_prepare_model)
 
     p = sub.add_parser("plot", help="(re)draw training_curves.png of a run folder")

@@ -29,8 +29,14 @@ class ConfigError(ValueError):
 
 
 def did_you_mean(name: str, known) -> str:
-    """'; did you mean X?' for the closest known name, or '' when none is close."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    """'; did you mean X?' for the closest known name, or '' when none is close. A name without
+    its section (--lr, --strategy) is matched on the last part: '--optim.lr', '--parallel.strategy'."""
+    known = list(known)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    if not close and "." not in name:
+        leaves = {k.rsplit(".", 1)[-1].lstrip("-"): k for k in reversed(known)}
+        close = [leaves[c] for c in difflib.get_close_matches(name.lstrip("-"), list(leaves), n=1,
+                                                                cutoff=0.6)]
     return f"; did you mean {close[0]}?" if close else ""
 
 
@@ -191,8 +197,12 @@ class ModelConfig:
     path: str = "smollm2-135m-instruct"  # local HF folder, or the embedded 'smollm2-135m-instruct'
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"   # weights as loaded
     # bf16 autocast for the training forward/backward and the reference (LM head stays float32);
-    # generation runs in `dtype`. Faster on CPUs with AVX512-BF16 and on GPUs.
+    # sampling runs in `dtype` unless rollout.autocast says otherwise. Faster on CPUs with
+    # AVX512-BF16 and on GPUs.
     autocast: Literal["none", "bfloat16"] = "none"
+    # attention kernel: 'auto' (transformers' choice, SDPA), 'sdpa' or 'eager' (plain matmuls:
+    # faster for these short sequences on a CPU, docs/learning-per-step.md)
+    attention: Literal["auto", "sdpa", "eager"] = "auto"
     cache_dir: str | None = None        # where the embedded GGUF is converted once; None: user cache
     device: str = "auto"                # 'auto': the rank's GPU when there is one, else the CPU
     # recompute layer activations in backward instead of keeping them (less memory, ~30% more
@@ -288,6 +298,10 @@ class RolloutConfig:
     max_new_tokens: int = 24            # response length limit (a longer answer is truncated)
     temperature: float = 1.0            # sampling temperature; log-probs are taken at it too
     top_p: float = 1.0                  # nucleus sampling (1: the full distribution)
+    # in-process sampling under bf16 autocast (body bf16, LM head float32); about 1.3x faster on
+    # this CPU, but on the default job (one seed) the policy then drifted to 24-token rambling
+    # answers instead of stopping at the blank line (docs/learning-per-step.md)
+    autocast: Literal["none", "bfloat16"] = "none"
     stop: tuple[str, ...] = ()          # stop strings, also used by evaluation (e.g. "\n\n")
     # Another engine's log-probs differ from the trainer's for the same weights: each token's
     # policy-gradient term is weighted by min(pi_trainer / pi_engine, tis_cap) (None: no
@@ -455,24 +469,17 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class StageConfig:
-    """`posttrain sft | dpo | reward-model`: offline training on rows of a file (or synthetic ones)."""
+class StageDataConfig:
+    """Rows for sft / dpo / reward-model: a file, or rows made from a built-in task's ground truth."""
 
-    model: str = "smollm2-135m-instruct"  # the starting model: a local HF folder or the embedded name
-    data: str = ""                      # JSONL / CSV / Parquet / datasets folder
+    train_path: str = ""                # JSONL / CSV / Parquet file or datasets folder
+    eval_path: str = ""                 # held-out pairs file; default: eval_size pairs split off
     prompt_field: str = "prompt"        # the column holding the user message
-    response_field: str = "response"    # SFT
-    chosen_field: str = "chosen"        # DPO
-    rejected_field: str = "rejected"    # DPO
+    response_field: str = "response"    # sft: the column holding the answer
+    chosen_field: str = "chosen"        # dpo, reward-model: the preferred answer
+    rejected_field: str = "rejected"    # dpo, reward-model: the other answer
     system_prompt: str | None = None    # None: the chat template's own system prompt
-    lr: float = 1e-5                    # AdamW learning rate (peak, with a schedule)
-    batch_size: int = 8                 # examples (or pairs) per optimizer step
-    epochs: int = 1                     # passes over the training rows
-    beta: float = 0.1                   # DPO / log-ratio reward model: the KL strength beta
-    max_len: int = 256                  # response tokens kept per example
-    seed: int = 0                       # batch order, synthetic rows, held-out split
-    run_dir: str = "runs/stage"         # where metrics, summary.json and final_model/ go
-    # pairs (dpo, reward-model) or answers (sft) from a built-in task instead of --data
+    # pairs (dpo, reward-model) or answers (sft) from a built-in task instead of a file
     # ('addition', 'subtraction', 'arithmetic'), made from the ground truth
     synthetic: str = ""
     n_pairs: int = 2000                 # synthetic training pairs (sft: examples)
@@ -480,21 +487,40 @@ class StageConfig:
     # answer is {c}.") whatever the correct one's wording: the answers a reward-hacking policy
     # drifts to (docs/ppo-rlhf.md: 0.5 kept RLHF from collapsing to bare numbers)
     terse_wrong_share: float = 0.0
-    eval_data: str = ""                 # held-out pairs file; default: eval_size pairs split off
     eval_size: int = 200                # held-out pairs (or problems) for the before/after figures
-    autocast: Literal["none", "bfloat16"] = "none"  # 'bfloat16': body in bf16 (faster on AVX512-BF16 / GPU)
-    strategy: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicated weights or sharded (FSDP2)
-    head_lr: float | None = None        # reward-model: the score head's own lr (default: lr)
+
+
+# what `posttrain train` uses of ModelConfig / OptimConfig and the stages do not (refused if set)
+_TRAIN_ONLY = {"model": ("dtype", "device", "gradient_checkpointing"),
+               "optim": ("minibatches", "micro_batch_size")}
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """`posttrain sft | dpo | reward-model`: offline training on rows of a file (or synthetic ones).
+    The sections and names are `posttrain train`'s (model.path, optim.lr, parallel.strategy, data.*)."""
+
+    model: ModelConfig = ModelConfig()   # the starting model (path, autocast, attention)
+    data: StageDataConfig = StageDataConfig()
+    # AdamW with torch's own defaults (beta2 0.999, weight decay 0.01), as the stages always had
+    optim: OptimConfig = OptimConfig(beta2=0.999, weight_decay=0.01)
+    parallel: ParallelConfig = ParallelConfig()
+    batch_size: int = 8                 # examples (or pairs) per optimizer step
+    beta: float = 0.1                   # DPO / log-ratio reward model: the KL strength beta
+    max_len: int = 256                  # response tokens kept per example
+    seed: int = 0                       # batch order, synthetic rows, held-out split
+    run_dir: str = "runs/stage"         # where config.json, metrics, summary.json and final_model/ go
+    # a checkpoint (weights, optimizer, schedule, RNG) every N optimizer steps, for --resume RUN_DIR;
+    # 0: only the final model
+    checkpoint_every: int = 0
+    # freeze the token embeddings and the first N decoder layers: backward stops at layer N, so
+    # a step is cheaper and more pairs fit in the same time (reward-model: docs/ppo-rlhf.md)
+    freeze_layers: int = 0
+    head_lr: float | None = None        # reward-model: the score head's own lr (default: optim.lr)
     end_of_turn: bool = False           # reward-model: score after the template's end-of-turn tokens
     # reward-model: weight of a next-token loss on the chosen responses (through the tied LM
     # head), which keeps the body predicting the answer it should be checking
     lm_coef: float = 0.0
-    # learning rate over the run's optimizer steps: a linear warm-up, then constant or a decay to 0
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = 0               # optimizer steps of linear warm-up
-    # freeze the token embeddings and the first N decoder layers: backward stops at layer N, so
-    # a step is cheaper and more pairs fit in the same time (reward-model: docs/ppo-rlhf.md)
-    freeze_layers: int = 0
     # reward-model: what r(x, y) is. 'score_head': a scalar head on the last token, saved as an
     # AutoModelForSequenceClassification. 'log_ratio': beta * log pi(y|x) / pi_ref(y|x) summed
     # over the response, pi a causal LM trained with the same Bradley-Terry loss (DPO's implicit
@@ -504,19 +530,32 @@ class StageConfig:
 
     def validate(self) -> StageConfig:
         """Every range, before any model or data loads."""
-        _check_range("lr", self.lr, 0.0, lo_open=True)
-        for name in ("batch_size", "epochs", "n_pairs"):
-            _check_range(name, getattr(self, name), 1)
+        for section, names in _TRAIN_ONLY.items():
+            default = getattr(StageConfig(), section)
+            for name in names:
+                if getattr(getattr(self, section), name) != getattr(default, name):
+                    raise ConfigError(f"{section}.{name} applies to `posttrain train` only")
+        o, d = self.optim, self.data
+        _check_range("optim.lr", o.lr, 0.0, lo_open=True)
+        _check_range("optim.weight_decay", o.weight_decay, 0.0)
+        for name in ("beta1", "beta2"):
+            _check_range(f"optim.{name}", getattr(o, name), 0.0, 1.0)
+        _check_range("optim.max_grad_norm", o.max_grad_norm, 0.0, lo_open=True)
+        _check_range("optim.epochs", o.epochs, 1)
+        _check_range("optim.warmup_steps", o.warmup_steps, 0)
+        _check_range("data.n_pairs", d.n_pairs, 1)
+        _check_range("data.eval_size", d.eval_size, 0)
+        _check_range("data.terse_wrong_share", d.terse_wrong_share, 0.0, 1.0)
+        if d.synthetic and d.synthetic not in ("addition", "subtraction", "arithmetic"):
+            raise ConfigError(f"data.synthetic={d.synthetic!r} is not valid; accepted: "
+                              "['addition', 'arithmetic', 'subtraction']")
+        _check_range("batch_size", self.batch_size, 1)
         _check_range("max_len", self.max_len, 2)
         _check_range("beta", self.beta, 0.0, lo_open=True)
-        for name in ("eval_size", "warmup_steps", "freeze_layers", "lm_coef"):
+        for name in ("freeze_layers", "lm_coef", "checkpoint_every"):
             _check_range(name, getattr(self, name), 0)
-        _check_range("terse_wrong_share", self.terse_wrong_share, 0.0, 1.0)
-        if self.head_lr is not None:
-            _check_range("head_lr", self.head_lr, 0.0, lo_open=True)
-        if self.synthetic and self.synthetic not in ("addition", "subtraction", "arithmetic"):
-            raise ConfigError(f"synthetic={self.synthetic!r} is not valid; accepted: "
-                              "['addition', 'arithmetic', 'subtraction']")
+        if self.head_lr is not None:   # (0: the head stays put)
+            _check_range("head_lr", self.head_lr, 0.0)
         return self
 
 
@@ -587,9 +626,11 @@ def _coerce(where: str, value: Any, hint: Any) -> Any:
     return value
 
 
-def build_config(cls: type, data: dict[str, Any], where: str) -> Any:
+def build_config(cls: type, data: dict[str, Any], where: str, base: Any = None) -> Any:
+    """`data` on top of `base` (default: cls()), every value type-checked."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'} must be a mapping, got {data!r}")
+    base = cls() if base is None else base
     known = {f.name: f for f in fields(cls)}
     kwargs = {}
     for key, value in data.items():
@@ -599,10 +640,10 @@ def build_config(cls: type, data: dict[str, Any], where: str) -> Any:
                               f"{did_you_mean(key, known)}")
         hint = _hint(cls, key)
         if dataclasses.is_dataclass(hint):
-            kwargs[key] = build_config(hint, value, name)
+            kwargs[key] = build_config(hint, value, name, getattr(base, key))
         else:
             kwargs[key] = _coerce(name, value, hint)
-    return cls(**kwargs)
+    return replace(base, **kwargs)
 
 
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -668,15 +709,15 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def options_help(cls: type, prefix: str = "", overrides: dict[str, Any] | None = None) -> list[str]:
+def options_help(cls: type, prefix: str = "", instance: Any = None) -> list[str]:
     """One line per option of a config dataclass: '--section.field (type, default): description'."""
     out = []
     docs = field_docs(cls)
-    instance = cls()
+    instance = cls() if instance is None else instance
     for f in fields(cls):
         hint = _hint(cls, f.name)
         if dataclasses.is_dataclass(hint):
-            out += options_help(hint, f"{prefix}{f.name}.")
+            out += options_help(hint, f"{prefix}{f.name}.", getattr(instance, f.name))
             continue
         if cls is TrainConfig and f.name == "algorithm":
             out += options_help(AlgorithmConfig, "algorithm.")
@@ -704,9 +745,13 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return loaded
 
 
-def load_stage_config(path: str | Path | None = None, overrides: list[str] | None = None) -> StageConfig:
-    """The SFT / DPO / reward-model config: defaults < YAML file < overrides, type-checked."""
-    data = read_yaml(path) if path is not None else {}
+def load_stage_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                      base: dict[str, Any] | None = None) -> StageConfig:
+    """The SFT / DPO / reward-model config: defaults < `base` (a resumed run's config.json) <
+    YAML file < overrides, type-checked."""
+    data: dict[str, Any] = dict(base or {})
+    if path is not None:
+        data = _merge(data, read_yaml(path))
     data = _merge(data, parse_overrides(overrides or []))
     return build_config(StageConfig, data, "").validate()
 

@@ -14,6 +14,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from posttrain.losses import entropy_from_logits, token_logprobs
+from posttrain.models import decoder_and_head
 from posttrain.prompts import left_pad
 from posttrain.rollout import Rollout
 from posttrain.rollout.hf import cache_kwarg
@@ -39,16 +40,6 @@ def group_chunks(n_rows: int, group_size: int, max_rows: int) -> list[Tensor]:
     """Split row indices 0..n-1 into micro-batches of whole groups, at most max(max_rows, G) rows."""
     per_chunk = max(max_rows // group_size, 1) * group_size
     return list(torch.arange(n_rows).split(per_chunk)) if n_rows else []
-
-
-def decoder_and_head(model):
-    """The transformer body and the LM head, run separately so the head sees response positions
-    only. Refuses models whose logits are more than head(hidden) (soft-capping, logit scales)."""
-    for attr in ("final_logit_softcapping", "logit_scale"):
-        if getattr(model.config, attr, None) not in (None, 1.0):
-            raise NotImplementedError(f"{model.config.model_type}: config.{attr} changes the "
-                                      "logits after the LM head, which posttrain does not apply yet")
-    return model.get_decoder(), model.get_output_embeddings()
 
 
 def _autocast(device_type: str, mode: str):

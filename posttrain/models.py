@@ -114,6 +114,16 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tok
 
 
+def decoder_and_head(model):
+    """The transformer body and the LM head, run separately so the head sees response positions
+    only. Refuses models whose logits are more than head(hidden) (soft-capping, logit scales)."""
+    for attr in ("final_logit_softcapping", "logit_scale"):
+        if getattr(model.config, attr, None) not in (None, 1.0):
+            raise NotImplementedError(f"{model.config.model_type}: config.{attr} changes the "
+                                      "logits after the LM head, which posttrain does not apply yet")
+    return model.get_decoder(), model.get_output_embeddings()
+
+
 def load_policy(path: str | Path, dtype: str = "float32") -> PreTrainedModel:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id

@@ -3,7 +3,7 @@
 (§1). Short loops with no rollout; they share the trainer's prompt encoding, its response-only
 forward pass, its logging and its data parallelism:
 
-    torchrun --nproc-per-node N -m posttrain.cli sft|dpo|reward-model ... [--strategy fsdp]
+    torchrun --nproc-per-node N -m posttrain.cli sft|dpo|reward-model ... [--parallel.strategy fsdp]
 
 Every rank builds the same batches (same seed) and runs its contiguous share of each; a rank's
 loss is weighted by the *global* batch's pair or token count, so the averaged gradient is the
@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +24,13 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from posttrain.checkpoint import latest_checkpoint, load_trainer_state, restore_rng, save_checkpoint
 from posttrain.config import StageConfig
 from posttrain.data import read_rows
 from posttrain.data.tasks import Problem
 from posttrain.distributed import (World, average_gradients, barrier, clip_grad_norm, device_for,
                                    full_state_dict, full_weights_for_generation, gather_objects,
-                                   global_sum, init_world, wrap)
+                                   global_sum, init_world, load_optimizer_state, wrap)
 from posttrain.logging import MetricsLogger, NullLogger
 from posttrain.losses import dpo_loss, sequence_logprob, sft_loss
 from posttrain.models import (freeze_lower_layers, load_policy, load_tokenizer, resolve_model_path,
@@ -96,11 +97,12 @@ def length_buckets(lengths: list[int], batch_size: int, rng: random.Random) -> l
 
 
 def _encode(tokenizer, cfg: StageConfig, prompts: list[str]) -> list[list[int]]:
-    return encode_prompts(tokenizer, [Problem(p, "") for p in prompts], cfg.system_prompt)
+    return encode_prompts(tokenizer, [Problem(p, "") for p in prompts], cfg.data.system_prompt)
 
 
 @dataclass
 class _Stage:
+    """What `_start` built, and where a resumed run stands."""
     rows: list[dict[str, Any]]
     model: Any
     tokenizer: Any
@@ -112,53 +114,104 @@ class _Stage:
     world: World
     device: torch.device
     scheduler: Any = None
+    max_grad_norm: float = 1.0
+    resume_state: dict[str, Any] | None = None   # resuming: the checkpoint's saved state
+    start_step: int = 0                  # optimizer steps already taken
+    saved: dict[str, Any] = field(default_factory=dict)   # the stage's state at that checkpoint
 
     def schedule(self, cfg: StageConfig, total_steps: int) -> None:
-        """Set the learning-rate schedule once the number of optimizer steps is known."""
-        self.scheduler = make_scheduler(self.optimizer, total_steps, cfg.warmup_steps, cfg.schedule)
+        """Set the learning-rate schedule once the number of optimizer steps is known; on resume,
+        restore the optimizer, schedule and RNG states of the checkpoint."""
+        self.scheduler = make_scheduler(self.optimizer, total_steps, cfg.optim.warmup_steps,
+                                        cfg.optim.schedule)
+        state = self.resume_state
+        if state is not None:
+            load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            restore_rng(state["rng"], torch.Generator())
+            self.start_step, self.saved = state["step"], state["stage"]
+
+
+def run_steps(st: _Stage, cfg: StageConfig, batches: list, step_fn, state, desc: str,
+              show_progress: bool) -> None:
+    """The stages' loop: `step_fn(step, batch)` for every batch after the ones a resumed run
+    already took, and a checkpoint every `cfg.checkpoint_every` optimizer steps holding the
+    weights, optimizer, schedule, RNG and `state()` (what the stage needs to finish as if it had
+    never stopped: its before-training figures, a DPO reference's log-probs)."""
+    bar = tqdm(total=len(batches), initial=st.start_step, desc=desc,
+               disable=not (show_progress and st.world.main))
+    for step in range(st.start_step + 1, len(batches) + 1):
+        step_fn(step, batches[step - 1])
+        bar.update(1)
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < len(batches):
+            save_checkpoint(st.run_dir, step, st.model, st.tokenizer, st.optimizer, st.scheduler,
+                            torch.Generator(), {"stage": state()}, asdict(cfg), world=st.world)
+    bar.close()
+
+
+def _write_summary(st: _Stage, summary: dict[str, Any]) -> None:
+    if st.world.main:
+        (st.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def _load_lm(path: str | Path, resumed: bool = False):
+    return load_policy(path)
 
 
 def _start(cfg: StageConfig, model, tokenizer, fields: list[str],
-           rows: list[dict] | None = None, load=load_policy) -> _Stage:
+           rows: list[dict] | None = None, load=None, resume: str | Path | None = None) -> _Stage:
     """Read and check the data (before any model loads), join the process group under torchrun,
-    seed, load (`load(path)`), place and wrap the model, open the run folder."""
+    seed, load (`load(path)`; resuming: the latest checkpoint's weights, `load(path, True)`),
+    place and wrap the model, open the run folder and write its config.json."""
+    cfg.validate()   # (a StageConfig built in code has not been checked yet)
+    load = load or _load_lm
+    run_dir = Path(resume or cfg.run_dir)
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if resume and ckpt is None:
+        raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir}/checkpoints")
     if rows is None:
-        rows = read_rows(cfg.data)
-        _check_rows(cfg.data, rows, fields)
-    if cfg.strategy not in ("ddp", "fsdp"):
-        raise ValueError(f"strategy={cfg.strategy!r} is not valid; accepted: ['ddp', 'fsdp']")
-    for name in ("warmup_steps", "lm_coef", "freeze_layers"):
-        if getattr(cfg, name) < 0:
-            raise ValueError(f"{name}={getattr(cfg, name)} must be >= 0")
-    world = init_world(cfg.strategy)
+        rows = read_rows(cfg.data.train_path)
+        _check_rows(cfg.data.train_path, rows, fields)
+    world = init_world(cfg.parallel.strategy)
     if world.distributed and cfg.batch_size < world.size:
         raise ValueError(f"batch_size={cfg.batch_size} is smaller than the {world.size} ranks: "
                          "each rank needs a share of every batch")
     seed_everything(cfg.seed)
-    if model is None:
-        path = resolve_model_path(cfg.model)
+    if ckpt is not None:
+        tokenizer, model = load_tokenizer(ckpt / "model"), load(ckpt / "model", resumed=True)
+    elif model is None:
+        path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
         tokenizer, model = load_tokenizer(path), load(path)
+    if cfg.model.attention != "auto":
+        model.set_attn_implementation(cfg.model.attention)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     freeze_lower_layers(model, cfg.freeze_layers)
     device = device_for(world)
     model = wrap(model.to(device), world)      # FSDP2: the decoder layers sharded, in place
-    run_dir = Path(cfg.run_dir)
     if world.main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     barrier(world)
     # a freshly initialised head (reward model's `score`) may learn faster than the body it reads
     head = getattr(model, "score", None) if cfg.head_lr is not None else None
     head_ids = {id(p) for p in head.parameters()} if head is not None else set()
     groups = [{"params": [p for p in model.parameters() if id(p) not in head_ids and p.requires_grad],
-               "lr": cfg.lr}]
+               "lr": cfg.optim.lr}]
     if head_ids:
         groups.append({"params": list(head.parameters()), "lr": cfg.head_lr})
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr,
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
                                   foreach=False if world.strategy == "fsdp" else None)
-    logger = MetricsLogger(run_dir, tensorboard=False) if world.main else NullLogger()
-    return _Stage(rows, model, tokenizer, _encode(tokenizer, cfg, [r[cfg.prompt_field] for r in rows]),
-                  optimizer, run_dir, logger, random.Random(cfg.seed), world, device)
+    state = load_trainer_state(ckpt) if ckpt is not None else None
+    logger = NullLogger()
+    if world.main:
+        logger = MetricsLogger(run_dir, tensorboard=False, resume=ckpt is not None)
+        if state is not None:   # rows a killed run wrote after its last checkpoint are redone
+            logger.truncate_after(state["step"])
+    return _Stage(rows, model, tokenizer, _encode(tokenizer, cfg, [r[cfg.data.prompt_field] for r in rows]),
+                  optimizer, run_dir, logger, random.Random(cfg.seed), world, device,
+                  max_grad_norm=o.max_grad_norm, resume_state=state)
 
 
 def share_of_batch(batch: list[int], world: World) -> tuple[list[int], float]:
@@ -195,7 +248,7 @@ def _step(stage: _Stage, loss: Tensor) -> float:
     loss.backward()
     params = list(stage.model.parameters())   # after backward: FSDP2 has re-registered its shards
     average_gradients(params, stage.world)
-    clip_grad_norm(params, 1.0, stage.world)
+    clip_grad_norm(params, stage.max_grad_norm, stage.world)
     lr = stage.optimizer.param_groups[0]["lr"]
     stage.optimizer.step()
     stage.optimizer.zero_grad(set_to_none=True)
@@ -223,30 +276,33 @@ def synthetic_answers(task, n: int, seed: int) -> list[dict[str, Any]]:
             for p in (task.train_problem(seed, i) for i in range(n))]
 
 
-def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True) -> dict[str, Any]:
+def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True,
+        resume: str | Path | None = None) -> dict[str, Any]:
     """Supervised fine-tuning on (prompt, response): negative log-likelihood of response tokens.
-    With --synthetic TASK: on ground-truth answers, with the held-out greedy accuracy before and
-    after (a quick way to make a domain teacher for distillation)."""
-    task = synthetic_task(cfg) if cfg.synthetic else None
-    rows = synthetic_answers(task, cfg.n_pairs, cfg.seed) if task is not None else None
-    st = _start(cfg, model, tokenizer, [cfg.prompt_field, cfg.response_field], rows=rows)
-    summary: dict[str, Any] = {"run_dir": str(st.run_dir)}
-    if task is not None:
-        summary["behaviour_before"] = held_out_behaviour(st.model, st.tokenizer, task, cfg, st.world)
-        st.logger.log(0, summary["behaviour_before"])
-    ids = _teacher_ids(st.tokenizer, cfg.data, st.rows, cfg.response_field)
-    responses = [_response_ids(st.tokenizer, r[cfg.response_field], cfg.max_len, t)
+    With --data.synthetic TASK: on ground-truth answers, with the held-out greedy accuracy before and
+    after (a quick way to make a domain teacher for distillation). `resume`: a run folder whose
+    latest checkpoint the run continues from, to the same final weights."""
+    task = synthetic_task(cfg) if cfg.data.synthetic else None
+    rows = synthetic_answers(task, cfg.data.n_pairs, cfg.seed) if task is not None else None
+    st = _start(cfg, model, tokenizer, [cfg.data.prompt_field, cfg.data.response_field], rows=rows,
+                resume=resume)
+    ids = _teacher_ids(st.tokenizer, cfg.data.train_path, st.rows, cfg.data.response_field)
+    responses = [_response_ids(st.tokenizer, r[cfg.data.response_field], cfg.max_len, t)
                  for r, t in zip(st.rows, ids)]
     lengths = [len(p) + len(r) for p, r in zip(st.prompts, responses)]
-    batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
+    batches = [b for _ in range(cfg.optim.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
     st.schedule(cfg, len(batches))
-    losses = []
-    bar = tqdm(batches, disable=not (show_progress and st.world.main), desc="sft")
-    for step, batch in enumerate(bar, start=1):
+    summary: dict[str, Any] = {"run_dir": str(st.run_dir), **st.saved.get("summary", {})}
+    if task is not None and st.resume_state is None:
+        summary["behaviour_before"] = held_out_behaviour(st.model, st.tokenizer, task, cfg, st.world)
+        st.logger.log(0, summary["behaviour_before"])
+    losses: list[float] = st.saved.get("losses", [])
+
+    def step_fn(step: int, batch: list[int]) -> None:
         t0 = time.perf_counter()
         mine, weight = share_of_batch(batch, st.world)
         r = pack(st.tokenizer, [st.prompts[i] for i in mine], [responses[i] for i in mine], st.device)
-        logp = sequence_logprobs(st.model, r, torch.arange(len(mine)), 1.0, autocast=cfg.autocast).logp
+        logp = sequence_logprobs(st.model, r, torch.arange(len(mine)), 1.0, autocast=cfg.model.autocast).logp
         tokens = global_sum(weight * r.response_mask_B_T.sum(), st.world)
         loss = weight * sft_loss(logp, r.response_mask_B_T, tokens)
         lr = _step(st, loss * st.world.size)
@@ -255,20 +311,22 @@ def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
         st.logger.log(step, {"loss/sft": losses[-1], "optim/lr": lr,
                              "perf/step_s": time.perf_counter() - t0,
                              "perf/padding_frac": 1 - sum(lengths[i] for i in mine) / (len(mine) * width)})
+
+    run_steps(st, cfg, batches, step_fn, lambda: {"summary": summary, "losses": losses}, "sft",
+              show_progress)
     if task is not None:
         summary["behaviour_after"] = held_out_behaviour(st.model, st.tokenizer, task, cfg, st.world)
         st.logger.log(len(batches), summary["behaviour_after"])
     summary.update(steps=len(batches), first_loss=losses[0], last_loss=losses[-1],
                    final_model=_finish(st))
-    if st.world.main:
-        (st.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    _write_summary(st, summary)
     return summary
 
 
 def _pair_responses(tok, cfg: StageConfig, rows: list[dict]) -> tuple[list, list]:
     """Token ids of each pair's chosen and rejected responses (EOS-terminated, max_len)."""
-    return ([_response_ids(tok, str(r[cfg.chosen_field]), cfg.max_len) for r in rows],
-            [_response_ids(tok, str(r[cfg.rejected_field]), cfg.max_len) for r in rows])
+    return ([_response_ids(tok, str(r[cfg.data.chosen_field]), cfg.max_len) for r in rows],
+            [_response_ids(tok, str(r[cfg.data.rejected_field]), cfg.max_len) for r in rows])
 
 
 def _pair_logp(st: _Stage, cfg: StageConfig, data, batch: list[int]) -> tuple[Tensor, Tensor]:
@@ -278,7 +336,7 @@ def _pair_logp(st: _Stage, cfg: StageConfig, data, batch: list[int]) -> tuple[Te
     r = pack(st.tokenizer, [prompts[i] for i in batch] * 2,
              [chosen[i] for i in batch] + [rejected[i] for i in batch], st.device)
     logp = sequence_logprobs(st.model, r, torch.arange(2 * len(batch)), 1.0,
-                             autocast=cfg.autocast).logp
+                             autocast=cfg.model.autocast).logp
     seq = sequence_logprob(logp, r.response_mask_B_T)
     return seq[:len(batch)], seq[len(batch):]
 
@@ -313,71 +371,78 @@ def _public(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if not k.startswith("_")}
 
 
-def _dpo_steps(st: _Stage, cfg: StageConfig, batches: list[list[int]], data, ref) -> float:
-    """The DPO optimizer steps over `batches` of pairs; returns the last batch's accuracy."""
-    world, acc = st.world, float("nan")
-    for step, batch in enumerate(batches, start=1):
-        mine, weight = share_of_batch(batch, world)
-        idx = torch.tensor(mine)
-        pol_c, pol_r = _pair_logp(st, cfg, data, mine)
-        out = dpo_loss(pol_c, pol_r, ref[0][idx].to(st.device), ref[1][idx].to(st.device), cfg.beta)
-        share = weight / len(batch)           # the mean over the global batch, this rank's part
-        lr = _step(st, out.loss.sum() * share * world.size)
-        margin = out.chosen_rewards - out.rejected_rewards
-        loss, acc, margin, chosen, rejected = (global_sum(torch.stack([
-            out.loss.detach().sum(), (margin > 0).float().sum(), margin.sum(),
-            out.chosen_rewards.sum(), out.rejected_rewards.sum()]) * share, world)).tolist()
-        st.logger.log(step, {"loss/dpo": loss, "optim/lr": lr, "dpo/reward_accuracy": acc,
-                             "dpo/margin": margin,
-                             "dpo/chosen_reward": chosen, "dpo/rejected_reward": rejected})
+def _dpo_step(st: _Stage, cfg: StageConfig, step: int, batch: list[int], data, ref) -> float:
+    """One DPO optimizer step on a global batch of pairs (this rank's share); returns the
+    batch's implicit-reward accuracy."""
+    world = st.world
+    mine, weight = share_of_batch(batch, world)
+    idx = torch.tensor(mine)
+    pol_c, pol_r = _pair_logp(st, cfg, data, mine)
+    out = dpo_loss(pol_c, pol_r, ref[0][idx].to(st.device), ref[1][idx].to(st.device), cfg.beta)
+    share = weight / len(batch)           # the mean over the global batch, this rank's part
+    lr = _step(st, out.loss.sum() * share * world.size)
+    margin = out.chosen_rewards - out.rejected_rewards
+    loss, acc, margin, chosen, rejected = (global_sum(torch.stack([
+        out.loss.detach().sum(), (margin > 0).float().sum(), margin.sum(),
+        out.chosen_rewards.sum(), out.rejected_rewards.sum()]) * share, world)).tolist()
+    st.logger.log(step, {"loss/dpo": loss, "optim/lr": lr, "dpo/reward_accuracy": acc,
+                         "dpo/margin": margin,
+                         "dpo/chosen_reward": chosen, "dpo/rejected_reward": rejected})
     return acc
 
 
 def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True, *,
-        as_reward_model: bool = False) -> dict[str, Any]:
-    """DPO (§9) on (prompt, chosen, rejected) pairs from --data or --synthetic TASK.
+        as_reward_model: bool = False, resume: str | Path | None = None) -> dict[str, Any]:
+    """DPO (§9) on (prompt, chosen, rejected) pairs from --data.train_path or --data.synthetic TASK.
 
     The reference is the starting model, frozen: its log-probs of every pair are computed once
     up front and the copy is dropped, so training holds one model (and epochs > 1 cost no extra
-    reference passes). Held-out pairs give the implicit-reward accuracy and margin (per pair kind);
-    with --synthetic, greedy answers to the held-out problems show the behaviour itself before and
-    after: accuracy and length.
+    reference passes; a checkpoint keeps them, so a resumed run needs no reference at all).
+    Held-out pairs give the implicit-reward accuracy and margin (per pair kind); with --data.synthetic,
+    greedy answers to the held-out problems show the behaviour itself before and after: accuracy
+    and length.
 
     `as_reward_model` (reward-model --reward_form log_ratio): the same training read as a
     Bradley-Terry reward model r = beta log pi/pi_ref; metrics under rm/, no greedy answers, and
     the saved LM carries reward_stats.json (beta, the reference, held-out score statistics).
     """
     from posttrain.rewards.model import STATS_FILE
-    fields = [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
+    fields = [cfg.data.prompt_field, cfg.data.chosen_field, cfg.data.rejected_field]
     train_rows, eval_rows, source = preference_rows(cfg)
     # the reward model scores against its reference for good: name it before any work
-    reference = _reference_spec(cfg.model) if as_reward_model else None
-    st = _start(cfg, model, tokenizer, fields, rows=train_rows)
+    reference = _reference_spec(cfg.model.path) if as_reward_model else None
+    st = _start(cfg, model, tokenizer, fields, rows=train_rows, resume=resume)
     tok, world = st.tokenizer, st.world
     prefix = "rm" if as_reward_model else "dpo"
     train_data = (st.prompts, *_pair_responses(tok, cfg, train_rows))
-    eval_data = (_encode(tok, cfg, [r[cfg.prompt_field] for r in eval_rows]),
+    eval_data = (_encode(tok, cfg, [r[cfg.data.prompt_field] for r in eval_rows]),
                  *_pair_responses(tok, cfg, eval_rows))
-    t0 = time.perf_counter()
-    ref_train, ref_eval = _all_pair_logp(st, cfg, train_data), _all_pair_logp(st, cfg, eval_data)
-    summary: dict[str, Any] = {"run_dir": str(st.run_dir), "source": source,
-                               "train_pairs": len(train_rows), "eval_pairs": len(eval_rows),
-                               "reference_s": time.perf_counter() - t0}
-    task = synthetic_task(cfg) if cfg.synthetic and not as_reward_model else None
-    if as_reward_model:       # pi = pi_ref: every implicit reward is 0, every pair a tie
-        summary["eval_before"] = _public(_implicit_reward_metrics(*ref_eval, ref_eval, cfg.beta,
-                                                                  eval_rows, prefix))
-        st.logger.log(0, summary["eval_before"])
-    if task is not None:
-        summary["behaviour_before"] = held_out_behaviour(st.model, tok, task, cfg, world)
-        st.logger.log(0, summary["behaviour_before"])
     lengths = [len(p) + max(len(c), len(r)) for p, c, r in zip(*train_data)]
-    batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
+    batches = [b for _ in range(cfg.optim.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
     st.schedule(cfg, len(batches))
-    t_start = time.perf_counter()
-    bar = tqdm(batches, disable=not (show_progress and world.main),
-               desc="reward-model" if as_reward_model else "dpo")
-    acc = _dpo_steps(st, cfg, bar, train_data, ref_train)
+    task = synthetic_task(cfg) if cfg.data.synthetic and not as_reward_model else None
+    if st.resume_state is not None:
+        summary, (ref_train, ref_eval) = st.saved["summary"], st.saved["reference"]
+    else:
+        t0 = time.perf_counter()
+        ref_train, ref_eval = _all_pair_logp(st, cfg, train_data), _all_pair_logp(st, cfg, eval_data)
+        summary = {"run_dir": str(st.run_dir), "source": source, "train_pairs": len(train_rows),
+                   "eval_pairs": len(eval_rows), "reference_s": time.perf_counter() - t0}
+        if as_reward_model:       # pi = pi_ref: every implicit reward is 0, every pair a tie
+            summary["eval_before"] = _public(_implicit_reward_metrics(*ref_eval, ref_eval, cfg.beta,
+                                                                      eval_rows, prefix))
+            st.logger.log(0, summary["eval_before"])
+        if task is not None:
+            summary["behaviour_before"] = held_out_behaviour(st.model, tok, task, cfg, world)
+            st.logger.log(0, summary["behaviour_before"])
+    t_start, acc = time.perf_counter(), [float("nan")]
+
+    def step_fn(step: int, batch: list[int]) -> None:
+        acc[0] = _dpo_step(st, cfg, step, batch, train_data, ref_train)
+
+    run_steps(st, cfg, batches, step_fn,
+              lambda: {"summary": summary, "reference": (ref_train, ref_eval)},
+              "reward-model" if as_reward_model else "dpo", show_progress)
     summary["train_minutes"] = (time.perf_counter() - t_start) / 60
     after = _implicit_reward_metrics(*_all_pair_logp(st, cfg, eval_data), ref_eval, cfg.beta,
                                      eval_rows, prefix)
@@ -391,9 +456,8 @@ def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
         extra = {STATS_FILE: json.dumps({"form": "log_ratio", "beta": cfg.beta, "reference": reference,
                                          "mean": after["_mean"], "std": after["_std"],
                                          "source": source, "max_len": cfg.max_len})}
-    summary.update(steps=len(batches), reward_accuracy_last=acc, final_model=_finish(st, extra))
-    if world.main:
-        (st.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary.update(steps=len(batches), reward_accuracy_last=acc[0], final_model=_finish(st, extra))
+    _write_summary(st, summary)
     return summary
 
 
@@ -440,49 +504,49 @@ def held_out_behaviour(model, tokenizer, task, cfg: StageConfig, world: World | 
 
 
 def preference_rows(cfg: StageConfig) -> tuple[list[dict], list[dict], str]:
-    """(train pairs, held-out pairs, source) from --synthetic TASK or --data [--eval_data]; the
-    rows are checked (file, line, field) before any model loads."""
-    fields = [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
-    if not 0.0 <= cfg.terse_wrong_share <= 1.0:
-        raise ValueError(f"terse_wrong_share={cfg.terse_wrong_share} must be between 0 and 1")
-    if cfg.synthetic:   # pairs from ground truth: train on training problems, test on held-out
+    """(train pairs, held-out pairs, source) from --data.synthetic TASK or --data.train_path
+    [--data.eval_path]; the rows are checked (file, line, field) before any model loads."""
+    fields = [cfg.data.prompt_field, cfg.data.chosen_field, cfg.data.rejected_field]
+    cfg.validate()
+    if cfg.data.synthetic:   # pairs from ground truth: train on training problems, test on held-out
         from posttrain.data.preferences import synthetic_preferences
         task = synthetic_task(cfg)
-        return (synthetic_preferences(task, cfg.n_pairs, cfg.seed,
-                                      terse_wrong_share=cfg.terse_wrong_share),
-                synthetic_preferences(task, cfg.eval_size, cfg.seed, held_out=True),
-                f"synthetic:{cfg.synthetic}")
-    if not cfg.data:
-        raise ValueError("preference pairs: give --data FILE or --synthetic TASK")
-    train_rows = read_rows(cfg.data)
-    _check_rows(cfg.data, train_rows, fields)
-    if cfg.eval_data:
-        eval_rows = read_rows(cfg.eval_data)
-        _check_rows(cfg.eval_data, eval_rows, fields)
+        return (synthetic_preferences(task, cfg.data.n_pairs, cfg.seed,
+                                      terse_wrong_share=cfg.data.terse_wrong_share),
+                synthetic_preferences(task, cfg.data.eval_size, cfg.seed, held_out=True),
+                f"synthetic:{cfg.data.synthetic}")
+    if not cfg.data.train_path:
+        raise ValueError("preference pairs: give --data.train_path FILE or --data.synthetic TASK")
+    train_rows = read_rows(cfg.data.train_path)
+    _check_rows(cfg.data.train_path, train_rows, fields)
+    if cfg.data.eval_path:
+        eval_rows = read_rows(cfg.data.eval_path)
+        _check_rows(cfg.data.eval_path, eval_rows, fields)
     else:
         if len(train_rows) < 5:
-            raise ValueError(f"{cfg.data}: {len(train_rows)} pairs; at least 5 are needed (a fifth is "
-                             "held out for evaluation), or give --eval_data FILE")
+            raise ValueError(f"{cfg.data.train_path}: {len(train_rows)} pairs; at least 5 are needed "
+                             "(a fifth is held out for evaluation), or give --data.eval_path FILE")
         order = random.Random(cfg.seed).sample(range(len(train_rows)), len(train_rows))
-        n_eval = min(cfg.eval_size, len(train_rows) // 5)
+        n_eval = min(cfg.data.eval_size, len(train_rows) // 5)
         eval_rows = [train_rows[i] for i in order[:n_eval]]
         train_rows = [train_rows[i] for i in order[n_eval:]]
-    return train_rows, eval_rows, cfg.data
+    return train_rows, eval_rows, cfg.data.train_path
 
 
 def synthetic_task(cfg: StageConfig):
     from posttrain.data.tasks import make_task
-    task = make_task(cfg.synthetic, 2)
-    task.build_eval(cfg.eval_size, 1234)
+    task = make_task(cfg.data.synthetic, 2)
+    task.build_eval(cfg.data.eval_size, 1234)
     return task
 
 
-def load_reward_model_start(path: str | Path):
+def load_reward_model_start(path: str | Path, resumed: bool = False):
     """A reward model to train: the body from `path`, a one-label score head initialised to
-    zero (r = 0 for everything at the start)."""
+    zero (r = 0 for everything at the start); `resumed`: a checkpoint's, head included."""
     from transformers import AutoModelForSequenceClassification
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
-    torch.nn.init.zeros_(model.score.weight)
+    if not resumed:
+        torch.nn.init.zeros_(model.score.weight)
     return model
 
 
@@ -510,8 +574,8 @@ def _bradley_terry_step(st: _Stage, cfg: StageConfig, step: int, batch: list[int
     st.logger.log(step, {"loss/bradley_terry": bt, "rm/train_accuracy": acc, **logged})
 
 
-def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
-                 ) -> dict[str, Any]:
+def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True,
+                 resume: str | Path | None = None) -> dict[str, Any]:
     """Train a Bradley-Terry reward model (§1) on (prompt, chosen, rejected) pairs:
     loss -log sigmoid(r(x, y_c) - r(x, y_r)), r = a scalar head on the last token. Reports
     held-out pairwise accuracy (per pair kind when the rows have one) before and after, and saves
@@ -523,13 +587,14 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
             if getattr(cfg, name) != unset:
                 raise ValueError(f"{name}={getattr(cfg, name)!r} applies to reward_form=score_head "
                                  "only (a log-ratio reward model has no score head)")
-        return dpo(cfg, model, tokenizer, show_progress, as_reward_model=True)
+        return dpo(cfg, model, tokenizer, show_progress, as_reward_model=True, resume=resume)
     from posttrain.losses import pairwise_accuracy
     from posttrain.rewards.model import STATS_FILE, encode_responses, pair_scores
 
-    fields = [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
+    fields = [cfg.data.prompt_field, cfg.data.chosen_field, cfg.data.rejected_field]
     train_rows, eval_rows, source = preference_rows(cfg)
-    st = _start(cfg, model, tokenizer, fields, rows=train_rows, load=load_reward_model_start)
+    st = _start(cfg, model, tokenizer, fields, rows=train_rows, load=load_reward_model_start,
+                resume=resume)
     tok, world = st.tokenizer, st.world
     st.model.config.pad_token_id = tok.pad_token_id
     if cfg.lm_coef > 0:
@@ -538,14 +603,14 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
 
     def encode(rows, heads: list[list[int]]):
         return (heads,
-                encode_responses(tok, [str(r[cfg.chosen_field]) for r in rows], cfg.end_of_turn),
-                encode_responses(tok, [str(r[cfg.rejected_field]) for r in rows], cfg.end_of_turn))
+                encode_responses(tok, [str(r[cfg.data.chosen_field]) for r in rows], cfg.end_of_turn),
+                encode_responses(tok, [str(r[cfg.data.rejected_field]) for r in rows], cfg.end_of_turn))
 
     def scores(idx, heads, chosen, rejected, chosen_nll=False):
         return pair_scores(st.model, [heads[i] for i in idx], [chosen[i] for i in idx],
-                           [rejected[i] for i in idx], tok.pad_token_id, cfg.autocast, chosen_nll)
+                           [rejected[i] for i in idx], tok.pad_token_id, cfg.model.autocast, chosen_nll)
 
-    eval_parts = encode(eval_rows, _encode(tok, cfg, [r[cfg.prompt_field] for r in eval_rows]))
+    eval_parts = encode(eval_rows, _encode(tok, cfg, [r[cfg.data.prompt_field] for r in eval_rows]))
 
     @torch.no_grad()
     def evaluate_pairs() -> dict[str, float]:
@@ -561,26 +626,31 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
             out[f"rm/eval_accuracy@{kind}"] = pairwise_accuracy(c[idx], r[idx]).item()
         return out
 
-    before = evaluate_pairs()
-    st.logger.log(0, _public(before))
     heads, chosen, rejected = encode(train_rows, st.prompts)    # prompts encoded by _start
     lengths = [len(h) + max(len(c), len(r)) for h, c, r in zip(heads, chosen, rejected)]
-    batches = [b for _ in range(cfg.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
+    batches = [b for _ in range(cfg.optim.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
     st.schedule(cfg, len(batches))
+    before = st.saved.get("eval_before")
+    if before is None:
+        before = _public(evaluate_pairs())
+        st.logger.log(0, before)
     t_start = time.perf_counter()
     st.model.train()
-    bar = tqdm(batches, disable=not (show_progress and world.main), desc="reward-model")
-    for step, batch in enumerate(bar, start=1):
-        _bradley_terry_step(st, cfg, step, batch, lambda mine: scores(mine, heads, chosen, rejected,
-                                                                      cfg.lm_coef > 0), chosen)
+    run_steps(st, cfg, batches,
+              lambda step, batch: _bradley_terry_step(
+                  st, cfg, step, batch,
+                  lambda mine: scores(mine, heads, chosen, rejected, cfg.lm_coef > 0), chosen),
+              lambda: {"eval_before": before}, "reward-model", show_progress)
     train_minutes = (time.perf_counter() - t_start) / 60
     after = evaluate_pairs()
     st.logger.log(len(batches), _public(after))
     stats = json.dumps({"mean": after["_mean"], "std": after["_std"], "source": source,
                         "end_of_turn": cfg.end_of_turn})
-    return {"run_dir": str(st.run_dir), "final_model": _finish(st, {STATS_FILE: stats}),
-            "steps": len(batches), "train_pairs": len(train_rows), "eval_pairs": len(eval_rows),
-            "train_minutes": train_minutes, "eval_before": _public(before), "eval_after": _public(after)}
+    summary = {"run_dir": str(st.run_dir), "final_model": _finish(st, {STATS_FILE: stats}),
+               "steps": len(batches), "train_pairs": len(train_rows), "eval_pairs": len(eval_rows),
+               "train_minutes": train_minutes, "eval_before": before, "eval_after": _public(after)}
+    _write_summary(st, summary)
+    return summary
 
 
 def generate(cfg, n: int, out: str | Path, samples: int = 1, only_correct: bool = True,

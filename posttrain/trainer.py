@@ -46,7 +46,8 @@ from posttrain.models import (add_lora, load_policy, load_tokenizer, merged_lora
                               resolve_model_path, save_model)
 from posttrain.rewards import Scorer, overlong_penalty
 from posttrain.prompts import encode_prompts, left_pad
-from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, make_engine, vllm_options
+from posttrain.rollout import (HFRolloutEngine, Rollout, RolloutEngine, SamplingParams,
+                               make_engine, vllm_options)
 from posttrain.rollout.hf import row_seeds
 from posttrain.run import make_scheduler, seed_everything
 from posttrain.teachers import Teachers
@@ -324,7 +325,7 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
         scorer.reward_model.check_tokenizer(tokenizer)
         scorer.reward_model.to(device)                # beside the policy (a GPU on a GPU run)
     model = wrap(model, world)                        # FSDP2: shard the layers, in place
-    engine = make_engine(cfg.rollout.backend, model, tokenizer,
+    engine = make_engine(cfg.rollout.backend, model, tokenizer, cfg.rollout.autocast,
                          **vllm_options(cfg, path, model, world))
     o = cfg.optim
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr,
@@ -361,6 +362,8 @@ def load_models(cfg: TrainConfig, ckpt: Path | None, model, tokenizer, teacher):
         model = load_policy(path, cfg.model.dtype)
     elif ckpt is not None and not lora:
         model.load_state_dict(load_policy(ckpt / "model", cfg.model.dtype).state_dict())
+    if cfg.model.attention != "auto":
+        model.set_attn_implementation(cfg.model.attention)
     if lora:
         model = add_lora(model, cfg.lora, ckpt / "adapter" if ckpt else None)
     if tokenizer.pad_token_id is None:
@@ -499,8 +502,11 @@ def log_step(run: Run, step: int, batch: ScoredBatch, adv: Tensor, metrics: dict
 def run_eval(run: Run, step: int, label: str) -> dict[str, Any]:
     """Held-out accuracy now, logged with the training minutes so far; samples to a file."""
     t0 = time.perf_counter()
+    # in the weights' own precision (not the sampler's bf16), as a user's model.generate reads it
+    engine = (HFRolloutEngine(run.model, run.tokenizer) if isinstance(run.engine, HFRolloutEngine)
+              else run.engine)
     with full_weights_for_generation(run.model, run.world):
-        res = evaluate(run.model, run.tokenizer, run.engine, run.eval_problems, run.scorer,
+        res = evaluate(run.model, run.tokenizer, engine, run.eval_problems, run.scorer,
                        run.cfg, world=run.world)
     samples = res.pop("_samples")
     res["eval/seconds"] = time.perf_counter() - t0

@@ -280,7 +280,7 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
             padding = micro is None   # the same collectives, no gradient and no metrics
             rows = torch.arange(G) if padding else rows_mb[kept[micro]]
             into = Metrics() if padding else metrics
-            loss = torch.zeros(())
+            loss, hidden = torch.zeros(()), None
             if policy_forward:
                 logp, entropy, logits, hidden = sequence_logprobs(
                     model, batch.rollout, rows, cfg.rollout.temperature, with_entropy=True,

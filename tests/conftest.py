@@ -51,3 +51,28 @@ def make_tiny_reward_model(tokenizer, tied: bool = False):
 @pytest.fixture
 def tiny_model(tokenizer):
     return make_tiny_model(tokenizer)
+
+
+# where each short keyword of `stage_config` lives in the nested StageConfig
+_STAGE_FIELDS = {"model": ("model", "path"), "autocast": ("model", "autocast"),
+                 "data": ("data", "train_path"), "eval_data": ("data", "eval_path"),
+                 "lr": ("optim", "lr"), "epochs": ("optim", "epochs"), "schedule": ("optim", "schedule"),
+                 "warmup_steps": ("optim", "warmup_steps"), "strategy": ("parallel", "strategy"),
+                 **{k: ("data", k) for k in ("prompt_field", "response_field", "chosen_field",
+                                             "rejected_field", "system_prompt", "synthetic", "n_pairs",
+                                             "terse_wrong_share", "eval_size")}}
+
+
+def stage_config(**kw):
+    """A StageConfig from short keywords (lr=..., synthetic=...), the tests' shorthand for the
+    nested sections (optim.lr, data.synthetic, ...); not validated, as a library user's is not."""
+    from dataclasses import replace
+    from posttrain.config import StageConfig
+    cfg, sections = StageConfig(), {}
+    for k, v in kw.items():
+        if k in _STAGE_FIELDS:
+            section, name = _STAGE_FIELDS[k]
+            sections.setdefault(section, {})[name] = v
+        else:
+            cfg = replace(cfg, **{k: v})
+    return replace(cfg, **{s: replace(getattr(cfg, s), **f) for s, f in sections.items()})

@@ -1,5 +1,6 @@
 """The command line: help, and bad configs refused before any model is loaded."""
 
+import json
 import subprocess
 import sys
 
@@ -28,7 +29,7 @@ def test_every_option_of_every_command_has_a_description(capsys):
         assert len(lines) == len(option_names(cls))
         undocumented = [line for line in lines if "): " not in line or not line.split("): ", 1)[1]]
         assert not undocumented, undocumented
-    for command, line in (("sft", "--lr (float, default 1e-05): AdamW learning rate"),
+    for command, line in (("sft", "--optim.lr (float, default 1e-05): AdamW learning rate"),
                           ("dpo", "--beta (float, default 0.1): DPO"),
                           ("reward-model", "--reward_form (score_head|log_ratio, default")):
         with pytest.raises(SystemExit):
@@ -39,24 +40,33 @@ def test_every_option_of_every_command_has_a_description(capsys):
 def test_stage_commands_read_a_yaml_config_and_the_command_line_wins(tmp_path, monkeypatch):
     import posttrain.stages
     seen = {}
-    monkeypatch.setattr(posttrain.stages, "sft", lambda cfg: seen.update(cfg=cfg) or {})
+    monkeypatch.setattr(posttrain.stages, "sft", lambda cfg, resume=None: seen.update(cfg=cfg, resume=resume) or {})
     f = tmp_path / "sft.yaml"
-    f.write_text("synthetic: subtraction\nlr: 3.0e-5\nbatch_size: 4\n")
+    f.write_text("data:\n  synthetic: subtraction\noptim:\n  lr: 3.0e-5\nbatch_size: 4\n")
     assert main(["sft", "--config", str(f), "--batch_size", "16"]) == 0
     cfg = seen["cfg"]
-    assert (cfg.synthetic, cfg.lr, cfg.batch_size) == ("subtraction", 3e-5, 16)
-    f.write_text("synthetic: subtraction\nlrr: 3.0e-5\n")
+    assert (cfg.data.synthetic, cfg.optim.lr, cfg.batch_size) == ("subtraction", 3e-5, 16)
+    assert cfg.optim.beta2 == 0.999   # the stages' own default, kept under a partial optim section
+    f.write_text("data:\n  synthetic: subtraction\noptim:\n  lrr: 3.0e-5\n")
     assert main(["sft", "--config", str(f)]) == 2
+    # --resume RUN: the run's own config.json, then the command line
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"data": {"synthetic": "addition"}, "optim": {"lr": 2e-5},
+                                                 "run_dir": str(run)}))
+    assert main(["sft", "--resume", str(run), "--batch_size", "2"]) == 0
+    cfg = seen["cfg"]
+    assert (cfg.data.synthetic, cfg.optim.lr, cfg.batch_size, seen["resume"]) == ("addition", 2e-5, 2, str(run))
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["sft", "--synthetic", "addition", "--lr", "-1"], "lr=-1.0 must be > 0"),
-    (["sft", "--synthetic", "addition", "--batch_size", "0"], "batch_size=0 must be >= 1"),
-    (["dpo", "--synthetic", "addition", "--beta", "0"], "beta=0.0 must be > 0"),
-    (["dpo", "--synthetic", "countdown"], "synthetic='countdown' is not valid"),
-    (["reward-model", "--synthetic", "addition", "--terse_wrong_share", "2"],
+    (["sft", "--data.synthetic", "addition", "--optim.lr", "-1"], "optim.lr=-1.0 must be > 0"),
+    (["sft", "--data.synthetic", "addition", "--batch_size", "0"], "batch_size=0 must be >= 1"),
+    (["dpo", "--data.synthetic", "addition", "--beta", "0"], "beta=0.0 must be > 0"),
+    (["dpo", "--data.synthetic", "countdown"], "data.synthetic='countdown' is not valid"),
+    (["reward-model", "--data.synthetic", "addition", "--data.terse_wrong_share", "2"],
      "terse_wrong_share=2.0 must be <= 1"),
-    (["sft", "--synthetic", "addition", "--strategy", "zero3"], "strategy='zero3' is not valid"),
+    (["sft", "--data.synthetic", "addition", "--parallel.strategy", "zero3"], "zero3"),
     (["sft", "--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
 ])
 def test_stage_ranges_are_checked_before_anything_loads(argv, msg, capsys):
@@ -86,12 +96,13 @@ def test_console_script_runs():
     (["train", "--no-prog"], "unknown option --no-prog; did you mean --no-progress?"),   # no prefixes
     (["train", "--optim.lrr", "1"], "unknown option --optim.lrr; did you mean --optim.lr?"),
     (["train", "--algorithm.clip_hi", "0.3"], "did you mean --algorithm.clip_high?"),
-    (["eval", "--model", "m", "--sample", "3"], "unknown option --sample; did you mean --samples?"),
-    (["generate", "--model", "m", "--out", "o.jsonl", "--rollout.groupsize", "2"],
+    (["eval", "--model.path", "m", "--sample", "3"], "unknown option --sample; did you mean --samples?"),
+    (["generate", "--model.path", "m", "--out", "o.jsonl", "--rollout.groupsize", "2"],
      "did you mean --rollout.group_size?"),
-    (["sft", "--lrr", "1e-5"], "unknown option --lrr; did you mean --lr?"),
-    (["dpo", "--synthetic", "addition", "--bta", "0.1"], "did you mean --beta?"),
-    (["reward-model", "--synthetic", "addition", "--reward_from", "x"], "did you mean --reward_form?"),
+    (["sft", "--lrr", "1e-5"], "unknown option --lrr; did you mean --optim.lr?"),
+    (["dpo", "--strategy", "fsdp"], "unknown option --strategy; did you mean --parallel.strategy?"),
+    (["dpo", "--data.synthetic", "addition", "--bta", "0.1"], "did you mean --beta?"),
+    (["reward-model", "--data.synthetic", "addition", "--reward_from", "x"], "did you mean --reward_form?"),
     (["plot", "runs/x", "--dpi", "3"], "unexpected arguments --dpi"),
 ])
 def test_a_mistyped_option_never_starts_a_job(argv, msg, capsys, tmp_path, monkeypatch):
@@ -107,3 +118,56 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"posttrain {posttrain.__version__}"
+
+
+def _command_options() -> dict[str, set[str]]:
+    """Every option of every command, dotted, dashes as underscores: the command's own flags and
+    the config fields it takes as overrides."""
+    import argparse
+    from posttrain.cli import build_parser
+    from posttrain.config import StageConfig, TrainConfig, option_names
+    subs = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    config_of = {"train": TrainConfig, "eval": TrainConfig, "generate": TrainConfig,
+                 "sft": StageConfig, "dpo": StageConfig, "reward-model": StageConfig}
+    out = {}
+    for name, sub in subs.items():
+        flags = {o[2:].replace("-", "_") for a in sub._actions for o in a.option_strings
+                 if o.startswith("--") and o != "--help"}
+        fields = set(option_names(config_of[name])) if name in config_of else set()
+        out[name] = flags | fields
+    return out
+
+
+def _clashes(opts: dict[str, set[str]]) -> list[str]:
+    train_paths: dict[str, set[str]] = {}
+    for o in opts["train"]:
+        train_paths.setdefault(o.split(".")[-1], set()).add(o)
+    return [f"{cmd}: --{o}" for cmd, names in sorted(opts.items()) for o in sorted(names)
+            if o.split(".")[-1] in train_paths and o not in train_paths[o.split(".")[-1]]]
+
+
+def test_every_command_spells_an_option_the_same_way():
+    """Walks every command's options: a name two commands share is written one way (for each
+    last component, `lr`, `path`, `strategy`, `system_prompt`, ..., only the dotted paths
+    `posttrain train` uses: --optim.lr everywhere, never --lr), and the concepts every training
+    command has are there under the same name."""
+    opts = _command_options()
+    assert set(opts) >= {"train", "eval", "sft", "dpo", "reward-model", "generate", "prepare-model"}
+    assert not _clashes(opts)
+    shared = ["config", "resume", "model.path", "model.autocast", "model.attention", "optim.lr",
+              "optim.schedule", "optim.warmup_steps", "optim.beta2", "parallel.strategy",
+              "data.system_prompt", "data.eval_size", "data.prompt_field", "seed", "run_dir",
+              "checkpoint_every"]
+    for cmd in ("train", "sft", "dpo", "reward-model"):
+        assert not [o for o in shared if o not in opts[cmd]], cmd
+    for cmd in ("eval", "generate"):
+        assert "model.path" in opts[cmd] and "config" in opts[cmd]
+
+
+def test_the_walk_catches_a_flat_name():
+    """Not vacuous: the stages' old spellings (--lr, --strategy beside train's --optim.lr and
+    --parallel.strategy) are clashes."""
+    opts = _command_options()
+    opts["sft"].add("lr")
+    opts["dpo"].add("strategy")
+    assert _clashes(opts) == ["dpo: --strategy", "sft: --lr"]

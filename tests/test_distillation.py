@@ -211,7 +211,7 @@ def test_exact_loss_targets_the_teacher_at_its_own_temperature(tmp_path, tokeniz
     from posttrain.rollout import make_engine
     from posttrain.teachers import Teachers
     from posttrain.trainer import generate_and_score
-from posttrain.update import update_policy
+    from posttrain.update import update_policy
     from posttrain.data.source import Sampler, build_task
     extra = ["--teacher.temperature", str(teacher_temperature)] if teacher_temperature else []
     cfg = load_config(None, [*OPD, "--teacher.path", "t", "--algorithm.distill_loss", "exact",

@@ -13,9 +13,9 @@ from posttrain.data.preferences import synthetic_preferences
 from posttrain.data.tasks import make_task
 from posttrain.rewards.model import RewardModel
 from posttrain.rewards.verifiers import final_answer
-from posttrain.stages import StageConfig, reward_model
+from posttrain.stages import reward_model
 from posttrain.trainer import train
-from tests.conftest import make_tiny_model, make_tiny_reward_model as tiny_reward_model
+from tests.conftest import make_tiny_model, make_tiny_reward_model as tiny_reward_model, stage_config
 from tests.test_trainer import toy_config
 
 
@@ -63,8 +63,8 @@ def test_terse_wrong_answers_are_added_to_training_pairs_only():
     assert 0.5 < terse_share(mixed) < 0.75
     assert (synthetic_preferences(task, 60, seed=0, held_out=True, terse_wrong_share=1.0)
             == synthetic_preferences(task, 60, seed=0, held_out=True))
-    with pytest.raises(ValueError, match="terse_wrong_share=1.5 must be between 0 and 1"):
-        reward_model(StageConfig(synthetic="addition", terse_wrong_share=1.5))
+    with pytest.raises(ValueError, match="data.terse_wrong_share=1.5 must be <= 1"):
+        reward_model(stage_config(synthetic="addition", terse_wrong_share=1.5))
 
 
 @pytest.mark.parametrize("row, msg", [
@@ -76,7 +76,7 @@ def test_bad_preference_files_are_reported_with_file_line_and_field(tmp_path, ca
     path = tmp_path / "prefs.jsonl"
     path.write_text(json.dumps({"prompt": "q", "chosen": "x", "rejected": "y"}) + "\n" + json.dumps(row) + "\n")
     # the data are checked before any model is loaded (the model path does not even exist)
-    assert main(["reward-model", "--data", str(path), "--model", str(tmp_path / "none")]) == 2
+    assert main(["reward-model", "--data.train_path", str(path), "--model.path", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
     assert str(path) in err and msg in err
 
@@ -85,7 +85,7 @@ def test_bad_preference_files_are_reported_with_file_line_and_field(tmp_path, ca
 def trained_rm(tmp_path_factory, tokenizer):
     """A tiny reward model trained on synthetic pairs (it learns at least the easy kinds)."""
     run = tmp_path_factory.mktemp("rm")
-    cfg = StageConfig(synthetic="addition", n_pairs=320, eval_size=60, lr=3e-3, batch_size=16,
+    cfg = stage_config(synthetic="addition", n_pairs=320, eval_size=60, lr=3e-3, batch_size=16,
                       run_dir=str(run), system_prompt="Be brief.")
     out = reward_model(cfg, model=tiny_reward_model(tokenizer), tokenizer=tokenizer, show_progress=False)
     return out
@@ -186,7 +186,7 @@ def test_the_score_head_can_have_its_own_learning_rate(tmp_path, tokenizer):
     model = tiny_reward_model(tokenizer)
     head0 = model.score.weight.detach().clone()
     body0 = model.model.layers[0].mlp.up_proj.weight.detach().clone()
-    reward_model(StageConfig(synthetic="addition", n_pairs=16, eval_size=8, lr=1e-3, head_lr=0.0,
+    reward_model(stage_config(synthetic="addition", n_pairs=16, eval_size=8, lr=1e-3, head_lr=0.0,
                              batch_size=8, run_dir=str(tmp_path / "run")),
                  model=model, tokenizer=tokenizer, show_progress=False)
     assert torch.equal(model.score.weight, head0)                    # lr 0: the head stays put
@@ -194,7 +194,7 @@ def test_the_score_head_can_have_its_own_learning_rate(tmp_path, tokenizer):
 
 
 def test_a_reward_model_trained_on_end_of_turn_is_read_the_same_way(tmp_path, tokenizer):
-    out = reward_model(StageConfig(synthetic="addition", n_pairs=16, eval_size=20, lr=1e-3,
+    out = reward_model(stage_config(synthetic="addition", n_pairs=16, eval_size=20, lr=1e-3,
                                    batch_size=8, end_of_turn=True, run_dir=str(tmp_path / "run")),
                        model=tiny_reward_model(tokenizer), tokenizer=tokenizer, show_progress=False)
     rm = RewardModel(out["final_model"], normalize=True)
@@ -228,7 +228,7 @@ def test_chosen_nll_is_the_bodys_next_token_loss_through_the_tied_embedding(toke
 
 
 def test_the_chosen_lm_loss_trains_the_body_and_needs_a_tied_head(tmp_path, tokenizer):
-    cfg = StageConfig(synthetic="addition", n_pairs=96, eval_size=8, lr=3e-3, batch_size=8,
+    cfg = stage_config(synthetic="addition", n_pairs=96, eval_size=8, lr=3e-3, batch_size=8,
                       lm_coef=1.0, run_dir=str(tmp_path / "run"))
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         reward_model(cfg, model=tiny_reward_model(tokenizer), tokenizer=tokenizer, show_progress=False)
@@ -244,7 +244,7 @@ def test_frozen_lower_layers_stay_put_and_the_top_learns(tmp_path, tokenizer):
     """--freeze_layers 1: embeddings and layer 0 never change; layer 1 and the score head train."""
     model = tiny_reward_model(tokenizer)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    out = reward_model(StageConfig(synthetic="addition", n_pairs=16, eval_size=8, lr=1e-3,
+    out = reward_model(stage_config(synthetic="addition", n_pairs=16, eval_size=8, lr=1e-3,
                                    batch_size=8, freeze_layers=1, run_dir=str(tmp_path / "run")),
                        model=model, tokenizer=tokenizer, show_progress=False)
     after = model.state_dict()
@@ -254,7 +254,7 @@ def test_frozen_lower_layers_stay_put_and_the_top_learns(tmp_path, tokenizer):
     assert trained and all(not torch.equal(before[k], after[k]) for k in trained)
     assert out["steps"] == 2
     with pytest.raises(ValueError, match="freeze_layers=3: the model has 2 decoder layers"):
-        reward_model(StageConfig(synthetic="addition", n_pairs=16, eval_size=8, freeze_layers=3,
+        reward_model(stage_config(synthetic="addition", n_pairs=16, eval_size=8, freeze_layers=3,
                                  run_dir=str(tmp_path / "r2")),
                      model=tiny_reward_model(tokenizer), tokenizer=tokenizer, show_progress=False)
 
@@ -267,7 +267,7 @@ def log_ratio_rm(tmp_path_factory, tokenizer):
     make_tiny_model(tokenizer).save_pretrained(ref)
     tokenizer.save_pretrained(ref)
     run = tmp_path_factory.mktemp("rm_log_ratio")
-    cfg = StageConfig(model=str(ref), synthetic="addition", n_pairs=96, eval_size=40, lr=1e-3,
+    cfg = stage_config(model=str(ref), synthetic="addition", n_pairs=96, eval_size=40, lr=1e-3,
                       epochs=2, batch_size=16, beta=0.1, reward_form="log_ratio",
                       run_dir=str(run), system_prompt="Be brief.")
     return {**reward_model(cfg, show_progress=False), "reference": ref}
@@ -326,7 +326,7 @@ def test_reward_model_moves_with_its_reference(log_ratio_rm):
 def test_log_ratio_reward_model_errors(tmp_path, log_ratio_rm, tokenizer):
     import shutil
     with pytest.raises(ValueError, match="head_lr=0.1 applies to reward_form=score_head"):
-        reward_model(StageConfig(synthetic="addition", reward_form="log_ratio", head_lr=0.1),
+        reward_model(stage_config(synthetic="addition", reward_form="log_ratio", head_lr=0.1),
                      model=object(), tokenizer=tokenizer)
     moved = tmp_path / "rm"
     shutil.copytree(log_ratio_rm["final_model"], moved)

@@ -3,7 +3,7 @@
 import torch
 
 from posttrain.rollout import SamplingParams, make_engine
-from posttrain.rollout.hf import left_pad, sample_next
+from posttrain.rollout.hf import HFRolloutEngine, left_pad, sample_next
 from posttrain.prompts import encode_prompts
 from posttrain.data.tasks import Problem
 
@@ -85,3 +85,20 @@ def test_hashed_sampling_draws_from_the_distribution_independently():
         expected = p[:, None] * p[None, :]
         se2 = (expected * (1 - expected) / len(a)).sqrt()
         assert ((joint.double() - expected).abs() <= 4 * se2 + 1e-3).all(), (joint, expected)
+
+
+def test_bf16_sampling_records_the_logprobs_of_the_trainers_bf16_forward(tokenizer):
+    """autocast='bfloat16': body in bf16, LM head in float32, as forward.py computes the policy;
+    the recorded log-probs are that forward's (not the float32 model's)."""
+    from posttrain.forward import frozen_logprobs
+    from tests.conftest import make_tiny_model
+    model = make_tiny_model(tokenizer, seed=2, init_range=0.2)
+    prompts = [tokenizer("What is 12 + 34?")["input_ids"], tokenizer("Hi")["input_ids"]]
+    rollout = HFRolloutEngine(model, tokenizer, "bfloat16").generate(
+        prompts, 3, SamplingParams(6, 1.0), seeds=torch.arange(6))
+    bf16 = frozen_logprobs(model, rollout, 1.0, micro=6, autocast="bfloat16")
+    fp32 = frozen_logprobs(model, rollout, 1.0, micro=6)
+    m = rollout.response_mask_B_T > 0
+    err_bf16 = (rollout.logp_B_T - bf16)[m].abs().max()
+    err_fp32 = (rollout.logp_B_T - fp32)[m].abs().max()
+    assert err_bf16 < 0.05 and err_bf16 < err_fp32, (err_bf16, err_fp32)

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from posttrain.stages import StageConfig, dpo, length_buckets, sft, write_jsonl
+from posttrain.stages import dpo, length_buckets, sft, write_jsonl
 from posttrain.forward import pack
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, stage_config
 
 
 def test_pack_puts_loss_on_response_tokens_only(tokenizer):
@@ -28,7 +28,7 @@ def test_length_buckets_cover_everything_once_with_little_padding():
 def test_sft_lowers_the_response_loss(tmp_path, tokenizer):
     rows = [{"prompt": f"What is {a} + {a}?", "response": f"{a} + {a} = {2 * a}"} for a in range(10, 26)]
     write_jsonl(tmp_path / "sft.jsonl", rows)
-    out = sft(StageConfig(data=str(tmp_path / "sft.jsonl"), lr=3e-3, epochs=6, batch_size=4,
+    out = sft(stage_config(data=str(tmp_path / "sft.jsonl"), lr=3e-3, epochs=6, batch_size=4,
                           run_dir=str(tmp_path / "run")),
               model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
     assert out["last_loss"] < 0.6 * out["first_loss"], out
@@ -39,7 +39,7 @@ def test_dpo_learns_the_preference(tmp_path, tokenizer):
     rows = [{"prompt": f"Question {i}", "chosen": "Yes, gladly.", "rejected": "No way."}
             for i in range(16)]
     write_jsonl(tmp_path / "pairs.jsonl", rows)
-    out = dpo(StageConfig(data=str(tmp_path / "pairs.jsonl"), lr=1e-3, epochs=3, batch_size=8,
+    out = dpo(stage_config(data=str(tmp_path / "pairs.jsonl"), lr=1e-3, epochs=3, batch_size=8,
                           beta=0.1, run_dir=str(tmp_path / "run")),
               model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
@@ -51,7 +51,7 @@ def test_dpo_learns_the_preference(tmp_path, tokenizer):
 
 
 def test_dpo_on_synthetic_pairs_reports_held_out_pairs_and_behaviour(tmp_path, tokenizer):
-    out = dpo(StageConfig(synthetic="addition", n_pairs=48, eval_size=16, lr=1e-3, epochs=2,
+    out = dpo(stage_config(synthetic="addition", n_pairs=48, eval_size=16, lr=1e-3, epochs=2,
                           batch_size=8, beta=0.1, run_dir=str(tmp_path / "run")),
               model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
     assert out["source"] == "synthetic:addition" and out["train_pairs"] == 48
@@ -70,7 +70,7 @@ def test_dpo_on_synthetic_pairs_reports_held_out_pairs_and_behaviour(tmp_path, t
 def test_bad_preference_rows_are_named(tmp_path, tokenizer, row, msg):
     write_jsonl(tmp_path / "bad.jsonl", [row])
     with pytest.raises(ValueError, match=msg):
-        dpo(StageConfig(data=str(tmp_path / "bad.jsonl")), model=object(), tokenizer=tokenizer)
+        dpo(stage_config(data=str(tmp_path / "bad.jsonl")), model=object(), tokenizer=tokenizer)
 
 
 def test_generate_writes_verified_teacher_answers_for_sft(tmp_path, tokenizer):
@@ -90,14 +90,14 @@ def test_generate_writes_verified_teacher_answers_for_sft(tmp_path, tokenizer):
 
 
 def test_generate_command_takes_config_overrides(tmp_path, monkeypatch):
-    """`posttrain generate --model M --data.task subtraction`: a teacher for another domain
+    """`posttrain generate --model.path M --data.task subtraction`: a teacher for another domain
     without writing a YAML file."""
     import posttrain.stages
     from posttrain.cli import main
     seen = {}
     monkeypatch.setattr(posttrain.stages, "generate",
                         lambda cfg, n, out, samples, only_correct: seen.update(cfg=cfg, n=n) or {})
-    assert main(["generate", "--model", "TEACHER", "--n", "7", "--out", str(tmp_path / "g.jsonl"),
+    assert main(["generate", "--model.path", "TEACHER", "--n", "7", "--out", str(tmp_path / "g.jsonl"),
                  "--data.task", "subtraction"]) == 0
     assert (seen["cfg"].data.task, seen["cfg"].model.path, seen["n"]) == ("subtraction", "TEACHER", 7)
 
@@ -128,7 +128,7 @@ def test_sft_on_synthetic_answers_reports_held_out_behaviour(tmp_path, tokenizer
         a, b = (int(x) for x in row["prompt"][len("What is "):-1].split(" - "))
         assert row["response"] == f"{a} - {b} = {a - b}." and final_answer(row["response"]) == str(a - b)
         assert row["prompt"] not in held_out
-    out = sft(StageConfig(synthetic="subtraction", n_pairs=30, eval_size=16, lr=1e-2, epochs=6,
+    out = sft(stage_config(synthetic="subtraction", n_pairs=30, eval_size=16, lr=1e-2, epochs=6,
                           batch_size=6, run_dir=str(tmp_path / "run")),
               model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
     assert out["last_loss"] < 0.5 * out["first_loss"], out
@@ -149,14 +149,14 @@ def test_lr_factor_warms_up_then_decays_to_zero():
 def test_stages_follow_the_learning_rate_schedule(tmp_path, tokenizer, schedule, expected):
     rows = [{"prompt": f"What is {a} + {a}?", "response": f"{2 * a}"} for a in range(10, 18)]
     write_jsonl(tmp_path / "sft.jsonl", rows)
-    sft(StageConfig(data=str(tmp_path / "sft.jsonl"), lr=1e-3, batch_size=4, epochs=2,
+    sft(stage_config(data=str(tmp_path / "sft.jsonl"), lr=1e-3, batch_size=4, epochs=2,
                     schedule=schedule, warmup_steps=2, run_dir=str(tmp_path / "run")),
         model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     lrs = [r["optim/lr"] / 1e-3 for r in logged if "optim/lr" in r]
     assert [round(x, 6) for x in lrs] == expected        # 4 steps: 2 of warm-up, then the schedule
     with pytest.raises(ValueError, match="warmup_steps=-1"):
-        sft(StageConfig(data=str(tmp_path / "sft.jsonl"), warmup_steps=-1), model=make_tiny_model(tokenizer),
+        sft(stage_config(data=str(tmp_path / "sft.jsonl"), warmup_steps=-1), model=make_tiny_model(tokenizer),
             tokenizer=tokenizer, show_progress=False)
 
 
@@ -174,9 +174,9 @@ def test_sft_trains_on_the_teachers_own_token_ids(tmp_path, tokenizer):
     assert _response_ids(tokenizer, text, 3, teacher) == teacher[:2] + [eos]
     rows = [{"prompt": "What is 12 + 3?", "response": text, "response_ids": teacher}] * 4
     write_jsonl(tmp_path / "ok.jsonl", rows)
-    sft(StageConfig(data=str(tmp_path / "ok.jsonl"), batch_size=4, run_dir=str(tmp_path / "run")),
+    sft(stage_config(data=str(tmp_path / "ok.jsonl"), batch_size=4, run_dir=str(tmp_path / "run")),
         model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
     write_jsonl(tmp_path / "bad.jsonl", rows[:1] + [{**rows[0], "response": "12 + 3 = 16\n\n"}])
     with pytest.raises(ValueError, match="bad.jsonl: line 2: field 'response_ids' does not decode"):
-        sft(StageConfig(data=str(tmp_path / "bad.jsonl"), run_dir=str(tmp_path / "run2")),
+        sft(stage_config(data=str(tmp_path / "bad.jsonl"), run_dir=str(tmp_path / "run2")),
             model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)

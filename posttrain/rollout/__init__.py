@@ -6,10 +6,11 @@ from posttrain.rollout.hf import HFRolloutEngine
 __all__ = ["HFRolloutEngine", "Rollout", "RolloutEngine", "SamplingParams", "make_engine", "vllm_options"]
 
 
-def make_engine(backend: str, model, tokenizer, **vllm_options) -> RolloutEngine:
-    """`vllm_options`: VLLMRolloutEngine's (model_path, rollout_cfg, dtype, seed, ...)."""
+def make_engine(backend: str, model, tokenizer, autocast: str = "none", **vllm_options) -> RolloutEngine:
+    """`autocast`: the in-process engine's precision ('bfloat16': body in bf16, head in float32);
+    `vllm_options`: VLLMRolloutEngine's (model_path, rollout_cfg, dtype, seed, ...)."""
     if backend == "hf":
-        return HFRolloutEngine(model, tokenizer)
+        return HFRolloutEngine(model, tokenizer, autocast)
     if backend == "vllm":
         from posttrain.rollout.vllm import VLLMRolloutEngine   # optional dependency, GPU only
         return VLLMRolloutEngine(model, tokenizer, **vllm_options)

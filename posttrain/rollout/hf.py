@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from posttrain.models import decoder_and_head
 from posttrain.prompts import left_pad
 from posttrain.rollout.base import Rollout, SamplingParams
 
@@ -93,11 +94,17 @@ def cache_kwarg(model: PreTrainedModel) -> str:
 
 
 class HFRolloutEngine:
-    """Samples from the very model object the trainer updates: weights are always in sync."""
+    """Samples from the very model object the trainer updates: weights are always in sync.
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    `autocast='bfloat16'`: the transformer body runs under bf16 autocast and the LM head in
+    float32 on its output, as in the trainer's forward (forward.py), so the sampled distribution
+    and the recorded log-probs are those of the policy the trainer computes."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 autocast: str = "none") -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.autocast = autocast
         self.cache_kw = cache_kwarg(model)
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = {tokenizer.eos_token_id}
@@ -107,6 +114,17 @@ class HFRolloutEngine:
 
     def sync_weights(self) -> None:
         pass
+
+    def _last_logits(self, **inputs) -> Tensor:
+        """Logits at each row's last position, (B, V) float32."""
+        if self.autocast == "none":
+            return self.model(**inputs, logits_to_keep=1).logits[:, -1]
+        decoder, head = decoder_and_head(self.model)
+        device_type = inputs["input_ids"].device.type
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            hidden = decoder(**inputs).last_hidden_state[:, -1]
+        with torch.autocast(device_type, enabled=False):
+            return head(hidden.float()).float()
 
     def _stop_hits(self, recent_b_k: Tensor, stop: tuple[str, ...]) -> Tensor:
         """Rows whose last few tokens decode to text containing a stop string."""
@@ -128,11 +146,11 @@ class HFRolloutEngine:
         pos_P_L = (mask_P_L.cumsum(-1) - 1).clamp(min=0)
 
         cache = DynamicCache()
-        out = model(input_ids=ids_P_L, attention_mask=mask_P_L, position_ids=pos_P_L,
-                    use_cache=True, logits_to_keep=1, **{self.cache_kw: cache})
+        logits = self._last_logits(input_ids=ids_P_L, attention_mask=mask_P_L, position_ids=pos_P_L,
+                                   use_cache=True, **{self.cache_kw: cache})
         G = group_size
         cache.batch_repeat_interleave(G)            # prompt KV computed once, shared by its group
-        logits = out.logits[:, -1].repeat_interleave(G, 0)  # (B, V)
+        logits = logits.repeat_interleave(G, 0)     # (B, V)
         attn = mask_P_L.repeat_interleave(G, 0)             # (B, L)
         next_pos = pos_P_L[:, -1].repeat_interleave(G, 0) + 1   # (B,)
         B, T = logits.shape[0], params.max_new_tokens
@@ -164,9 +182,9 @@ class HFRolloutEngine:
             if t == T - 1:
                 break
             attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
-            out = model(input_ids=tok[:, None], attention_mask=attn,
-                        position_ids=next_pos[:, None], use_cache=True, **{self.cache_kw: cache})
-            logits = out.logits[:, -1]
+            logits = self._last_logits(input_ids=tok[:, None], attention_mask=attn,
+                                       position_ids=next_pos[:, None], use_cache=True,
+                                       **{self.cache_kw: cache})
             next_pos = next_pos + 1
 
         width = int(lengths.max())

@@ -1,0 +1,86 @@
+"""SFT, DPO and reward-model runs share one lifecycle: config.json at the start, a checkpoint every
+N optimizer steps, `--resume` to the same final weights, summary.json at the end."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import posttrain.stages as stages
+
+from tests.conftest import make_tiny_model, make_tiny_reward_model, stage_config
+
+CASES = {
+    # name: (stage function, StageConfig fields, model factory)
+    "sft": (stages.sft, dict(synthetic="addition"), make_tiny_model),
+    "dpo": (stages.dpo, dict(data="PAIRS", beta=0.1), make_tiny_model),   # (no greedy answers)
+    "reward-model": (stages.reward_model, dict(synthetic="addition"), make_tiny_reward_model),
+    "reward-model-log-ratio": (stages.reward_model, dict(synthetic="addition", reward_form="log_ratio"),
+                               make_tiny_model),
+}
+
+
+def _config(run_dir, **fields):
+    # 24 pairs in batches of 8, two epochs: 6 optimizer steps, a checkpoint every 2
+    return stage_config(n_pairs=24, eval_size=2, lr=3e-3, batch_size=8, epochs=2, checkpoint_every=2,
+                       schedule="cosine", warmup_steps=2, run_dir=str(run_dir),
+                       system_prompt="Be brief.", **fields)
+
+
+def _weights(run_dir) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "final_model" / "model.safetensors"))
+
+
+def _training_rows(run_dir) -> list[dict]:
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_stage_killed_between_checkpoints_resumes_to_the_same_final_weights(tmp_path, tokenizer,
+                                                                              monkeypatch, name):
+    stage, fields, make = CASES[name]
+    if fields.get("data") == "PAIRS":
+        stages.write_jsonl(tmp_path / "pairs.jsonl", [
+            {"prompt": f"Question {i}", "chosen": "Yes, gladly.", "rejected": "No way."} for i in range(26)])
+        fields = {**fields, "data": str(tmp_path / "pairs.jsonl")}
+    whole = tmp_path / "whole"
+    stage(_config(whole, **fields), model=make(tokenizer), tokenizer=tokenizer, show_progress=False)
+
+    killed = tmp_path / "killed"
+    calls, real_step = [0], stages._step
+
+    def dies_at_step_5(st, loss):     # after the checkpoint of step 4, before the end
+        calls[0] += 1
+        if calls[0] == 5:
+            raise KeyboardInterrupt("killed")
+        return real_step(st, loss)
+    monkeypatch.setattr(stages, "_step", dies_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        stage(_config(killed, **fields), model=make(tokenizer), tokenizer=tokenizer, show_progress=False)
+    monkeypatch.setattr(stages, "_step", real_step)
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    assert not (killed / "final_model").exists() and not (killed / "summary.json").exists()
+
+    summary = stage(_config(killed, **fields), show_progress=False, resume=killed)
+    a, b = _weights(whole), _weights(killed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # every step logged once, with the values of the run that never stopped
+    assert _training_rows(killed) == _training_rows(whole)
+    assert json.loads((killed / "summary.json").read_text())["steps"] == summary["steps"] == 6
+    assert json.loads((killed / "config.json").read_text())["checkpoint_every"] == 2
+
+
+def test_resume_needs_a_checkpoint_and_is_refused_in_one_line(tmp_path):
+    (tmp_path / "run").mkdir()
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        stages.sft(_config(tmp_path / "run", synthetic="addition"), resume=tmp_path / "run")
+    proc = subprocess.run([sys.executable, "-m", "posttrain.cli", "dpo", "--resume", str(tmp_path / "none")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "config.json not found" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
