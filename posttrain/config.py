@@ -200,8 +200,8 @@ class ModelConfig:
     # sampling runs in `dtype` unless rollout.autocast says otherwise. Faster on CPUs with
     # AVX512-BF16 and on GPUs.
     autocast: Literal["none", "bfloat16"] = "none"
-    # attention kernel: 'auto' (transformers' choice, SDPA), 'sdpa' or 'eager' (plain matmuls:
-    # faster for these short sequences on a CPU, docs/learning-per-step.md)
+    # attention kernel: 'auto' (transformers' choice, SDPA), 'sdpa' or 'eager' (plain matmuls;
+    # on a 2-core CPU neither is faster for a whole step, docs/learning-per-step.md)
     attention: Literal["auto", "sdpa", "eager"] = "auto"
     cache_dir: str | None = None        # where the embedded GGUF is converted once; None: user cache
     device: str = "auto"                # 'auto': the rank's GPU when there is one, else the CPU
