@@ -32,11 +32,18 @@ def did_you_mean(name: str, known) -> str:
     """'; did you mean X?' for the closest known name, or '' when none is close. A name without
     its section (--lr, --strategy) is matched on the last part: '--optim.lr', '--parallel.strategy'."""
     known = list(known)
+    leaf = name.lstrip("-")
+    if "." not in leaf:
+        order = ("optim", "model", "data", "parallel", "rollout")
+        exact = sorted((k for k in known if "." in k and k.rsplit(".", 1)[-1] == leaf),
+                       key=lambda k: order.index(k.lstrip("-").split(".")[0])
+                       if k.lstrip("-").split(".")[0] in order else len(order))
+        if exact:
+            return f"; did you mean {' or '.join(exact[:3])}?"
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    if not close and "." not in name:
+    if not close and "." not in leaf:
         leaves = {k.rsplit(".", 1)[-1].lstrip("-"): k for k in reversed(known)}
-        close = [leaves[c] for c in difflib.get_close_matches(name.lstrip("-"), list(leaves), n=1,
-                                                                cutoff=0.6)]
+        close = [leaves[c] for c in difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)]
     return f"; did you mean {close[0]}?" if close else ""
 
 

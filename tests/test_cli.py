@@ -101,6 +101,8 @@ def test_console_script_runs():
      "did you mean --rollout.group_size?"),
     (["sft", "--lrr", "1e-5"], "unknown option --lrr; did you mean --optim.lr?"),
     (["dpo", "--strategy", "fsdp"], "unknown option --strategy; did you mean --parallel.strategy?"),
+    (["dpo", "--lr", "1e-5"], "unknown option --lr; did you mean --optim.lr?"),
+    (["train", "--lr", "1e-5"], "unknown option --lr; did you mean --optim.lr or --critic.lr?"),
     (["dpo", "--data.synthetic", "addition", "--bta", "0.1"], "did you mean --beta?"),
     (["reward-model", "--data.synthetic", "addition", "--reward_from", "x"], "did you mean --reward_form?"),
     (["plot", "runs/x", "--dpi", "3"], "unexpected arguments --dpi"),
