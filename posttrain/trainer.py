@@ -20,6 +20,7 @@ import copy
 from contextlib import nullcontext
 import json
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -479,7 +480,7 @@ def log_step(run: Run, step: int, batch: ScoredBatch, adv: Tensor, metrics: dict
     step_s = global_max(time.perf_counter() - t_step, world)   # ranks stop at the same step
     run.train_seconds += step_s
     metrics.update(rollout_metrics(batch, adv))
-    gen_tokens = batch.rollout.response_mask_B_T.sum().item()
+    gen_tokens = metrics.pop("_tokens")
     metrics.update({f"perf/{k}_s": v for k, v in timings.items()})
     metrics.update({"perf/step_s": step_s, "perf/train_minutes": run.train_seconds / 60,
                     "perf/generated_tokens_per_s": gen_tokens / max(timings["generate"], 1e-9),
@@ -602,15 +603,21 @@ def per_domain(batch: ScoredBatch, kl_B_T: Tensor | None = None) -> dict[str, fl
     return out
 
 
-def rollout_metrics(batch: ScoredBatch, adv_B_T: Tensor) -> dict[str, float]:
-    lengths = batch.rollout.lengths_B
-    correct = batch.correct_B
-    r = batch.rewards_B
-    out = {"reward/mean": r.mean().item(), "reward/std": r.std().item() if len(r) > 1 else 0.0,
-           "reward/accuracy": correct.float().mean().item(),
-           "rollout/length_mean": lengths.mean().item(),
-           "rollout/truncated_frac": batch.rollout.truncated_B.float().mean().item(),
-           "policy/adv_abs_mean": (adv_B_T.abs().sum() / batch.loss_mask_B_T.sum().clamp(min=1)).item()}
-    out["rollout/length_correct"] = lengths[correct].mean().item() if correct.any() else None
-    out["rollout/length_incorrect"] = lengths[~correct].mean().item() if (~correct).any() else None
-    return out
+def rollout_metrics(batch: ScoredBatch, adv_B_T: Tensor) -> dict[str, float | None]:
+    """What was sampled and how it scored, read from the device in one transfer ('_tokens': the
+    generated tokens, for the throughput; None where no row qualifies)."""
+    lengths, correct, r = batch.rollout.lengths_B, batch.correct_B, batch.rewards_B
+
+    def mean_where(x: Tensor, rows: Tensor) -> Tensor:   # 0 / 0 = nan when no row qualifies
+        return (x * rows).sum() / rows.float().sum()
+
+    t = {"reward/mean": r.mean(), "reward/std": r.std() if len(r) > 1 else torch.zeros_like(r[0]),
+         "reward/accuracy": correct.float().mean(),
+         "rollout/length_mean": lengths.mean(),
+         "rollout/truncated_frac": batch.rollout.truncated_B.float().mean(),
+         "policy/adv_abs_mean": adv_B_T.abs().sum() / batch.loss_mask_B_T.sum().clamp(min=1),
+         "rollout/length_correct": mean_where(lengths, correct),
+         "rollout/length_incorrect": mean_where(lengths, ~correct),
+         "_tokens": batch.rollout.response_mask_B_T.sum()}
+    values = torch.stack([v.float().to(r.device) for v in t.values()]).tolist()
+    return {k: None if math.isnan(v) else v for k, v in zip(t, values)}
