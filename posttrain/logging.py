@@ -58,15 +58,7 @@ class NullLogger:
     """What ranks other than 0 log to: nothing (their metrics are reduced onto rank 0's)."""
 
     def truncate_after(self, step: int) -> None:
-        """Drop the rows of steps after `step` (a run resumed from that step's checkpoint redoes
-        them, so none is logged twice)."""
-        self._file.close()
-        keep = [line for line in self.path.read_text().splitlines(keepends=True)
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(keep))
-        os.replace(tmp, self.path)
-        self._file = open(self.path, "a")
+        pass
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         pass

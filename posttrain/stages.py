@@ -161,8 +161,9 @@ def _load_lm(path: str | Path, resumed: bool = False):
 def _start(cfg: StageConfig, model, tokenizer, fields: list[str],
            rows: list[dict] | None = None, load=None, resume: str | Path | None = None) -> _Stage:
     """Read and check the data (before any model loads), join the process group under torchrun,
-    seed, load (`load(path)`; resuming: the latest checkpoint's weights, `load(path, True)`),
-    place and wrap the model, open the run folder and write its config.json."""
+    seed, load (`load(path)`; resuming: the latest checkpoint's weights,
+    `load(path, resumed=True)`), place and wrap the model, open the run folder and write its
+    config.json."""
     cfg.validate()   # (a StageConfig built in code has not been checked yet)
     load = load or _load_lm
     run_dir = Path(resume or cfg.run_dir)

@@ -57,20 +57,20 @@ class Metrics:
         self.maxima: dict[str, Tensor] = {}
 
     @staticmethod
-    def _wide(x: Tensor) -> Tensor:
+    def widen(x: Tensor) -> Tensor:
         x = x.detach()
         return x.float() if x.device.type == "mps" else x.double()
 
     def rows(self, name: str, mean: Tensor, n: int) -> None:
-        v = self._wide(mean) * n
+        v = self.widen(mean) * n
         self.row_sums[name] = self.row_sums[name] + v if name in self.row_sums else v
 
     def update(self, name: str, x: Tensor) -> None:
-        v = self._wide(x)
+        v = self.widen(x)
         self.update_sums[name] = self.update_sums[name] + v if name in self.update_sums else v
 
     def max(self, name: str, x: Tensor) -> None:
-        v = self._wide(x)
+        v = self.widen(x)
         self.maxima[name] = torch.maximum(self.maxima[name], v) if name in self.maxima else v
 
     def read(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
@@ -201,7 +201,7 @@ def policy_terms(batch: ScoredBatch, rows: Tensor, logp: Tensor, entropy: Tensor
         diff = logp.detach() - rollout.logp_B_T[rows]
         metrics.rows("_mismatch", masked_mean(diff.abs(), m), n)
         big = torch.where(m > 0, diff, torch.full_like(diff, -1e9)).max()
-        metrics.max("rollout/is_ratio_max", metrics._wide(big).clamp(max=50.0).exp())
+        metrics.max("rollout/is_ratio_max", metrics.widen(big).clamp(max=50.0).exp())
     st = ratio_stats(logp, old, adv_B_T[rows], m, algo.clip_low, algo.clip_high)
     for name in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio_mean"):
         metrics.rows(f"policy/{name}", getattr(st, name), n)
