@@ -114,13 +114,19 @@ def whiten(x_B_T: Tensor, mask_B_T: Tensor, shift_mean: bool = True, eps: float 
            total: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
     """(x - mean) / std over the masked tokens of the batch (PPO's advantage whitening).  §5.
 
-    `total` sums a statistic over data-parallel ranks (identity on one process), so the mean
-    and std are those of the global batch, as one process would compute them."""
+        mean = sum_m x / n,   var = sum_m (x - mean)^2 / (n - 1),   out = (x - mean) / sqrt(var + eps)
+
+    The variance is Bessel-corrected (n - 1), the convention of verl's and OpenRLHF's masked
+    whitening and of torch.std; with one token it is the biased one (no division by 0).
+    Positions outside the mask come out 0, whatever x held there. `total` sums a statistic over
+    data-parallel ranks (identity on one process), so the mean and std are those of the global
+    batch, as one process would compute them."""
     mask = mask_B_T.to(x_B_T.dtype)
-    n = total(mask.sum()).clamp(min=1)
-    mean = total((x_B_T * mask).sum()) / n
-    var = total((((x_B_T - mean) * mask) ** 2).sum()) / n
-    out = (x_B_T - mean) * torch.rsqrt(var + eps)
+    x = torch.where(mask != 0, x_B_T, torch.zeros((), dtype=x_B_T.dtype, device=x_B_T.device))
+    n = total(mask.sum())
+    mean = total((x * mask).sum()) / n.clamp(min=1)
+    var = total((((x - mean) * mask) ** 2).sum()) / (n - 1).clamp(min=1)
+    out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
     return out * mask

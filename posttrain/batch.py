@@ -33,6 +33,17 @@ class ScoredBatch:
     # for the same tokens (ratios, advantages, KL and the truncated IS weights use them)
     trainer_old_logp_B_T: Tensor | None = None
 
+    def __post_init__(self) -> None:
+        """Every per-token log-prob holds 0 past each response's end: what an engine left in the
+        padding (another engine's NaN filler) can never reach a ratio, a loss, its gradient
+        (where()'s backward multiplies by the local derivative, so NaN would survive a mask) or
+        a metric."""
+        pad = self.rollout.response_mask_B_T == 0
+        clean = lambda x: None if x is None else x.masked_fill(pad, 0.0)  # noqa: E731
+        object.__setattr__(self, "rollout", replace(self.rollout, logp_B_T=clean(self.rollout.logp_B_T)))
+        for name in ("ref_logp_B_T", "teacher_logp_B_T", "trainer_old_logp_B_T"):
+            object.__setattr__(self, name, clean(getattr(self, name)))
+
     @property
     def old_logp_B_T(self) -> Tensor:
         """log pi_old of the sampled tokens as the trainer computes them."""

@@ -8,14 +8,17 @@ import json
 import logging
 import os
 import sys
+from dataclasses import asdict
 from importlib import resources
 from pathlib import Path
 
 from posttrain import __version__
+from posttrain.errors import NonFiniteError
 from posttrain.config import (PRESETS, ConfigError, StageConfig, TrainConfig, check_option_names,
                               load_config, load_stage_config)
 
 DEFAULT_RECIPE = "addition_grpo.yaml"
+log = logging.getLogger("posttrain")
 
 EPILOG = f"""
 Configuration: every field can be set in a YAML file (--config) and overridden on the command line
@@ -57,24 +60,40 @@ def _setup_logging(verbose: bool) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _config_and_resume(args: argparse.Namespace, config_file, overrides: list[str], load, to_dict):
+    """The run's config and the folder it resumes (None: a new run). `--resume RUN_DIR`: that
+    run's config.json under the YAML and overrides; `--resume auto`: the newest run folder of
+    this very config holding a checkpoint, or a new run when there is none."""
+    if args.resume == "auto":
+        cfg = load(config_file, overrides)
+        from posttrain.lifecycle import find_run_to_resume   # (torch: only once the config is valid)
+
+        found = find_run_to_resume(to_dict(cfg), cfg.run_dir)
+        if found is None:
+            log.info("--resume auto: no run of this config has a checkpoint yet; starting a new run")
+        else:
+            log.info("--resume auto: continuing %s", found)
+        return cfg, found
+    if args.resume is not None:
+        saved = Path(args.resume) / "config.json"
+        if not saved.is_file():
+            raise ConfigError(f"--resume {args.resume}: {saved} not found")
+        return load(config_file, overrides, base=json.loads(saved.read_text())), Path(args.resume)
+    return load(config_file, overrides), None
+
+
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from posttrain.perf import tune_malloc
 
     tune_malloc()
     config_file = args.config
-    if config_file is None and args.resume is None:
+    if config_file is None and args.resume in (None, "auto"):
         config_file = recipe_path(DEFAULT_RECIPE)
-    if args.resume is not None:
-        saved = Path(args.resume) / "config.json"
-        if not saved.is_file():
-            raise ConfigError(f"--resume {args.resume}: {saved} not found")
-        base = json.loads(saved.read_text())
-        cfg = load_config(config_file, overrides, base=base)
-    else:
-        cfg = load_config(config_file, overrides)
+    cfg, resume = _config_and_resume(args, config_file, overrides, load_config,
+                                     lambda c: c.to_dict())
     from posttrain.trainer import train   # after the config is valid: a refused run stays fast
 
-    summary = train(cfg, resume=args.resume, show_progress=not args.no_progress)
+    summary = train(cfg, resume=resume, show_progress=not args.no_progress)
     if _main_process():
         print_summary(summary)
     return 0
@@ -86,6 +105,10 @@ def _main_process() -> bool:
 
 
 def print_summary(summary: dict) -> None:
+    if summary.get("stopped_by"):
+        print(f"\nstopped by {summary['stopped_by']} after step {summary['steps']}; checkpoint in "
+              f"{summary['run_dir']}/checkpoints\ncontinue with: {summary['resume']}")
+        return
     before = summary.get("eval_before", {}).get("eval/accuracy")
     after = summary.get("eval_after", {}).get("eval/accuracy")
     print(f"\nrun folder: {summary['run_dir']}")
@@ -148,20 +171,14 @@ def cmd_stage(args: argparse.Namespace, overrides: list[str]) -> int:
 
     tune_malloc()
     check_option_names(overrides, StageConfig, ("--config", "--resume"))
-    base = None
-    if args.resume is not None:
-        saved = Path(args.resume) / "config.json"
-        if not saved.is_file():
-            raise ConfigError(f"--resume {args.resume}: {saved} not found")
-        base = json.loads(saved.read_text())
-    cfg = load_stage_config(args.config, overrides, base=base)
+    cfg, resume = _config_and_resume(args, args.config, overrides, load_stage_config, asdict)
     if not cfg.data.train_path and not cfg.data.synthetic:
         raise ConfigError("--data.train_path FILE (JSONL, CSV, Parquet or a datasets folder) or "
                           "--data.synthetic TASK is required")
     from posttrain.stages import dpo, reward_model, sft   # after the config is valid
 
     stage = {"sft": sft, "dpo": dpo, "reward-model": reward_model}[args.command]
-    out = stage(cfg, resume=args.resume)
+    out = stage(cfg, resume=resume)
     if _main_process():
         print(json.dumps(out, indent=2))
     return 0
@@ -205,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=_epilog(TrainConfig, EPILOG),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, help="YAML config file (default: packaged recipe)")
-    p.add_argument("--resume", help="run folder to resume from its latest checkpoint")
+    p.add_argument("--resume", help="run folder to resume from its latest checkpoint, or 'auto': "
+                   "the newest run of this same config (a new run if none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar; a log line per step")
     p.set_defaults(fn=cmd_train)
 
@@ -231,8 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                            + STAGE_EPILOG),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--config", type=Path, help="YAML file of the options below")
-        p.add_argument("--resume", help="run folder to resume from its latest checkpoint "
-                       "(written with --checkpoint_every N)")
+        p.add_argument("--resume", help="run folder to resume from its latest checkpoint, or "
+                       "'auto': the run_dir if it holds a checkpoint of this same config")
         p.set_defaults(fn=cmd_stage)
 
     p = sub.add_parser("generate", help="write a model's answers to training problems as SFT data",
@@ -276,8 +294,15 @@ def main(argv: list[str] | None = None) -> int:
                               f"posttrain {args.command} --help)")
         return args.fn(args, rest)
     except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"posttrain: error: {e}", file=sys.stderr)
+        print(f"posttrain: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:   # a run that went numerically wrong: said in one line
+        print(f"posttrain: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) if not isinstance(e, KeyError) else str(e)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,22 @@
 """Typed, validated configuration. Algorithms are presets: values of one `AlgorithmConfig`.
 
 A config is built from (lowest to highest precedence) the dataclass defaults, the preset named by
-`preset`, a YAML file, and `--section.field value` overrides. Every value is type-checked and every
-cross-field rule is checked here, before any model is loaded, with an error naming the field.
+`preset`, a YAML file, and `--section.field value` overrides. Every value is type-checked and
+converted by pydantic (`_coerce`), every range and cross-field rule is checked here, before any
+model is loaded, with an error naming the field.
+
+Why pydantic under a small walk of our own rather than tyro: the same validation must serve the
+YAML file, a resumed run's config.json and the command line, merged in that order onto
+section defaults that differ by command (the stages' AdamW keeps torch's beta2 0.999); tyro parses
+a command line onto one default and reports errors in a multi-line panel, where every error here
+is one line naming the field and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import inspect
 import io
 import tokenize
@@ -19,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from pydantic import TypeAdapter, ValidationError
 
 from posttrain.advantages import ADVANTAGES, NEEDS_GROUP, NEEDS_TEACHER, NEEDS_VALUES
 from posttrain.losses import AGGREGATIONS, DISTILL_LOSSES, KL_ESTIMATORS, POLICY_LOSSES
@@ -107,6 +116,13 @@ def _check_range(where: str, value: float, lo: float | None = None, hi: float | 
         raise ConfigError(f"{where}={value!r} must be {'>' if lo_open else '>='} {lo}")
     if hi is not None and value > hi:
         raise ConfigError(f"{where}={value!r} must be <= {hi}")
+
+
+def _check_checkpoint(c: "CheckpointConfig") -> None:
+    _check_range("checkpoint.every_steps", c.every_steps, 0)
+    if c.every_minutes is not None:
+        _check_range("checkpoint.every_minutes", c.every_minutes, 0.0, lo_open=True)
+    _check_range("checkpoint.keep", c.keep, 1)
 
 
 @dataclass(frozen=True)
@@ -326,6 +342,10 @@ class RewardConfig:
     format_weight: float = 0.0          # extra reward for an answer in the expected format
     functions: tuple[str, ...] = ()     # user rewards as 'module:function' (added, weight 1 each)
     timeout_s: float = 5.0              # a reward call running longer gets the fallback
+    # worker processes that run the `functions` (a hang is killed at timeout_s, a crash is
+    # survived, calls run in parallel); 0: in the trainer's process, where the timeout is a
+    # SIGALRM that the function itself can cancel and a crash ends the run
+    workers: int = 2
     fallback: float = 0.0               # reward given when a function raises, hangs or returns NaN
     # RLHF (§1): a Bradley-Terry reward model folder (`posttrain reward-model` writes one; any
     # AutoModelForSequenceClassification with one label works), added with weight model_weight.
@@ -336,6 +356,8 @@ class RewardConfig:
     model_batch_size: int = 32          # responses per reward-model forward
 
     def validate(self) -> None:
+        _check_range("reward.workers", self.workers, 0)
+        _check_range("reward.timeout_s", self.timeout_s, 0.0, lo_open=True)
         if self.model is not None and not Path(self.model).is_dir():
             raise ConfigError(f"reward.model={self.model!r} is not a folder (train one with "
                               "`posttrain reward-model`)")
@@ -350,6 +372,9 @@ class OptimConfig:
     warmup_steps: int = 0               # optimizer steps of linear warm-up
     schedule: Literal["constant", "linear", "cosine"] = "constant"  # lr after warm-up (decays to 0 at the last step)
     max_grad_norm: float = 1.0          # gradient clipping (global norm)
+    # a step whose loss or gradient norm is not finite is skipped (weights and Adam state
+    # untouched); this many in a row stop the run (0: never stop)
+    max_nonfinite_steps: int = 3
     epochs: int = 1                     # passes over each generated batch (>1 reuses samples, §3)
     minibatches: int = 1                # optimizer steps per pass
     micro_batch_size: int = 32          # responses per forward/backward (gradient accumulation)
@@ -382,6 +407,17 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """When a run saves a checkpoint for --resume (weights, optimizer, schedule, RNG, data
+    position). Besides these, one is always written when SIGINT / SIGTERM stops a run (after the
+    step in flight) and when max_minutes ends it."""
+
+    every_steps: int = 0                # every N optimizer steps (0: not by steps)
+    every_minutes: float | None = 5.0   # every M minutes of wall time (null: not by time)
+    keep: int = 2                       # the newest K checkpoints are kept, older ones deleted
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     preset: str = "grpo"                # the algorithm: a key of PRESETS (reinforce, rloo, grpo, ...)
     algorithm: dict[str, Any] = field(default_factory=dict)  # field overrides on top of the preset
@@ -401,7 +437,7 @@ class TrainConfig:
     run_dir: str | None = None          # None: runs/<preset>-<time>
     eval_every: int = 0                 # held-out greedy accuracy every N steps (0: before/after)
     eval_batch_size: int = 100          # held-out problems per generation batch
-    checkpoint_every: int = 0           # 0: only the final model
+    checkpoint: CheckpointConfig = CheckpointConfig()
     log_samples: int = 2                # completions printed per step with --verbose
     tensorboard: bool = True            # also write TensorBoard events when it is installed
 
@@ -444,6 +480,7 @@ class TrainConfig:
         _check_range("optim.minibatches", o.minibatches, 1)
         _check_range("optim.micro_batch_size", o.micro_batch_size, 1)
         _check_range("optim.max_grad_norm", o.max_grad_norm, 0.0, lo_open=True)
+        _check_range("optim.max_nonfinite_steps", o.max_nonfinite_steps, 0)
         if self.batch_size % o.minibatches or (self.batch_size // o.minibatches) % r.group_size:
             raise ConfigError(
                 f"optim.minibatches={o.minibatches} must split the {self.batch_size} responses of a "
@@ -457,6 +494,13 @@ class TrainConfig:
                               f"rollout.max_new_tokens={r.max_new_tokens}")
         _check_range("steps", self.steps, 0)
         _check_range("data.eval_size", self.data.eval_size, 0)
+        for name, lo in (("eval_every", 0), ("eval_batch_size", 1), ("log_samples", 0)):
+            _check_range(name, getattr(self, name), lo)
+        if self.max_minutes is not None:
+            _check_range("max_minutes", self.max_minutes, 0.0, lo_open=True)
+        if self.threads is not None:
+            _check_range("threads", self.threads, 1)
+        _check_checkpoint(self.checkpoint)
         self.teacher.validate()
         self.critic.validate()
         self.lora.validate()
@@ -517,9 +561,7 @@ class StageConfig:
     max_len: int = 256                  # response tokens kept per example
     seed: int = 0                       # batch order, synthetic rows, held-out split
     run_dir: str = "runs/stage"         # where config.json, metrics, summary.json and final_model/ go
-    # a checkpoint (weights, optimizer, schedule, RNG) every N optimizer steps, for --resume RUN_DIR;
-    # 0: only the final model
-    checkpoint_every: int = 0
+    checkpoint: CheckpointConfig = CheckpointConfig()   # for --resume RUN_DIR
     # freeze the token embeddings and the first N decoder layers: backward stops at layer N, so
     # a step is cheaper and more pairs fit in the same time (reward-model: docs/ppo-rlhf.md)
     freeze_layers: int = 0
@@ -548,6 +590,7 @@ class StageConfig:
         for name in ("beta1", "beta2"):
             _check_range(f"optim.{name}", getattr(o, name), 0.0, 1.0)
         _check_range("optim.max_grad_norm", o.max_grad_norm, 0.0, lo_open=True)
+        _check_range("optim.max_nonfinite_steps", o.max_nonfinite_steps, 0)
         _check_range("optim.epochs", o.epochs, 1)
         _check_range("optim.warmup_steps", o.warmup_steps, 0)
         _check_range("data.n_pairs", d.n_pairs, 1)
@@ -559,7 +602,8 @@ class StageConfig:
         _check_range("batch_size", self.batch_size, 1)
         _check_range("max_len", self.max_len, 2)
         _check_range("beta", self.beta, 0.0, lo_open=True)
-        for name in ("freeze_layers", "lm_coef", "checkpoint_every"):
+        _check_checkpoint(self.checkpoint)
+        for name in ("freeze_layers", "lm_coef"):
             _check_range(name, getattr(self, name), 0)
         if self.head_lr is not None:   # (0: the head stays put)
             _check_range("head_lr", self.head_lr, 0.0)
@@ -574,63 +618,42 @@ def _hint(cls: type, name: str) -> Any:
     return typing.get_type_hints(cls)[name]
 
 
+@functools.cache
+def _adapter(hint: Any) -> TypeAdapter:
+    return TypeAdapter(hint)
+
+
+# pydantic's error kinds (the part of its error type before the first '_') in this project's words
+_MESSAGES = {"float": "must be a number", "int": "must be an integer", "bool": "must be true or false",
+             "string": "must be a string", "tuple": "must be a list", "list": "must be a list",
+             "dict": "must be a mapping"}
+
+
 def _coerce(where: str, value: Any, hint: Any) -> Any:
-    """Check `value` against a type hint; strings from the command line are parsed."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            if type(None) in args:
-                return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(where, value, a)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}={value!r} is not valid")
-    if origin is Literal:
-        _check_choice(where, value, args)
-        return value
-    if origin is tuple:
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}={value!r} must be a list")
-        return tuple(_coerce(f"{where}[{i}]", v, args[0]) for i, v in enumerate(value))
-    if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where} must be a mapping, got {value!r}")
-        return value
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{where}={value!r} must be true or false")
-    if hint is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}={value!r} must be an integer")
-        try:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}={value!r} must be an integer") from None
-    if hint is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}={value!r} must be a number")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}={value!r} must be a number") from None
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}={value!r} must be a string")
-        return value
-    return value
+    """`value` checked against a type hint and converted, by pydantic's (lax) validation:
+    strings from the command line parse ('1e-5', '3', 'true'), 3.5 is no integer. Before it: a
+    bool is never taken for a number, 'none' / 'null' is None where None is allowed, and 'a,b'
+    is a list. The error names the field and what it must be."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    members = [a for a in typing.get_args(hint) if a is not type(None)] if union else [hint]
+    optional = union and type(None) in typing.get_args(hint)
+    if optional and isinstance(value, str) and value.lower() in ("none", "null"):
+        return None
+    if isinstance(value, str) and any(typing.get_origin(m) is tuple for m in members):
+        value = [v for v in value.split(",") if v]
+    literal = next((m for m in members if typing.get_origin(m) is Literal), None)
+    if isinstance(value, bool) and bool not in members and literal is None:
+        kinds = [k for m in members for k, t in (("float", float), ("int", int)) if m is t]
+        if kinds:
+            raise ConfigError(f"{where}={value!r} {_MESSAGES[kinds[0]]}")
+    try:
+        return _adapter(hint).validate_python(value)
+    except ValidationError as e:
+        if literal is not None:
+            _check_choice(where, value, typing.get_args(literal))
+        kinds = [err["type"].split("_")[0] for err in e.errors() if err["type"] != "none_required"]
+        what = _MESSAGES.get(kinds[0] if kinds else "", e.errors()[0]["msg"].lower())
+        raise ConfigError(f"{where}={value!r} {what}") from None
 
 
 def build_config(cls: type, data: dict[str, Any], where: str, base: Any = None) -> Any:
@@ -690,6 +713,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+@functools.cache   # (inspect.getsource parses the module each time: half a second per parser)
 def field_docs(cls: type) -> dict[str, str]:
     """Each field's description, read from the comments beside and above it in the dataclass's
     source (the one place they are written), for `--help`."""

@@ -205,8 +205,17 @@ def full_weights_for_generation(model, world: World):
 
 
 def full_state_dict(model, world: World, only=None) -> dict[str, Tensor]:
-    """The full (unsharded) model state on CPU, on every rank (a collective under FSDP);
-    `only(name)` picks entries (LoRA: the adapters)."""
+    """The full (unsharded) model state on CPU, for rank 0 to save; `only(name)` picks entries
+    (LoRA: the adapters). Under FSDP every rank must call it (the gather is collective), and only
+    rank 0 receives the tensors, gathered one at a time into CPU memory (torch.distributed's
+    `get_model_state_dict` with full_state_dict and cpu_offload): the other ranks get {}, so a
+    checkpoint costs one full copy on the host, not one per rank (7B x 8 ranks would be 8 x 28
+    GB in float32)."""
+    if world.strategy == "fsdp" and world.distributed:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                     cpu_offload=True))
+        return {k: v.detach() for k, v in state.items() if only is None or only(k)}
     out = {}
     for k, v in model.state_dict().items():
         if only is None or only(k):

@@ -20,6 +20,9 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         self.run_dir = run_dir
         self._file = open(self.path, "a" if resume else "w")
+        if not resume:   # a new run in a used folder: no sample rows of the old one
+            for name in ("samples.jsonl", "eval_samples.jsonl"):
+                (run_dir / name).unlink(missing_ok=True)
         self._tb = None
         if tensorboard:
             try:
@@ -29,14 +32,12 @@ class MetricsLogger:
                 self._tb = None
 
     def truncate_after(self, step: int) -> None:
-        """Drop the rows of steps after `step` (a run resumed from that step's checkpoint redoes
-        them, so none is logged twice)."""
+        """Drop the rows of steps after `step` from metrics.jsonl and the sample files (a run
+        resumed from that step's checkpoint redoes them, so none is logged twice), and a last
+        line that a killed process left half-written."""
         self._file.close()
-        keep = [line for line in self.path.read_text().splitlines(keepends=True)
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(keep))
-        os.replace(tmp, self.path)
+        for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):
+            truncate_jsonl(self.run_dir / name, step)
         self._file = open(self.path, "a")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -65,6 +66,23 @@ class NullLogger:
 
     def close(self) -> None:
         pass
+
+
+def truncate_jsonl(path: Path, step: int) -> None:
+    """Keep the rows of `path` whose "step" is at most `step` and that parse (atomic rewrite)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("step", 0) <= step:
+            keep.append(line if line.endswith("\n") else line + "\n")
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
 
 
 def _plain(v: Any) -> Any:

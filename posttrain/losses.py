@@ -23,8 +23,16 @@ from posttrain.registry import Registry
 _CHUNK = 1024
 
 
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+def masked(x: Tensor, mask: Tensor) -> Tensor:
+    """x * mask, with masked positions set to 0 *before* multiplying: 0 x NaN is NaN, so a
+    non-finite value where the mask is 0 (padding, an engine's filler) would otherwise poison
+    the whole sum. Every masked sum and mean of the package goes through here."""
+    return torch.where(mask != 0, x, torch.zeros((), dtype=x.dtype, device=x.device)) * mask
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """sum(x * m) / max(sum(m), 1) over the unmasked positions, a tensor (no host sync)."""
+    return masked(x, mask).sum() / mask.sum().clamp(min=1)
 
 
 def _rowwise_float(fn: Callable[[Tensor], Tensor], logits_N_V: Tensor) -> Tensor:
@@ -82,7 +90,7 @@ def entropy_from_logits(logits_N_V: Tensor, temperature: float = 1.0) -> Tensor:
 
 def sequence_logprob(logp_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
     """log pi(y|x) = sum_t logp_t over response tokens.  §2.  (B, T) -> (B,)."""
-    return (logp_B_T * mask_B_T).sum(-1)
+    return masked(logp_B_T, mask_B_T).sum(-1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,10 +176,10 @@ def ratio_stats(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, mask_B_
         high = ((ratio > 1.0 + clip_high) & (adv_B_T > 0)).float()
         big = torch.finfo(ratio.dtype).max
         return RatioStats(
-            clip_frac_low=_masked_mean(low, mask),
-            clip_frac_high=_masked_mean(high, mask),
-            approx_kl_old=_masked_mean(ratio - 1.0 - log_ratio, mask),
-            ratio_mean=_masked_mean(ratio, mask),
+            clip_frac_low=masked_mean(low, mask),
+            clip_frac_high=masked_mean(high, mask),
+            approx_kl_old=masked_mean(ratio - 1.0 - log_ratio, mask),
+            ratio_mean=masked_mean(ratio, mask),
             ratio_max=torch.where(mask > 0, ratio, -big).max(),
             ratio_min=torch.where(mask > 0, ratio, big).min(),
         )
@@ -235,7 +243,7 @@ def seq_mean_token_sum_weights(mask_B_T: Tensor, max_len: float) -> Tensor:
 def aggregate(loss_B_T: Tensor, weights_B_T: Tensor) -> Tensor:
     """sum_{i,t} w_it L_it.  Weights come from AGGREGATIONS over the whole optimizer batch, so a
     batch split into micro-batches for gradient accumulation sums to exactly the same loss."""
-    return (loss_B_T * weights_B_T).sum()
+    return masked(loss_B_T, weights_B_T).sum()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,6 +255,7 @@ KL_ESTIMATORS: Registry[KLEstimatorFn] = Registry("KL estimator")
 
 # exp() of a log-ratio above this overflows float32; such a token is already far off-policy.
 _MAX_LOG_RATIO = 20.0
+K3_CAP = 10.0   # the k3 estimator's per-token cap (see kl_k3)
 
 
 @KL_ESTIMATORS.register("k1")
@@ -263,11 +272,19 @@ def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 
 @KL_ESTIMATORS.register("k3")
-def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+def kl_k3(logp: Tensor, ref_logp: Tensor, cap: float | None = K3_CAP) -> Tensor:
     """k3 = pi_ref/pi - log(pi_ref/pi) - 1.  §6 (GRPO's choice).  Unbiased under y ~ pi, and
-    never negative since x - log x - 1 >= 0. The log-ratio is clamped at +-20 against overflow."""
+    never negative since x - log x - 1 >= 0.
+
+    Capped at `cap` = K3_CAP = 10 per token, as verl's `low_var_kl` (its core_algos.kl_penalty)
+    caps it: one token that drifted far from pi_ref (log-ratio 20 gives e^20 ~ 5e8) would
+    otherwise carry the whole KL term of a step; past the cap that token's KL gradient is 0, and
+    the estimate is biased low there (unbiased wherever every value is below the cap; `cap=None`
+    is the plain estimator). The log-ratio is also clamped at +-20 before exp() (float32
+    overflows near 88)."""
     log_r = (ref_logp - logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    return torch.exp(log_r) - log_r - 1.0
+    k3 = torch.exp(log_r) - log_r - 1.0
+    return k3 if cap is None else k3.clamp(max=cap)
 
 
 def exact_kl_from_logits(p_logits_N_V: Tensor, q_logits_N_V: Tensor,
@@ -301,7 +318,7 @@ def kl_penalized_rewards(scores_B: Tensor, kl_B_T: Tensor, mask_B_T: Tensor,
     Shapes: scores (B,), kl (B, T), mask (B, T) -> (B, T). A response with no tokens gets no
     reward (there is no token to put it on).
     """
-    rewards_B_T = -kl_coef * kl_B_T * mask_B_T
+    rewards_B_T = -kl_coef * masked(kl_B_T, mask_B_T)
     positions = torch.arange(mask_B_T.shape[1], device=mask_B_T.device)
     last_B = (positions * (mask_B_T > 0)).amax(-1)
     has_tokens = mask_B_T.sum(-1) > 0
@@ -333,9 +350,9 @@ def value_loss(values_B_T: Tensor, old_values_B_T: Tensor, returns_B_T: Tensor,
 
 def explained_variance(values_B_T: Tensor, returns_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
     """1 - Var[G - V] / Var[G] over response tokens: 1 is a perfect critic, <= 0 a useless one."""
-    var_ret = _masked_mean((returns_B_T - _masked_mean(returns_B_T, mask_B_T)) ** 2, mask_B_T)
+    var_ret = masked_mean((returns_B_T - masked_mean(returns_B_T, mask_B_T)) ** 2, mask_B_T)
     diff = returns_B_T - values_B_T
-    var_diff = _masked_mean((diff - _masked_mean(diff, mask_B_T)) ** 2, mask_B_T)
+    var_diff = masked_mean((diff - masked_mean(diff, mask_B_T)) ** 2, mask_B_T)
     return 1.0 - var_diff / var_ret.clamp(min=1e-8)
 
 
@@ -361,7 +378,7 @@ def distillation_advantage(logp_B_T: Tensor, teacher_logp_B_T: Tensor, mask_B_T:
 
     Fed to the usual policy-gradient loss, it pushes each token toward the teacher's preference.
     """
-    return -coef * sampled_reverse_kl(logp_B_T, teacher_logp_B_T).detach() * mask_B_T
+    return -coef * masked(sampled_reverse_kl(logp_B_T, teacher_logp_B_T).detach(), mask_B_T)
 
 
 def reverse_kl_from_logits(student_logits_N_V: Tensor, teacher_logits_N_V: Tensor,
@@ -464,5 +481,5 @@ def sft_loss(logp_B_T: Tensor, mask_B_T: Tensor, n_tokens: float | Tensor | None
                                                                rows are one rank's share)
     """
     if n_tokens is None:
-        return -_masked_mean(logp_B_T, mask_B_T)
-    return -(logp_B_T * mask_B_T).sum() / n_tokens
+        return -masked_mean(logp_B_T, mask_B_T)
+    return -masked(logp_B_T, mask_B_T).sum() / n_tokens

@@ -95,16 +95,21 @@ def prepare_embedded(cache_dir: str | Path | None = None) -> Path:
     return folder
 
 
-def resolve_model_path(path: str, cache_dir: str | None = None) -> Path:
-    """The embedded name becomes its cached folder; anything else must be a local folder."""
+def check_model_folder(path: str, where: str = "model.path") -> None:
+    """`path` is the embedded name or a local model folder (checked before anything loads)."""
     if path == EMBEDDED:
-        return prepare_embedded(cache_dir)
+        return
     p = Path(path).expanduser()
     if not p.is_dir() or not (p / "config.json").is_file():
         raise FileNotFoundError(
-            f"model.path={path!r} is not a local Hugging Face model folder (no config.json); "
+            f"{where}={path!r} is not a local Hugging Face model folder (no config.json); "
             f"models are never downloaded at run time. Use '{EMBEDDED}' or a saved folder")
-    return p
+
+
+def resolve_model_path(path: str, cache_dir: str | None = None, where: str = "model.path") -> Path:
+    """The embedded name becomes its cached folder; anything else must be a local folder."""
+    check_model_folder(path, where)
+    return prepare_embedded(cache_dir) if path == EMBEDDED else Path(path).expanduser()
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:

@@ -14,6 +14,7 @@ evaluations are split over the ranks and gathered; rank 0 logs and saves.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -28,9 +29,10 @@ from posttrain.checkpoint import latest_checkpoint, load_trainer_state, restore_
 from posttrain.config import StageConfig
 from posttrain.data import read_rows
 from posttrain.data.tasks import Problem
-from posttrain.distributed import (World, average_gradients, barrier, clip_grad_norm, device_for,
+from posttrain.distributed import (World, average_gradients, barrier, device_for,
                                    full_state_dict, full_weights_for_generation, gather_objects,
                                    global_sum, init_world, load_optimizer_state, wrap)
+from posttrain.lifecycle import Lifecycle, resume_command
 from posttrain.logging import MetricsLogger, NullLogger
 from posttrain.losses import dpo_loss, sequence_logprob, sft_loss
 from posttrain.models import (freeze_lower_layers, load_policy, load_tokenizer, resolve_model_path,
@@ -38,6 +40,9 @@ from posttrain.models import (freeze_lower_layers, load_policy, load_tokenizer, 
 from posttrain.forward import pack, sequence_logprobs
 from posttrain.prompts import encode_prompts
 from posttrain.run import make_scheduler, seed_everything
+from posttrain.update import check_nonfinite_streak, step_if_finite
+
+log = logging.getLogger(__name__)
 
 
 def _response_ids(tokenizer, text: str, max_len: int, ids: list[int] | None = None) -> list[int]:
@@ -118,6 +123,8 @@ class _Stage:
     resume_state: dict[str, Any] | None = None   # resuming: the checkpoint's saved state
     start_step: int = 0                  # optimizer steps already taken
     saved: dict[str, Any] = field(default_factory=dict)   # the stage's state at that checkpoint
+    max_nonfinite_steps: int = 3         # consecutive skipped (non-finite) steps that stop the run
+    nonfinite_streak: int = 0
 
     def schedule(self, cfg: StageConfig, total_steps: int) -> None:
         """Set the learning-rate schedule once the number of optimizer steps is known; on resume,
@@ -133,20 +140,37 @@ class _Stage:
 
 
 def run_steps(st: _Stage, cfg: StageConfig, batches: list, step_fn, state, desc: str,
-              show_progress: bool) -> None:
+              show_progress: bool) -> dict[str, Any] | None:
     """The stages' loop: `step_fn(step, batch)` for every batch after the ones a resumed run
-    already took, and a checkpoint every `cfg.checkpoint_every` optimizer steps holding the
-    weights, optimizer, schedule, RNG and `state()` (what the stage needs to finish as if it had
-    never stopped: its before-training figures, a DPO reference's log-probs)."""
+    already took, and a checkpoint (weights, optimizer, schedule, RNG and `state()`: what the
+    stage needs to finish as if it had never stopped, its before-training figures, a DPO
+    reference's log-probs) every `cfg.checkpoint` steps or minutes and when SIGINT / SIGTERM
+    arrives. Returns None, or the summary of a run a signal stopped (checkpoint written)."""
     bar = tqdm(total=len(batches), initial=st.start_step, desc=desc,
                disable=not (show_progress and st.world.main))
-    for step in range(st.start_step + 1, len(batches) + 1):
-        step_fn(step, batches[step - 1])
-        bar.update(1)
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < len(batches):
-            save_checkpoint(st.run_dir, step, st.model, st.tokenizer, st.optimizer, st.scheduler,
-                            torch.Generator(), {"stage": state()}, asdict(cfg), world=st.world)
+    lifecycle = Lifecycle(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes, st.world)
+    with lifecycle:
+        for step in range(st.start_step + 1, len(batches) + 1):
+            step_fn(step, batches[step - 1])
+            bar.update(1)
+            save, stop = lifecycle.after_step(step)
+            if (save and step < len(batches)) or stop:
+                save_checkpoint(st.run_dir, step, st.model, st.tokenizer, st.optimizer,
+                                st.scheduler, torch.Generator(), {"stage": state()}, asdict(cfg),
+                                world=st.world, keep=cfg.checkpoint.keep)
+                lifecycle.saved()
+            if stop:
+                bar.close()
+                st.logger.close()
+                summary = {"run_dir": str(st.run_dir), "steps": step,
+                           "stopped_by": lifecycle.stop_signal,
+                           "resume": resume_command(desc, st.run_dir)}
+                _write_summary(st, summary)
+                log.warning("stopped by %s after step %d; continue with: %s",
+                            lifecycle.stop_signal, step, summary["resume"])
+                return summary
     bar.close()
+    return None
 
 
 def _write_summary(st: _Stage, summary: dict[str, Any]) -> None:
@@ -212,7 +236,8 @@ def _start(cfg: StageConfig, model, tokenizer, fields: list[str],
             logger.truncate_after(state["step"])
     return _Stage(rows, model, tokenizer, _encode(tokenizer, cfg, [r[cfg.data.prompt_field] for r in rows]),
                   optimizer, run_dir, logger, random.Random(cfg.seed), world, device,
-                  max_grad_norm=o.max_grad_norm, resume_state=state)
+                  max_grad_norm=o.max_grad_norm, resume_state=state,
+                  max_nonfinite_steps=o.max_nonfinite_steps)
 
 
 def share_of_batch(batch: list[int], world: World) -> tuple[list[int], float]:
@@ -249,12 +274,12 @@ def _step(stage: _Stage, loss: Tensor) -> float:
     loss.backward()
     params = list(stage.model.parameters())   # after backward: FSDP2 has re-registered its shards
     average_gradients(params, stage.world)
-    clip_grad_norm(params, stage.max_grad_norm, stage.world)
     lr = stage.optimizer.param_groups[0]["lr"]
-    stage.optimizer.step()
+    _, stepped = step_if_finite(params, stage.optimizer, stage.scheduler, stage.max_grad_norm,
+                                stage.world)
     stage.optimizer.zero_grad(set_to_none=True)
-    if stage.scheduler is not None:
-        stage.scheduler.step()
+    stage.nonfinite_streak = 0 if stepped else stage.nonfinite_streak + 1
+    check_nonfinite_streak(stage.nonfinite_streak, stage.max_nonfinite_steps)
     return lr
 
 
@@ -313,8 +338,9 @@ def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
                              "perf/step_s": time.perf_counter() - t0,
                              "perf/padding_frac": 1 - sum(lengths[i] for i in mine) / (len(mine) * width)})
 
-    run_steps(st, cfg, batches, step_fn, lambda: {"summary": summary, "losses": losses}, "sft",
-              show_progress)
+    if (stopped := run_steps(st, cfg, batches, step_fn,
+                             lambda: {"summary": summary, "losses": losses}, "sft", show_progress)):
+        return stopped
     if task is not None:
         summary["behaviour_after"] = held_out_behaviour(st.model, st.tokenizer, task, cfg, st.world)
         st.logger.log(len(batches), summary["behaviour_after"])
@@ -441,9 +467,10 @@ def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
     def step_fn(step: int, batch: list[int]) -> None:
         acc[0] = _dpo_step(st, cfg, step, batch, train_data, ref_train)
 
-    run_steps(st, cfg, batches, step_fn,
-              lambda: {"summary": summary, "reference": (ref_train, ref_eval)},
-              "reward-model" if as_reward_model else "dpo", show_progress)
+    if (stopped := run_steps(st, cfg, batches, step_fn,
+                             lambda: {"summary": summary, "reference": (ref_train, ref_eval)},
+                             "reward-model" if as_reward_model else "dpo", show_progress)):
+        return stopped
     summary["train_minutes"] = (time.perf_counter() - t_start) / 60
     after = _implicit_reward_metrics(*_all_pair_logp(st, cfg, eval_data), ref_eval, cfg.beta,
                                      eval_rows, prefix)
@@ -637,11 +664,13 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
         st.logger.log(0, before)
     t_start = time.perf_counter()
     st.model.train()
-    run_steps(st, cfg, batches,
-              lambda step, batch: _bradley_terry_step(
-                  st, cfg, step, batch,
-                  lambda mine: scores(mine, heads, chosen, rejected, cfg.lm_coef > 0), chosen),
-              lambda: {"eval_before": before}, "reward-model", show_progress)
+    if (stopped := run_steps(st, cfg, batches,
+                             lambda step, batch: _bradley_terry_step(
+                                 st, cfg, step, batch,
+                                 lambda mine: scores(mine, heads, chosen, rejected, cfg.lm_coef > 0),
+                                 chosen),
+                             lambda: {"eval_before": before}, "reward-model", show_progress)):
+        return stopped
     train_minutes = (time.perf_counter() - t_start) / 60
     after = evaluate_pairs()
     st.logger.log(len(batches), _public(after))

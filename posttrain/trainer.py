@@ -17,6 +17,8 @@ overlong handling) that any preset may turn on.
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 from contextlib import nullcontext
 import json
 import logging
@@ -43,8 +45,8 @@ from posttrain.logging import MetricsLogger, NullLogger, console_line, plot_run
 from posttrain.losses import (DISTILL_LOSSES, KL_ESTIMATORS, explained_variance,
                               kl_penalized_rewards, sampled_reverse_kl)
 from posttrain.memory import estimate as estimate_memory
-from posttrain.models import (add_lora, load_policy, load_tokenizer, merged_lora_copy,
-                              resolve_model_path, save_model)
+from posttrain.models import (add_lora, check_model_folder, load_policy, load_tokenizer,
+                              merged_lora_copy, resolve_model_path, save_model)
 from posttrain.rewards import Scorer, overlong_penalty
 from posttrain.prompts import encode_prompts, left_pad
 from posttrain.rollout import (HFRolloutEngine, Rollout, RolloutEngine, SamplingParams,
@@ -59,8 +61,9 @@ from posttrain.distributed import (SINGLE, World, barrier,
                                    global_max, global_sum, init_world,
                                    load_optimizer_state, mean_metrics, wrap)
 from posttrain.forward import frozen_logprobs
+from posttrain.lifecycle import Lifecycle, resume_command
 from posttrain.batch import ScoredBatch, equal_reward_groups, merge
-from posttrain.update import ValueTargets, masked_mean, update_policy
+from posttrain.update import ValueTargets, check_nonfinite_streak, masked_mean, update_policy
 
 log = logging.getLogger("posttrain")
 
@@ -129,11 +132,12 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
         equal = equal_reward_groups(batch.rewards_P_G)
         if rounds == 0:
             first = batch
-            stats["rollout/equal_groups_frac"] = equal.float().mean().item()
-            if result.model_scores_B is not None:   # RLHF: the proxy beside the truth (hacking shows)
-                stats.update(reward_model_metrics(result.model_scores_B, result.correct_B))
             # before any filtering: the honest learning curve when dynamic sampling drops groups
-            stats["reward/generated_mean"] = rewards.mean().item()
+            first_stats = {"rollout/equal_groups_frac": equal.float().mean(),
+                           "reward/generated_mean": rewards.mean()}
+            if result.model_scores_B is not None:   # RLHF: the proxy beside the truth (hacking shows)
+                first_stats.update(reward_model_metrics(result.model_scores_B, result.correct_B))
+            stats.update(read_floats(first_stats))
         rounds += 1
         stats["rollout/generated_responses"] += P_global * G
         if not algo.dynamic_sampling:
@@ -165,12 +169,12 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
     return merged.select(torch.arange(mine.start * G, mine.stop * G)), dict(stats)
 
 
-def reward_model_metrics(scores_B: Tensor, correct_B: Tensor) -> dict[str, float]:
-    out = {"reward/model_score": scores_B.mean().item()}
-    for name, rows in (("correct", correct_B), ("incorrect", ~correct_B)):
-        if rows.any():
-            out[f"reward/model_score_{name}"] = scores_B[rows].mean().item()
-    return out
+def reward_model_metrics(scores_B: Tensor, correct_B: Tensor) -> dict[str, Tensor]:
+    """The reward model's mean score, overall and on correct / incorrect answers (nan: none)."""
+    correct_B = correct_B.to(scores_B.device)
+    return {"reward/model_score": scores_B.mean(),
+            "reward/model_score_correct": _mean_where(scores_B, correct_B),
+            "reward/model_score_incorrect": _mean_where(scores_B, ~correct_B)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,6 +220,8 @@ class Run:
     start_step: int = 0
     train_seconds: float = 0.0
     resumed: bool = False
+    nonfinite_streak: int = 0           # trainer steps in a row whose every optimizer step was skipped
+    saved_step: int = -1                # the step of the last checkpoint written
 
     @property
     def algo(self) -> AlgorithmConfig:
@@ -240,46 +246,54 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
         summary["eval_before"] = run_eval(run, 0, "before")
     bar = tqdm(total=cfg.steps, initial=run.start_step, desc="train", dynamic_ncols=True,
                disable=not (show_progress and world.main))
+    lifecycle = Lifecycle(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes, world)
     step = run.start_step
-    for step in range(run.start_step + 1, cfg.steps + 1):
-        if cfg.max_minutes is not None and run.train_seconds >= cfg.max_minutes * 60:
-            log.info("max_minutes=%s reached after %d steps", cfg.max_minutes, step - 1)
-            step -= 1
-            break
-        t_step = time.perf_counter()
-        timings: Counter = Counter()
+    with lifecycle:   # SIGINT / SIGTERM: finish the step, save a checkpoint, stop
+        for step in range(run.start_step + 1, cfg.steps + 1):
+            if cfg.max_minutes is not None and run.train_seconds >= cfg.max_minutes * 60:
+                log.info("max_minutes=%s reached after %d steps", cfg.max_minutes, step - 1)
+                step -= 1
+                if step > run.start_step:   # (a longer --max_minutes can continue from here)
+                    checkpoint(run, step)
+                break
+            t_step = time.perf_counter()
+            timings: Counter = Counter()
 
-        # 1. sample a group per prompt and score it (pi_old = the current policy)
-        batch, metrics = generate_and_score(run.engine, run.tokenizer, run.sampler, run.scorer,
-                                            cfg, algo, run.generator, timings, world)
-        if len(batch.rewards_B) == 0:   # dynamic sampling found nothing informative
-            metrics["perf/step_s"] = time.perf_counter() - t_step
-            run.train_seconds += metrics["perf/step_s"]
-            run.logger.log(step, metrics)
-            bar.update(1)
-            continue
+            # 1. sample a group per prompt and score it (pi_old = the current policy)
+            batch, metrics = generate_and_score(run.engine, run.tokenizer, run.sampler, run.scorer,
+                                                cfg, algo, run.generator, timings, world)
+            if len(batch.rewards_B) > 0:   # (dynamic sampling may find nothing informative)
+                # 2. frozen log-probs: the trainer's pi_old (another engine sampled), pi_ref, the teacher
+                batch = frozen_passes(run, batch, metrics, timings)
 
-        # 2. frozen log-probs: the trainer's pi_old (another engine sampled), pi_ref, the teacher
-        batch = frozen_passes(run, batch, metrics, timings)
+                # 3. advantages (PPO: the value model's V_old, the KL folded into the rewards, GAE)
+                adv, targets = compute_advantages(run, batch, metrics)
 
-        # 3. advantages (PPO: the value model's V_old, the KL folded into the rewards, GAE)
-        adv, targets = compute_advantages(run, batch, metrics)
+                # 4. epochs x minibatches of clipped updates (the critic learns on the same minibatches)
+                t0 = time.perf_counter()
+                warming_up = run.critic is not None and step <= cfg.critic.warmup_steps
+                metrics.update(update_policy(run.model, run.optimizer, run.scheduler, batch, adv,
+                                             cfg, algo, run.generator, run.teachers, run.critic,
+                                             targets, train_policy=not warming_up, world=world))
+                timings["update"] += time.perf_counter() - t0
+                run.engine.sync_weights()
 
-        # 4. epochs x minibatches of clipped updates (the critic learns on the same minibatches)
-        t0 = time.perf_counter()
-        warming_up = run.critic is not None and step <= cfg.critic.warmup_steps
-        metrics.update(update_policy(run.model, run.optimizer, run.scheduler, batch, adv, cfg,
-                                     algo, run.generator, run.teachers, run.critic, targets,
-                                     train_policy=not warming_up, world=world))
-        timings["update"] += time.perf_counter() - t0
-        run.engine.sync_weights()
+                # 5. log and evaluate
+                log_step(run, step, batch, adv, metrics, timings, t_step, bar, show_progress)
+                run.nonfinite_streak = nonfinite_streak(run.nonfinite_streak, metrics, cfg)
+                if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and run.eval_problems:
+                    run_eval(run, step, f"step {step}")
+            else:
+                log_empty_step(run, step, metrics, t_step, bar)
 
-        # 5. log, evaluate, checkpoint
-        log_step(run, step, batch, adv, metrics, timings, t_step, bar, show_progress)
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and run.eval_problems:
-            run_eval(run, step, f"step {step}")
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-            checkpoint(run, step)
+            # 6. checkpoint (every N steps, every M minutes, on a stop signal)
+            save, stop = lifecycle.after_step(step)
+            if save:
+                checkpoint(run, step)
+                lifecycle.saved()
+            if stop:
+                bar.close()
+                return stopped(run, step, summary, lifecycle.stop_signal)
     bar.close()
     if run.eval_problems:
         summary["eval_after"] = run_eval(run, step, "after")
@@ -295,6 +309,9 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
     world = init_world(cfg.parallel.strategy)         # torchrun: join the process group
     check_world(cfg, world)
     task = build_task(cfg.data)                       # data errors surface before model loading
+    if teacher is None and cfg.algo.advantage in NEEDS_TEACHER:   # so do missing teachers
+        for where, path in teacher_paths(cfg.teacher):
+            check_model_folder(path, where)
     scorer = Scorer(cfg.reward, task.verifier, cfg.data.system_prompt, cfg.model.autocast)
     run_dir = Path(resume) if resume else Path(
         cfg.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -347,6 +364,12 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
     return run
 
 
+def teacher_paths(t) -> list[tuple[str, str]]:
+    """(option, folder) of every teacher model a config names ('self' is the student)."""
+    named = [("teacher.path", t.path)] if t.path and t.path != "self" else []
+    return named + [(f"teacher.domains.{d}", p) for d, p in sorted(t.domains.items())]
+
+
 def load_models(cfg: TrainConfig, ckpt: Path | None, model, tokenizer, teacher):
     """The policy (from the checkpoint when resuming; LoRA: the base, then its adapters), its
     tokenizer and the distillation teachers, whose tokenizers are checked before the student's
@@ -379,10 +402,8 @@ def reference_model(cfg: TrainConfig, model, tokenizer, run_dir: Path, ckpt: Pat
     if cfg.lora.rank > 0:
         return None
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    if ckpt is not None:  # the reference is the *initial* model, saved with the run
+    if ckpt is not None:  # the reference is the *initial* model, saved with the first checkpoint
         ref_model.load_state_dict(load_policy(run_dir / "reference_model", cfg.model.dtype).state_dict())
-    elif cfg.checkpoint_every and world.main:
-        save_model(ref_model, tokenizer, run_dir / "reference_model")
     return ref_model
 
 
@@ -396,17 +417,30 @@ def restore(run: Run, ckpt: Path) -> None:
     if run.critic is not None:
         run.critic.load_optimizer_state(state["critic_optimizer"])
     run.start_step, run.sampler.position = state["step"], state["data_position"]
+    run.logger.truncate_after(state["step"])   # rows a killed run wrote after it are redone
+    run.saved_step = state["step"]
     run.train_seconds, run.resumed = state["train_seconds"], True
 
 
 def checkpoint(run: Run, step: int) -> None:
+    """Save the run at `step` (every rank calls this; rank 0 writes), and pi_ref the first time:
+    it is the starting policy, frozen, which a resumed run must get back."""
+    if step == run.saved_step:
+        return
+    run.saved_step = step
+    ref_dir = run.run_dir / "reference_model"
+    if run.ref_model is not None and run.world.main and not ref_dir.is_dir():
+        tmp = run.run_dir / ".reference_model.tmp"   # renamed into place: never half-written
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_model(run.ref_model, run.tokenizer, tmp)
+        os.replace(tmp, ref_dir)
     extra = {"data_position": run.sampler.position, "train_seconds": run.train_seconds}
     if run.critic is not None:
         extra["critic_optimizer"] = run.critic.optimizer_state()
     save_checkpoint(run.run_dir, step, run.model, run.tokenizer, run.optimizer, run.scheduler,
                     run.generator, extra, run.cfg.to_dict(),
                     extra_models={"critic": run.critic.save} if run.critic is not None else None,
-                    world=run.world)
+                    world=run.world, keep=run.cfg.checkpoint.keep)
 
 
 def frozen_passes(run: Run, batch: ScoredBatch, metrics: dict[str, Any],
@@ -440,10 +474,10 @@ def frozen_passes(run: Run, batch: ScoredBatch, metrics: dict[str, Any],
             lambda m, view: frozen_logprobs(m, view, tau, micro, autocast))
         batch = replace(batch, teacher_logp_B_T=teacher_logp)
         kl = sampled_reverse_kl(batch.old_logp_B_T, batch.teacher_logp_B_T)
-        metrics["distill/reverse_kl"] = _mean(kl, batch.loss_mask_B_T)
-        metrics.update(per_domain(batch, kl))
+        metrics.update(read_floats({"distill/reverse_kl": masked_mean(kl, batch.loss_mask_B_T),
+                                    **per_domain(batch, kl)}))
     elif run.teachers is not None:
-        metrics.update(per_domain(batch))
+        metrics.update(read_floats(per_domain(batch)))
     timings["teacher"] += time.perf_counter() - t0
     return batch
 
@@ -467,7 +501,7 @@ def compute_advantages(run: Run, batch: ScoredBatch,
     adv = adv_out.adv_B_T
     if critic is not None:
         targets = ValueTargets(old_values, adv_out.returns_B_T)
-        metrics.update(critic_metrics(batch, adv, targets, token_rewards))
+        metrics.update(read_floats(critic_metrics(batch, adv, targets, token_rewards)))
     if algo.whiten_advantages:
         adv = whiten(adv, batch.loss_mask_B_T, total=lambda t: global_sum(t, run.world))
     return adv, targets
@@ -498,6 +532,38 @@ def log_step(run: Run, step: int, batch: ScoredBatch, adv: Tensor, metrics: dict
     bar.update(1)
     if not show_progress and world.main:
         log.info(console_line(step, cfg.steps, metrics))
+
+
+def nonfinite_streak(streak: int, metrics: dict[str, Any], cfg: TrainConfig) -> int:
+    """Steps in a row whose every optimizer step had a non-finite gradient (and was skipped);
+    `optim.max_nonfinite_steps` of them stop the run with a message (NonFiniteError)."""
+    skipped = metrics.get("optim/nonfinite_steps", 0)
+    streak = streak + 1 if skipped and skipped == metrics["optim/steps"] else 0
+    check_nonfinite_streak(streak, cfg.optim.max_nonfinite_steps)
+    return streak
+
+
+def log_empty_step(run: Run, step: int, metrics: dict[str, Any], t_step: float, bar) -> None:
+    """A step whose dynamic sampling kept no group: its sampling time and counts, no update."""
+    metrics["perf/step_s"] = time.perf_counter() - t_step
+    run.train_seconds += metrics["perf/step_s"]
+    run.logger.log(step, metrics)
+    bar.update(1)
+
+
+def stopped(run: Run, step: int, summary: dict[str, Any], signal_name: str | None) -> dict[str, Any]:
+    """A signal stopped the run after `step` (its checkpoint is written): summary.json says so and
+    how to continue; no final model, no final evaluation (a pre-empted job has little time)."""
+    run.logger.close()
+    run.scorer.close()
+    summary.update(steps=step, train_minutes=run.train_seconds / 60, stopped_by=signal_name,
+                   resume=resume_command("train", run.run_dir))
+    if run.world.main:
+        (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        log.warning("stopped by %s after step %d; continue with: %s", signal_name, step,
+                    summary["resume"])
+    barrier(run.world)
+    return summary
 
 
 def run_eval(run: Run, step: int, label: str) -> dict[str, Any]:
@@ -544,6 +610,7 @@ def finish(run: Run, step: int, summary: dict[str, Any]) -> dict[str, Any]:
         summary["value_model"] = str(value_dir)
     summary["save_s"] = time.perf_counter() - t0
     run.logger.close()
+    run.scorer.close()
     if world.main:
         try:
             summary["plot"] = str(plot_run(run_dir))
@@ -552,10 +619,6 @@ def finish(run: Run, step: int, summary: dict[str, Any]) -> dict[str, Any]:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     barrier(world)
     return summary
-
-
-def _mean(x: Tensor, m: Tensor) -> float:
-    return masked_mean(x, m).item()
 
 
 def ppo_token_rewards(batch: ScoredBatch, algo: AlgorithmConfig) -> Tensor:
@@ -569,27 +632,25 @@ def ppo_token_rewards(batch: ScoredBatch, algo: AlgorithmConfig) -> Tensor:
 
 
 def critic_metrics(batch: ScoredBatch, adv_B_T: Tensor, targets: ValueTargets,
-                   token_rewards_B_T: Tensor) -> dict[str, float]:
-    """How good the value model was on this batch before its update, and where advantage sits."""
+                   token_rewards_B_T: Tensor) -> dict[str, Tensor]:
+    """How good the value model was on this batch before its update, and where advantage sits
+    (device tensors; nan where no token qualifies)."""
     mask = batch.loss_mask_B_T
     out = {"critic/explained_variance": explained_variance(
-               targets.old_values_B_T, targets.returns_B_T, mask).item(),
-           "critic/value_mean": _mean(targets.old_values_B_T, mask),
-           "critic/return_mean": _mean(targets.returns_B_T, mask)}
+               targets.old_values_B_T, targets.returns_B_T, mask),
+           "critic/value_mean": masked_mean(targets.old_values_B_T, mask),
+           "critic/return_mean": masked_mean(targets.returns_B_T, mask)}
     # mean (un-whitened) advantage by response position: first tokens, and the last token
     for t in range(min(3, mask.shape[1])):
-        if mask[:, t].sum() > 0:
-            out[f"advantage/mean_t{t}"] = _mean(adv_B_T[:, t], mask[:, t])
+        out[f"advantage/mean_t{t}"] = _mean_where(adv_B_T[:, t], mask[:, t])
     last = (torch.arange(mask.shape[1], device=mask.device) * (mask > 0)).amax(-1)
-    has = mask.sum(-1) > 0
-    if has.any():
-        out["advantage/mean_last"] = adv_B_T[has, last[has]].mean().item()
+    out["advantage/mean_last"] = _mean_where(adv_B_T.gather(1, last[:, None])[:, 0], mask.sum(-1) > 0)
     kl_part = token_rewards_B_T - kl_penalized_rewards(batch.rewards_B, torch.zeros_like(mask), mask, 0.0)
-    out["reward/kl_penalty"] = (kl_part.sum(-1)).mean().item()
+    out["reward/kl_penalty"] = kl_part.sum(-1).mean()
     return out
 
 
-def per_domain(batch: ScoredBatch, kl_B_T: Tensor | None = None) -> dict[str, float]:
+def per_domain(batch: ScoredBatch, kl_B_T: Tensor | None = None) -> dict[str, Tensor]:
     """Accuracy and sampled reverse KL per domain, when a batch mixes domains (MOPD)."""
     domains = [p.domain for p in batch.problems]
     if len(set(domains)) < 2:
@@ -598,9 +659,23 @@ def per_domain(batch: ScoredBatch, kl_B_T: Tensor | None = None) -> dict[str, fl
     for d in sorted(set(domains)):
         rows = torch.tensor([i for i, x in enumerate(domains) if x == d])
         if kl_B_T is not None:
-            out[f"distill/reverse_kl@{d}"] = _mean(kl_B_T[rows], batch.loss_mask_B_T[rows])
-        out[f"reward/accuracy@{d}"] = batch.correct_B[rows].float().mean().item()
+            out[f"distill/reverse_kl@{d}"] = masked_mean(kl_B_T[rows], batch.loss_mask_B_T[rows])
+        out[f"reward/accuracy@{d}"] = batch.correct_B[rows].float().mean()
     return out
+
+
+def _mean_where(x: Tensor, rows: Tensor) -> Tensor:
+    """Mean of x over the rows where `rows` holds (0 / 0 = nan when none does)."""
+    return (x * rows).sum() / rows.float().sum()
+
+
+def read_floats(t: dict[str, Tensor]) -> dict[str, float]:
+    """Scalar metric tensors as floats, in one device-to-host transfer; nan ones left out."""
+    if not t:
+        return {}
+    device = next(iter(t.values())).device
+    values = torch.stack([v.detach().float().reshape(()).to(device) for v in t.values()]).tolist()
+    return {k: v for k, v in zip(t, values) if not math.isnan(v)}
 
 
 def rollout_metrics(batch: ScoredBatch, adv_B_T: Tensor) -> dict[str, float | None]:
@@ -608,16 +683,13 @@ def rollout_metrics(batch: ScoredBatch, adv_B_T: Tensor) -> dict[str, float | No
     generated tokens, for the throughput; None where no row qualifies)."""
     lengths, correct, r = batch.rollout.lengths_B, batch.correct_B, batch.rewards_B
 
-    def mean_where(x: Tensor, rows: Tensor) -> Tensor:   # 0 / 0 = nan when no row qualifies
-        return (x * rows).sum() / rows.float().sum()
-
     t = {"reward/mean": r.mean(), "reward/std": r.std() if len(r) > 1 else torch.zeros_like(r[0]),
          "reward/accuracy": correct.float().mean(),
          "rollout/length_mean": lengths.mean(),
          "rollout/truncated_frac": batch.rollout.truncated_B.float().mean(),
          "policy/adv_abs_mean": adv_B_T.abs().sum() / batch.loss_mask_B_T.sum().clamp(min=1),
-         "rollout/length_correct": mean_where(lengths, correct),
-         "rollout/length_incorrect": mean_where(lengths, ~correct),
+         "rollout/length_correct": _mean_where(lengths, correct),
+         "rollout/length_incorrect": _mean_where(lengths, ~correct),
          "_tokens": batch.rollout.response_mask_B_T.sum()}
     values = torch.stack([v.float().to(r.device) for v in t.values()]).tolist()
     return {k: None if math.isnan(v) else v for k, v in zip(t, values)}

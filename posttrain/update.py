@@ -15,6 +15,7 @@ at the end of the update, so a GPU step is not stalled by a sync per micro-batch
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -26,11 +27,14 @@ from posttrain.config import AlgorithmConfig, TrainConfig
 from posttrain.critic import Critic
 from posttrain.distributed import (SINGLE, World, average_gradients, clip_grad_norm,
                                    global_aggregation_weights, global_max)
+from posttrain.errors import NonFiniteError
 from posttrain.forward import group_chunks, sequence_logprobs
 from posttrain.losses import (AGGREGATIONS, DISTILL_LOSSES, KL_ESTIMATORS, POLICY_LOSSES,
-                              DistillLoss, aggregate, kl_penalty_in_loss, ratio_stats,
+                              DistillLoss, aggregate, kl_penalty_in_loss, masked_mean, ratio_stats,
                               truncated_is_weights, value_loss)
 from posttrain.teachers import Teachers
+
+log = logging.getLogger("posttrain")
 
 
 @dataclass
@@ -82,11 +86,6 @@ class Metrics:
         device = tensors[0].device
         values = iter(torch.stack([v.to(device) for v in tensors]).tolist())
         return tuple({k: next(values) for k in g} for g in groups)
-
-
-def masked_mean(x: Tensor, m: Tensor) -> Tensor:
-    """sum(x * m) / max(sum(m), 1), a tensor (no sync)."""
-    return (x * m).sum() / m.sum().clamp(min=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,19 +228,48 @@ def value_terms(critic: Critic, batch: ScoredBatch, rows: Tensor, hidden: Tensor
 # The update
 # ---------------------------------------------------------------------------------------------
 
+def step_if_finite(params: list[Tensor], optimizer, scheduler, max_grad_norm: float,
+                   world: World) -> tuple[Tensor, bool]:
+    """Clip the (averaged) gradients to max_grad_norm and step Adam and the schedule, unless the
+    gradient norm is not finite (a NaN or Inf loss, an overflow): then the gradients are dropped
+    and weights, optimizer state and schedule stay untouched. Returns (norm, stepped). The
+    finiteness test is the step's one host sync; the norm is global, so every rank agrees."""
+    norm = clip_grad_norm(params, max_grad_norm, world)
+    if not torch.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        log.warning("non-finite gradient norm (%s): optimizer step skipped", norm.item())
+        return norm, False
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    return norm, True
+
+
+def check_nonfinite_streak(streak: int, limit: int) -> None:
+    """Stop after `limit` consecutive skipped steps, with what to try (the weights are those of
+    the last good step; the latest checkpoint is intact)."""
+    if limit and streak >= limit:
+        raise NonFiniteError(
+            f"{streak} optimizer steps in a row had a non-finite loss or gradient norm and were "
+            "skipped; stopping (the latest checkpoint is intact). Try a lower optim.lr, "
+            "model.autocast none, or optim.max_grad_norm; optim.max_nonfinite_steps sets the limit")
+
+
 def optimizer_step(model, optimizer, scheduler, cfg: TrainConfig, any_rows: bool, world: World,
-                   metrics: Metrics) -> None:
-    """Average the gradients over ranks, clip them to max_grad_norm, step Adam and the schedule."""
+                   metrics: Metrics) -> bool:
+    """Average the gradients over ranks, clip them to max_grad_norm, step Adam and the schedule
+    (`step_if_finite`: skipped on a non-finite gradient). Returns whether it stepped."""
     if not any_rows:   # keep the optimizer step (Adam momentum, decay) as it would be
         for p in model.parameters():
             # (FSDP: a padding pass already holds the other ranks' reduced shards)
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
     average_gradients(list(model.parameters()), world)
-    metrics.update("policy/grad_norm", clip_grad_norm(list(model.parameters()),
-                                                      cfg.optim.max_grad_norm, world))
-    optimizer.step()
-    scheduler.step()
+    norm, stepped = step_if_finite(list(model.parameters()), optimizer, scheduler,
+                                   cfg.optim.max_grad_norm, world)
+    if stepped:
+        metrics.update("policy/grad_norm", norm)
+    return stepped
 
 
 def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tensor,
@@ -258,7 +286,7 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
     signal = rows_with_signal(adv_B_T, G, terms, critic, world)
     # the policy forward is needed for its loss, or for the hidden states a shared value head reads
     policy_forward = train_policy or (critic is not None and critic.shared)
-    metrics, n_rows, n_first, n_skipped, n_updates = Metrics(), 0, 0, 0, 0
+    metrics, n_rows, n_first, n_skipped, n_updates, n_steps = Metrics(), 0, 0, 0, 0, 0
     model.train()
     if critic is not None:
         critic.train()
@@ -297,12 +325,16 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
             n_rows += 0 if padding else len(rows)
             n_first += 0 if padding or n_updates else len(rows)
         if train_policy:
-            optimizer_step(model, optimizer, scheduler, cfg, len(kept) > 0, world, metrics)
+            n_steps += optimizer_step(model, optimizer, scheduler, cfg, len(kept) > 0, world, metrics)
         optimizer.zero_grad(set_to_none=True)   # warm-up: a shared body's value grads dropped
         if critic is not None:
             metrics.update("critic/grad_norm", critic.step())
         n_updates += 1
-    return finish_metrics(metrics, n_rows, n_first, n_skipped, n_updates, train_policy, scheduler)
+    out = finish_metrics(metrics, n_rows, n_first, n_skipped, n_updates, train_policy, scheduler)
+    if train_policy:   # optimizer steps skipped for a non-finite gradient (weights untouched)
+        out["optim/steps"], out["optim/nonfinite_steps"] = n_updates, n_updates - n_steps
+        out["policy/grad_norm"] = out.get("policy/grad_norm", 0.0) * n_updates / max(n_steps, 1)
+    return out
 
 
 def finish_metrics(metrics: Metrics, n_rows: int, n_first: int, n_skipped: int, n_updates: int,

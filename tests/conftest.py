@@ -58,6 +58,7 @@ _STAGE_FIELDS = {"model": ("model", "path"), "autocast": ("model", "autocast"),
                  "data": ("data", "train_path"), "eval_data": ("data", "eval_path"),
                  "lr": ("optim", "lr"), "epochs": ("optim", "epochs"), "schedule": ("optim", "schedule"),
                  "warmup_steps": ("optim", "warmup_steps"), "strategy": ("parallel", "strategy"),
+                 "checkpoint_every": ("checkpoint", "every_steps"),
                  **{k: ("data", k) for k in ("prompt_field", "response_field", "chosen_field",
                                              "rejected_field", "system_prompt", "synthetic", "n_pairs",
                                              "terse_wrong_share", "eval_size")}}

@@ -93,12 +93,20 @@ def test_gae_masked_values_do_not_matter_and_padding_is_skipped():
     close(adv[1, keep], adv_c[0])
 
 
-def test_whiten():
+def test_whiten_is_bessel_corrected_and_ignores_what_the_mask_hides():
     x, m = torch.tensor([[1.0, 2.0, 3.0, 50.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     w = whiten(x, m)
     close((w * m).sum(), torch.tensor(0.0))
-    close(w[0, :3], torch.tensor([-1.0, 0.0, 1.0]) / (2 / 3) ** 0.5, rtol=1e-4, atol=1e-4)
+    # var = ((-1)^2 + 0 + 1^2) / (3 - 1) = 1: the unbiased variance, as torch.std computes it
+    close(w[0, :3], torch.tensor([-1.0, 0.0, 1.0]), rtol=1e-4, atol=1e-4)
+    close(w[0, :3], (x[0, :3] - x[0, :3].mean()) / x[0, :3].std(), rtol=1e-4, atol=1e-4)
     assert w[0, 3] == 0
+    for hidden in (float("nan"), float("inf"), -1e30):   # a masked position cannot leak in
+        x_bad = x.clone()
+        x_bad[0, 3] = hidden
+        assert torch.equal(whiten(x_bad, m), w)
+    one = whiten(torch.tensor([[4.0, 0.0]]), torch.tensor([[1.0, 0.0]]))   # n = 1: no 0 / 0
+    assert torch.isfinite(one).all()
 
 
 def test_registry_dispatch_broadcasts_to_tokens_and_names_unknown_keys():

@@ -56,7 +56,7 @@ def test_stage_commands_read_a_yaml_config_and_the_command_line_wins(tmp_path, m
                                                  "run_dir": str(run)}))
     assert main(["sft", "--resume", str(run), "--batch_size", "2"]) == 0
     cfg = seen["cfg"]
-    assert (cfg.data.synthetic, cfg.optim.lr, cfg.batch_size, seen["resume"]) == ("addition", 2e-5, 2, str(run))
+    assert (cfg.data.synthetic, cfg.optim.lr, cfg.batch_size, seen["resume"]) == ("addition", 2e-5, 2, run)
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -159,7 +159,7 @@ def test_every_command_spells_an_option_the_same_way():
     shared = ["config", "resume", "model.path", "model.autocast", "model.attention", "optim.lr",
               "optim.schedule", "optim.warmup_steps", "optim.beta2", "parallel.strategy",
               "data.system_prompt", "data.eval_size", "data.prompt_field", "seed", "run_dir",
-              "checkpoint_every"]
+              "checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.keep"]
     for cmd in ("train", "sft", "dpo", "reward-model"):
         assert not [o for o in shared if o not in opts[cmd]], cmd
     for cmd in ("eval", "generate"):

@@ -46,6 +46,15 @@ def test_yaml_then_overrides(tmp_path):
     (["lr", "1"], "unexpected argument 'lr'"),
     (["--algorithm.distill_loss", "kl"], "algorithm.distill_loss='kl' is not valid; accepted: "
                                          "\\['exact', 'forward', 'sampled'\\]"),
+    (["--steps", "3.5"], "steps=3.5 must be an integer"),
+    (["--steps", "true"], "steps=True must be an integer"),      # a bool is no number
+    (["--optim.lr", "false"], "optim.lr=False must be a number"),
+    (["--tensorboard", "maybe"], "tensorboard='maybe' must be true or false"),
+    (["--data.system_prompt", "3"], "data.system_prompt=3 must be a string"),
+    (["--max_minutes", "0"], "max_minutes=0.0 must be > 0"),
+    (["--checkpoint.every_minutes", "-1"], "checkpoint.every_minutes=-1.0 must be > 0"),
+    (["--checkpoint.keep", "0"], "checkpoint.keep=0 must be >= 1"),
+    (["--eval_batch_size", "0"], "eval_batch_size=0 must be >= 1"),
 ])
 def test_invalid_configs_name_the_field(overrides, msg):
     with pytest.raises(ConfigError, match=msg):

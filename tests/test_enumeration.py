@@ -10,7 +10,7 @@ import itertools
 
 import torch
 
-from posttrain.losses import (AGGREGATIONS, KL_ESTIMATORS, aggregate, exact_kl_from_logits,
+from posttrain.losses import (AGGREGATIONS, K3_CAP, KL_ESTIMATORS, kl_k3, aggregate, exact_kl_from_logits,
                               importance_sampled_pg_loss, sampled_reverse_kl, token_logprobs,
                               vanilla_pg_loss)
 
@@ -112,8 +112,15 @@ def test_k1_and_k3_are_unbiased_for_sequence_kl_and_k3_nonnegative():
     ref_logp_9 = token_logp(make_params(5)).sum(-1)
     pi_9 = logp_9.exp()
     exact = (pi_9 * (logp_9 - ref_logp_9)).sum()
-    for name in ("k1", "k3"):
-        torch.testing.assert_close((pi_9 * KL_ESTIMATORS[name](logp_9, ref_logp_9)).sum(), exact)
+    torch.testing.assert_close((pi_9 * KL_ESTIMATORS["k1"](logp_9, ref_logp_9)).sum(), exact)
+    plain = kl_k3(logp_9, ref_logp_9, cap=None)
+    torch.testing.assert_close((pi_9 * plain).sum(), exact)
+    # the registry's k3 is capped at K3_CAP: unbiased where every value is below it, biased low
+    # on this pair, whose rarest sequences have pi_ref / pi far above 10
+    capped = KL_ESTIMATORS["k3"](logp_9, ref_logp_9)
+    assert plain.max() > K3_CAP and (pi_9 * capped).sum() < exact
+    below = plain < K3_CAP
+    assert torch.equal(capped[below], plain[below])
     assert (KL_ESTIMATORS["k3"](logp_9, ref_logp_9) >= 0).all()
     assert (KL_ESTIMATORS["k1"](logp_9, ref_logp_9) < 0).any()  # k1 is unbiased but not >= 0
     # k2 is biased: its expectation differs from the KL on this pair

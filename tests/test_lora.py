@@ -40,7 +40,7 @@ def test_lora_trains_only_adapters_and_saves_merged(tmp_path, tokenizer):
     # (learning itself is shown on the real model, see docs/scaling.md: a random tiny model's
     # near-uniform head gives a body-only adapter almost nothing to steer)
     cfg = toy_config(tmp_path, "--steps", "4", "--optim.lr", "3e-2", "--lora.rank", "8",
-                     "--algorithm.kl_coef", "0.02", "--checkpoint_every", "2")
+                     "--algorithm.kl_coef", "0.02", "--checkpoint.every_steps", "2")
     model = make_tiny_model(tokenizer, seed=0)
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     train(cfg, model=model, tokenizer=tokenizer, show_progress=False)

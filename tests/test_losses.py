@@ -177,6 +177,27 @@ def test_kl_estimators_hand_values():
     close(KL_ESTIMATORS["k3"](logp, logp), t(0.0))
 
 
+def test_k3_is_capped_so_one_drifted_token_cannot_carry_a_step():
+    from posttrain.losses import K3_CAP
+    logp, ref = t(0.0, -30.0, -1.0), t(-1.0, 0.0, -1.0)   # pi_ref / pi = e^-1, e^30, 1
+    k3 = KL_ESTIMATORS["k3"](logp, ref)
+    close(k3, t(math.exp(-1) + 1 - 1, K3_CAP, 0.0))
+    logp.requires_grad_(True)
+    KL_ESTIMATORS["k3"](logp, ref).sum().backward()
+    assert logp.grad[1] == 0 and torch.isfinite(logp.grad).all()   # past the cap: no gradient
+
+
+def test_a_non_finite_value_where_the_weight_is_zero_cannot_poison_the_loss():
+    loss, w = t(2.0, 4.0, float("nan"), float("inf")), t(0.5, 0.5, 0.0, 0.0)
+    close(aggregate(loss, w), torch.tensor(3.0))
+    x = t(1.0, 3.0, float("nan")).requires_grad_(True)
+    from posttrain.losses import masked_mean
+    m = masked_mean(x, t(1.0, 1.0, 0.0))
+    m.backward()
+    close(m, torch.tensor(2.0))
+    close(x.grad, t(0.5, 0.5, 0.0))
+
+
 def test_k3_expectation_is_exact_kl_over_vocabulary():
     torch.manual_seed(0)
     logp_V = torch.randn(7).log_softmax(-1)

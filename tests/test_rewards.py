@@ -1,5 +1,6 @@
 """Verifiers, format reward, overlong shaping and the safe calling of user reward functions."""
 
+import os
 import threading
 
 import pytest
@@ -82,6 +83,46 @@ def test_user_function_failures_get_fallback_and_are_counted():
     res = Scorer(cfg)([P42], ["42"])
     assert res.rewards_B.tolist() == [-3.0]
     assert dict(res.failures) == {"error": 1, "timeout": 1, "nonfinite": 1}
+
+
+def test_in_the_worker_pool_a_hang_is_killed_even_when_the_function_cancels_alarms():
+    """math-verify's signal.alarm(0) defeats the in-process SIGALRM (workers 0: the call runs its
+    full 3 s and its value is taken); in the pool the worker is killed at the timeout. A function
+    that kills its own process counts as a crash, and the pool goes on with fresh workers."""
+    fns = ("tests.toy_rewards:verify_then_hang",)
+    inproc = Scorer(RewardConfig(verifier="none", timeout_s=1.0, workers=0, functions=fns))
+    res = inproc([P42], ["42"])
+    assert res.rewards_B.tolist() == [1.0] and dict(res.failures) == {}   # the timeout was lost
+
+    pooled = Scorer(RewardConfig(verifier="none", timeout_s=1.0, workers=2, fallback=-1.0,
+                                 functions=fns + ("tests.toy_rewards:dies",
+                                                  "tests.toy_rewards:first_letter_a_to_e")))
+    try:
+        res = pooled([P42, P42], ["abc", "zz"])
+        assert res.rewards_B.tolist() == [-1.0, -2.0]   # -1 (timeout) - 1 (crash) + first letter
+        assert dict(res.failures) == {"timeout": 2, "crash": 2}
+        again = pooled([P42], ["abc"])                  # the killed workers were replaced
+        assert again.rewards_B.tolist() == [-1.0] and dict(again.failures) == {"timeout": 1, "crash": 1}
+    finally:
+        pooled.close()
+
+
+def test_the_pool_spreads_calls_over_its_workers():
+    scorer = Scorer(RewardConfig(verifier="none", workers=2, functions=("tests.toy_rewards:slow_pid",)))
+    try:
+        pids = scorer([P42] * 4, ["a"] * 4).rewards_B.tolist()
+        assert len(set(pids)) == 2 and os.getpid() not in pids   # both workers, never the trainer
+    finally:
+        scorer.close()
+
+
+def test_a_function_beside_the_run_is_found_from_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "my_reward_mod.py").write_text("def fn(prompt, completion, answer):\n    return 0.25\n")
+    monkeypatch.chdir(tmp_path)
+    for workers in (0, 1):
+        scorer = Scorer(RewardConfig(verifier="none", workers=workers, functions=("my_reward_mod:fn",)))
+        assert scorer([P42], ["x"]).rewards_B.tolist() == [0.25]
+        scorer.close()
 
 
 def test_timeout_outside_the_main_thread():

@@ -73,7 +73,7 @@ def test_a_stage_killed_between_checkpoints_resumes_to_the_same_final_weights(tm
     # every step logged once, with the values of the run that never stopped
     assert _training_rows(killed) == _training_rows(whole)
     assert json.loads((killed / "summary.json").read_text())["steps"] == summary["steps"] == 6
-    assert json.loads((killed / "config.json").read_text())["checkpoint_every"] == 2
+    assert json.loads((killed / "config.json").read_text())["checkpoint"]["every_steps"] == 2
 
 
 def test_resume_needs_a_checkpoint_and_is_refused_in_one_line(tmp_path):

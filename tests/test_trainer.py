@@ -129,7 +129,7 @@ def test_broken_reward_functions_are_survived(tmp_path, tokenizer, fn, status):
 
 @pytest.mark.parametrize("preset", ["grpo", "ppo"])
 def test_checkpoint_resume_continues_identically(tmp_path, tokenizer, preset):
-    common = ["--steps", "4", "--checkpoint_every", "2", "--optim.lr", "1e-2",
+    common = ["--steps", "4", "--checkpoint.every_steps", "2", "--optim.lr", "1e-2",
               "--algorithm.kl_coef", "0.05", "--preset", preset, "--optim.minibatches", "2"]
     full = toy_config(tmp_path / "a", *common)
     train(full, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)

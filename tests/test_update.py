@@ -61,7 +61,8 @@ class _Syncs:
 @pytest.mark.parametrize("preset", ["grpo", "ppo"])
 def test_one_update_reads_its_metrics_from_the_device_once(tmp_path, tokenizer, monkeypatch, preset):
     """Two epochs x two minibatches (four optimizer steps, several micro-batches each; PPO with
-    its value model too): every metric reaches the host in the one `tolist` at the end."""
+    its value model too): every metric reaches the host in the one `tolist` at the end. (Each optimizer
+    step also reads one bool, whether its gradient norm is finite, which a skip needs.)"""
     cfg = load_config(None, [*TOY, "--run_dir", str(tmp_path / "run"), "--preset", preset,
                              "--optim.epochs", "2", "--optim.minibatches", "2",
                              "--optim.micro_batch_size", "4", "--algorithm.kl_coef", "0.0"])
@@ -82,6 +83,7 @@ def test_one_update_reads_its_metrics_from_the_device_once(tmp_path, tokenizer, 
     stats = update_policy(model, opt, sched, batch, adv, cfg, cfg.algo, torch.Generator().manual_seed(0),
                           critic=critic, targets=targets)
     assert dict(syncs.calls) == {"tolist": 1}
+    assert stats["optim/steps"] == 4 and stats["optim/nonfinite_steps"] == 0
     assert stats["policy/ratio_max"] > 1.0 and stats["policy/grad_norm"] > 0
     if critic is not None:
         assert stats["loss/value"] > 0 and stats["critic/grad_norm"] > 0
@@ -114,3 +116,53 @@ def test_a_scored_batch_is_immutable_and_select_merge_keep_every_field():
     assert merge([_batch(5, False), _batch(3, False)], 0).ref_logp_B_T is None
     with pytest.raises(ValueError, match="ref_logp_B_T is set in some parts"):
         merge([_batch(5, True), _batch(3, False)], 0)
+
+
+def test_padding_of_every_per_token_logprob_is_zero_whatever_the_engine_left_there():
+    b = _batch(5, True)
+    mask = b.rollout.response_mask_B_T.clone()
+    mask[:, 3:] = 0
+    nan = lambda: torch.full((4, 5), float("nan"))  # noqa: E731
+    r = dataclasses.replace(b.rollout, response_mask_B_T=mask, logp_B_T=nan())
+    s = ScoredBatch(r, b.problems, b.completions, b.rewards_B, b.correct_B, mask,
+                    ref_logp_B_T=nan(), teacher_logp_B_T=nan(), trainer_old_logp_B_T=nan())
+    for x in (s.rollout.logp_B_T, s.ref_logp_B_T, s.teacher_logp_B_T, s.trainer_old_logp_B_T):
+        assert (x[:, 3:] == 0).all() and x[:, :3].isnan().all()   # inside a response: untouched
+
+
+def test_a_step_with_a_non_finite_gradient_leaves_weights_and_adam_untouched():
+    from posttrain.distributed import SINGLE
+    from posttrain.update import step_if_finite
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = torch.optim.AdamW([w], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (i + 1))
+    (w * torch.tensor([1.0, -1.0])).sum().backward()
+    norm, stepped = step_if_finite([w], opt, sched, 1.0, SINGLE)
+    assert stepped and norm == pytest.approx(2 ** 0.5)
+    before = (w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()}, sched.last_epoch)
+    opt.zero_grad()
+    (w * torch.tensor([float("nan"), 1.0])).sum().backward()
+    _, stepped = step_if_finite([w], opt, sched, 1.0, SINGLE)
+    assert not stepped and w.grad is None
+    assert torch.equal(w.detach(), before[0]) and sched.last_epoch == before[2]
+    assert all(torch.equal(opt.state[w][k], v) for k, v in before[1].items())
+
+
+def test_a_run_stops_after_k_non_finite_steps_in_a_row(tmp_path, tokenizer, monkeypatch, capsys):
+    import posttrain.update as update
+    from posttrain.errors import NonFiniteError
+    from posttrain.trainer import train
+    real, calls = update.clip_grad_norm, [0]
+
+    def nan_from_step_2(params, max_norm, world):
+        calls[0] += 1
+        norm = real(params, max_norm, world)
+        return norm * float("nan") if calls[0] >= 2 else norm
+    monkeypatch.setattr(update, "clip_grad_norm", nan_from_step_2)
+    cfg = load_config(None, [*TOY, "--run_dir", str(tmp_path / "run"), "--steps", "10",
+                             "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
+                             "--optim.max_nonfinite_steps", "3"])
+    with pytest.raises(NonFiniteError, match="3 optimizer steps in a row had a non-finite"):
+        train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    rows = [__import__("json").loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["optim/nonfinite_steps"] for r in rows] == [0, 1, 1, 1]

@@ -26,3 +26,25 @@ def even_prompts_only(prompt: str, completion: str, answer: str) -> float:
     """All-equal (0) for prompts whose first operand is odd; informative for the others."""
     a = int(prompt.split()[2])
     return first_letter_a_to_e(prompt, completion, answer) if a % 2 == 0 else 0.0
+
+
+def verify_then_hang(prompt: str, completion: str, answer: str) -> float:
+    """Calls math-verify (whose own signal.alarm(0) cancels an in-process SIGALRM timeout),
+    then hangs for 3 s."""
+    from math_verify import parse, verify
+    verify(parse("1"), parse("1"))
+    time.sleep(3)
+    return 1.0
+
+
+def dies(prompt: str, completion: str, answer: str) -> float:
+    """Kills its own process, as a segfault in a C extension would."""
+    import os
+    os._exit(3)
+
+
+def slow_pid(prompt: str, completion: str, answer: str) -> float:
+    """The process that ran the call, after 0.3 s (long enough for the calls to overlap)."""
+    import os
+    time.sleep(0.3)
+    return float(os.getpid())

@@ -18,16 +18,42 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     if not p.exists():
         raise FileNotFoundError(f"data file {p} does not exist")
     if p.is_dir():
-        ds = datasets.load_from_disk(str(p))
+        try:
+            ds = datasets.load_from_disk(str(p))
+        except Exception as e:  # noqa: BLE001 - any unreadable folder is the user's input
+            raise ValueError(f"data folder {p} is not a saved dataset (Dataset.save_to_disk): "
+                             f"{_first_line(e)}") from None
         if isinstance(ds, datasets.DatasetDict):
-            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-    else:
-        kind = _FORMATS.get(p.suffix.lower())
-        if kind is None:
-            raise ValueError(f"data file {p}: unknown format {p.suffix!r}; accepted: "
-                             f"{sorted(_FORMATS)} or a datasets folder")
+            if "train" not in ds:
+                raise ValueError(f"data folder {p} holds the splits {sorted(ds)} but no 'train' "
+                                 "split; save the training rows as DatasetDict({'train': ...})")
+            ds = ds["train"]
+        return list(ds)
+    kind = _FORMATS.get(p.suffix.lower())
+    if kind is None:
+        raise ValueError(f"data file {p}: unknown format {p.suffix!r}; accepted: "
+                         f"{sorted(_FORMATS)} or a datasets folder")
+    if p.stat().st_size == 0:
+        raise ValueError(f"data file {p} is empty")
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)   # its error is ours to report
+    datasets.disable_progress_bars()
+    try:
         ds = datasets.load_dataset(kind, data_files=str(p), split="train")
+    except Exception as e:  # noqa: BLE001 - a broken file (bad JSON line, not Parquet, ...)
+        raise ValueError(f"data file {p} could not be read as {kind}: {_first_line(e)}") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        datasets.enable_progress_bars()
     return list(ds)
+
+
+def _first_line(e: BaseException) -> str:
+    """The innermost cause's first line (datasets wraps the parser's own error)."""
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def load_problems(path: str | Path, prompt_field: str, answer_field: str,

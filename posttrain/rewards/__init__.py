@@ -10,6 +10,7 @@ from torch import Tensor
 
 from posttrain.config import RewardConfig
 from posttrain.data.tasks import Problem
+from posttrain.rewards.pool import RewardPool
 from posttrain.rewards.safe import call_with_limits, load_function
 from posttrain.rewards.verifiers import VERIFIERS, is_bare_answer, overlong_penalty
 
@@ -20,7 +21,7 @@ __all__ = ["RewardResult", "Scorer", "overlong_penalty"]
 class RewardResult:
     rewards_B: Tensor                   # total reward per response, float32
     correct_B: Tensor                   # verifier verdict, bool
-    failures: Counter = field(default_factory=Counter)   # 'timeout' / 'error' / 'nonfinite' counts
+    failures: Counter = field(default_factory=Counter)   # 'timeout' / 'error' / 'nonfinite' / 'crash' counts
     model_scores_B: Tensor | None = None   # reward model scores (normalised), when one is used
 
 
@@ -36,8 +37,15 @@ class Scorer:
         self.per_problem = cfg.verifier == "math"   # a task mixture names each problem's verifier
         # Loaded now, so a wrong 'module:function' fails before any model is loaded.
         self.functions = [(spec, load_function(spec)) for spec in cfg.functions]
+        self.pool = (RewardPool(tuple(cfg.functions), cfg.workers, cfg.timeout_s)
+                     if cfg.functions and cfg.workers else None)
         self.system_prompt, self.autocast = system_prompt, autocast
         self._reward_model = None
+
+    def close(self) -> None:
+        """Stop the reward worker processes (a later call starts them again)."""
+        if self.pool is not None:
+            self.pool.close()
 
     @property
     def reward_model(self):
@@ -68,15 +76,20 @@ class Scorer:
             r = self.cfg.correct_reward * ok
             if self.cfg.format_weight:
                 r += self.cfg.format_weight * is_bare_answer(text)
-            for spec, fn in self.functions:
-                value, status = call_with_limits(
-                    fn, {"prompt": problem.prompt, "completion": text, "answer": problem.answer},
-                    self.cfg.timeout_s)
-                if status != "ok":
-                    failures[status] += 1
-                    value = self.cfg.fallback
-                r += value
             rewards.append(r)
             correct.append(ok)
+        calls = [(spec, {"prompt": p.prompt, "completion": text, "answer": p.answer})
+                 for p, text in zip(problems, completions) for spec, _ in self.functions]
+        if self.pool is not None:
+            outcomes = self.pool.map(calls)
+        else:
+            fns = dict(self.functions)
+            outcomes = [call_with_limits(fns[spec], kw, self.cfg.timeout_s) for spec, kw in calls]
+        per = len(self.functions)
+        for i, (value, status) in enumerate(outcomes):
+            if status != "ok":
+                failures[status] += 1
+                value = self.cfg.fallback
+            rewards[i // per] += value
         return RewardResult(torch.tensor(rewards, dtype=torch.float32),
                             torch.tensor(correct, dtype=torch.bool), failures)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +21,8 @@ def load_function(spec: str) -> Callable[..., Any]:
     if ":" not in spec:
         raise ValueError(f"reward function {spec!r} must look like 'module:function'")
     module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:   # 'mymod:fn' with mymod.py in the working directory (as TRL)
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

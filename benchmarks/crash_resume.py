@@ -1,0 +1,149 @@
+"""Crash harness: a run killed with SIGKILL at random moments, resumed each time, must end with the
+same final weights, optimizer state and metrics as an uninterrupted run, bit for bit.
+
+    .venv/bin/python benchmarks/crash_resume.py --kills 20          # the README's figure
+    .venv/bin/python benchmarks/crash_resume.py --kills 3 --seed 1  # the test suite's version
+
+A tiny random model (the real SmolLM2 tokenizer) trains with `posttrain train` in a subprocess:
+GRPO on a toy reward, 24 steps, a checkpoint every step, a held-out evaluation every 3 steps, one
+thread (so floating-point sums are reproducible). The uninterrupted run is timed first; then a
+second run is started, killed at a uniformly random moment of that span (the moment lands in
+process start-up, generation, the update, an evaluation or a checkpoint being written), and
+restarted with `--resume auto` (which continues from the latest complete checkpoint, or starts
+anew when none was written yet), until it finishes. Compared at the end: every tensor of the final
+model, every tensor of the last checkpoint's optimizer state, and every metrics row without its
+timings (perf/*). Kills that found a half-written checkpoint folder are counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def make_model_folder(out: Path) -> Path:
+    """A tiny random Llama with the embedded SmolLM2 tokenizer, saved as a model folder."""
+    from posttrain.models import load_tokenizer, prepare_embedded
+    from tests.conftest import make_tiny_model
+    folder = out / "tiny_model"
+    if not (folder / "config.json").is_file():
+        tok = load_tokenizer(prepare_embedded(out / "cache"))
+        model = make_tiny_model(tok)
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+    return folder
+
+
+def command(model: Path, run_dir: Path, steps: int) -> list[str]:
+    return [sys.executable, "-m", "posttrain.cli", "train", "--no-progress",
+            "--model.path", str(model), "--run_dir", str(run_dir), "--seed", "0",
+            "--reward.verifier", "none", "--reward.functions", "tests.toy_rewards:first_letter_a_to_e",
+            "--rollout.max_new_tokens", "4", "--rollout.prompts_per_step", "4",
+            "--rollout.group_size", "2", "--data.system_prompt", "null", "--data.eval_size", "8",
+            "--steps", str(steps), "--eval_every", "3", "--checkpoint.every_steps", "1",
+            "--optim.lr", "1e-2", "--optim.minibatches", "2", "--threads", "1",
+            "--tensorboard", "false", "--max_minutes", "null", "--resume", "auto"]
+
+
+def _run(cmd: list[str], kill_after: float | None) -> tuple[int, float]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        if kill_after is not None:
+            try:
+                proc.wait(timeout=kill_after)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGKILL)
+        _, err = proc.communicate()
+    finally:
+        proc.kill()
+    if proc.returncode not in (0, -signal.SIGKILL):
+        raise RuntimeError(f"run failed ({proc.returncode}):\n{err[-3000:]}")
+    return proc.returncode, time.perf_counter() - t0
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return [{k: v for k, v in r.items() if not k.startswith("perf/") and k != "eval/seconds"}
+            for r in rows]
+
+
+def compare(a: Path, b: Path) -> dict[str, int]:
+    """Differences between two finished runs: weight tensors, optimizer tensors, metrics rows."""
+    import torch
+    from safetensors.torch import load_file
+    from posttrain.checkpoint import latest_checkpoint, load_trainer_state
+    wa, wb = (load_file(str(p / "final_model" / "model.safetensors")) for p in (a, b))
+    weights = sum(not torch.equal(wa[k], wb[k]) for k in wa) + len(set(wa) ^ set(wb))
+    oa, ob = (load_trainer_state(latest_checkpoint(p))["optimizer"]["state"] for p in (a, b))
+    optim = 0
+    for name in oa:
+        for k, v in oa[name].items():
+            other = ob.get(name, {}).get(k)
+            same = torch.equal(v, other) if isinstance(v, torch.Tensor) else v == other
+            optim += not same
+    ra, rb = _rows(a), _rows(b)
+    rows = sum(x != y for x, y in zip(ra, rb)) + abs(len(ra) - len(rb))
+    return {"weights": weights, "optimizer": optim, "metrics_rows": rows,
+            "n_weights": len(wa), "n_optimizer": sum(len(v) for v in oa.values()), "n_rows": len(ra)}
+
+
+def _steps_done(run_dir: Path) -> int:
+    from posttrain.checkpoint import latest_checkpoint
+    ckpt = latest_checkpoint(run_dir)
+    return int(ckpt.name.split("_")[1]) if ckpt is not None else 0
+
+
+def crash_and_resume(out: Path, kills: int, seed: int = 0, steps: int = 24) -> dict:
+    """Kill the run `kills` times (fewer if it finishes first), each at a moment drawn uniformly
+    from the time it still needs (start-up included), resuming after each."""
+    out.mkdir(parents=True, exist_ok=True)
+    model = make_model_folder(out)
+    whole, cut = out / f"whole-{steps}", out / f"cut-{steps}-{kills}-{seed}"
+    if not (whole / "span.txt").is_file():
+        _, span = _run(command(model, whole, steps), None)
+        (whole / "span.txt").write_text(str(span))
+    span = float((whole / "span.txt").read_text())
+    startup = 6.0   # about what importing torch and transformers and loading take here
+    rng = random.Random(seed)
+    killed = half_written = 0
+    while True:
+        left = startup + (span - startup) * (1 - _steps_done(cut) / steps)
+        at = rng.uniform(0.5, left) if killed < kills else None
+        code, _ = _run(command(model, cut, steps), at)
+        if code == 0:
+            break
+        killed += 1
+        half_written += any((cut / "checkpoints").glob(".step_*.tmp"))
+    return {"kills": killed, "kills_in_checkpoint_writing": half_written, "steps": steps,
+            "span_s": round(span, 1), **compare(whole, cut)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "crash_resume")
+    args = ap.parse_args()
+    result = crash_and_resume(args.out, args.kills, args.seed, args.steps)
+    print(json.dumps(result, indent=2))
+    ok = result["weights"] == result["optimizer"] == result["metrics_rows"] == 0
+    print("identical to the uninterrupted run" if ok else "DIFFERENT from the uninterrupted run")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

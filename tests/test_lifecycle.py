@@ -1,0 +1,193 @@
+"""When runs save themselves and stop: checkpoints by steps and by minutes, SIGINT / SIGTERM
+(finish the step, save, exit with the resume command), the end of max_minutes, the newest K kept,
+`--resume auto`, and the rows a killed run wrote after its checkpoint dropped on resume."""
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import posttrain.lifecycle as lifecycle_mod
+import posttrain.stages as stages
+import posttrain.trainer as trainer
+from posttrain.cli import main
+from posttrain.config import load_config
+from posttrain.lifecycle import Lifecycle, find_run_to_resume
+from posttrain.trainer import train
+from tests.conftest import make_tiny_model, stage_config
+from tests.test_trainer import reward_curve, toy_config
+
+COMMON = ["--steps", "4", "--optim.lr", "1e-2", "--rollout.prompts_per_step", "2",
+          "--rollout.group_size", "2"]
+
+
+def _weights(run_dir):
+    return load_file(str(run_dir / "final_model" / "model.safetensors"))
+
+
+def test_the_policy_saves_by_steps_by_minutes_and_on_a_signal(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(lifecycle_mod.time, "monotonic", lambda: clock[0])
+    life = Lifecycle(every_steps=3, every_minutes=2.0)
+    assert [life.after_step(s) for s in (1, 2, 3)] == [(False, False), (False, False), (True, False)]
+    clock[0] += 119
+    assert life.after_step(4) == (False, False)
+    clock[0] += 1                                   # 2 minutes since the start
+    assert life.after_step(5) == (True, False)
+    life.saved()
+    clock[0] += 60
+    assert life.after_step(7) == (False, False)     # the minutes count from the last save
+    previous = signal.getsignal(signal.SIGTERM)
+    with life:
+        os.kill(os.getpid(), signal.SIGTERM)        # the handler only raises a flag
+        assert life.stop_signal == "SIGTERM"
+        assert life.after_step(8) == (True, True)
+    assert signal.getsignal(signal.SIGTERM) is previous   # handlers restored afterwards
+
+
+def test_a_second_ctrl_c_aborts_at_once():
+    with Lifecycle() as life:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert life.stop_signal == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def _signal_after(monkeypatch, step_to_signal, sig=signal.SIGTERM):
+    real = trainer.log_step
+
+    def log_then_signal(run, step, *a, **kw):
+        real(run, step, *a, **kw)
+        if step == step_to_signal:
+            os.kill(os.getpid(), sig)
+    monkeypatch.setattr(trainer, "log_step", log_then_signal)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_the_step_and_the_run_resumes_to_the_same_weights(tmp_path, tokenizer,
+                                                                         monkeypatch, sig):
+    whole = toy_config(tmp_path / "whole", *COMMON)
+    train(whole, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+
+    _signal_after(monkeypatch, 2, sig)
+    cfg = toy_config(tmp_path / "cut", *COMMON)
+    out = train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    run = tmp_path / "cut" / "run"
+    assert out["stopped_by"] == signal.Signals(sig).name and out["steps"] == 2
+    assert out["resume"] == f"posttrain train --resume {run}"
+    assert (run / "checkpoints" / "step_000002").is_dir() and not (run / "final_model").exists()
+    assert json.loads((run / "summary.json").read_text())["stopped_by"] == signal.Signals(sig).name
+
+    monkeypatch.undo()
+    resumed = load_config(None, base=json.loads((run / "config.json").read_text()))
+    train(resumed, resume=run, model=make_tiny_model(tokenizer, seed=5), tokenizer=tokenizer,
+          show_progress=False)
+    assert reward_curve(run) == reward_curve(tmp_path / "whole" / "run")
+    a, b = _weights(tmp_path / "whole" / "run"), _weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_drops_the_rows_written_after_the_checkpoint(tmp_path, tokenizer):
+    """A run killed (SIGKILL) after its step-2 checkpoint had logged step 3, and half a line."""
+    args = [*COMMON, "--checkpoint.every_steps", "2"]
+    whole = toy_config(tmp_path / "whole", *args)
+    train(whole, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    cut = toy_config(tmp_path / "cut", *args[:1], "3", *args[2:])
+    train(cut, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    run = tmp_path / "cut" / "run"
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        with open(run / name, "a") as f:
+            f.write('{"step": 4, "reward/mean": 0.123')   # killed mid-write
+    resumed = load_config(None, base=json.loads((run / "config.json").read_text()),
+                          overrides=["--steps", "4"])
+    train(resumed, resume=run, model=make_tiny_model(tokenizer), tokenizer=tokenizer,
+          show_progress=False)
+
+    def rows(path):
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+                for line in open(path)]
+    assert rows(run / "metrics.jsonl") == rows(tmp_path / "whole" / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows(run / "samples.jsonl")] == [1, 2, 3, 4]
+
+
+def test_max_minutes_ends_with_a_checkpoint_and_only_the_newest_k_are_kept(tmp_path, tokenizer):
+    cfg = toy_config(tmp_path, *COMMON, "--max_minutes", "0.00001", "--checkpoint.keep", "1")
+    out = train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    run = tmp_path / "run"
+    assert out["steps"] == 1 and (run / "final_model").is_dir()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001"]
+    cfg = toy_config(tmp_path / "k", *COMMON, "--checkpoint.every_steps", "1", "--checkpoint.keep", "2")
+    train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    assert sorted(p.name for p in (tmp_path / "k" / "run" / "checkpoints").iterdir()) == [
+        "step_000003", "step_000004"]
+
+
+def _fake_run(folder, config, with_checkpoint=True):
+    (folder / "checkpoints" / "step_000001").mkdir(parents=True)
+    if with_checkpoint:
+        (folder / "checkpoints" / "step_000001" / "trainer_state.pt").write_bytes(b"x")
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_resume_auto_finds_the_newest_run_of_the_same_config(tmp_path):
+    cfg = load_config(None, ["--optim.lr", "3e-5"]).to_dict()
+    other = load_config(None, ["--optim.lr", "1e-5"]).to_dict()
+    _fake_run(tmp_path / "a", {**cfg, "run_dir": None})
+    _fake_run(tmp_path / "b", other)
+    _fake_run(tmp_path / "c", cfg, with_checkpoint=False)   # never got to a checkpoint
+    os.utime(tmp_path / "a", (1, 1))
+    assert find_run_to_resume(cfg, None, tmp_path) == tmp_path / "a"
+    _fake_run(tmp_path / "d", cfg)
+    assert find_run_to_resume(cfg, None, tmp_path) == tmp_path / "d"      # the newest
+    assert find_run_to_resume(other, str(tmp_path / "b"), tmp_path) == tmp_path / "b"
+    assert find_run_to_resume(other, str(tmp_path / "a"), tmp_path) is None   # another config
+    assert find_run_to_resume(load_config(None, ["--optim.lr", "7e-5"]).to_dict(), None, tmp_path) is None
+
+
+def test_train_resume_auto_continues_a_stopped_run(tmp_path, tokenizer, monkeypatch):
+    """The command line: a run stopped by SIGTERM, then the same command with --resume auto
+    continues it to the end (and a fresh config starts a new run)."""
+    monkeypatch.chdir(tmp_path)
+    seen = []
+    monkeypatch.setattr(trainer, "train", lambda cfg, resume=None, show_progress=True:
+                        seen.append(resume) or {"run_dir": "x", "steps": 0, "train_minutes": 0,
+                                                "final_model": "x"})
+    args = ["train", "--resume", "auto", "--optim.lr", "3e-5", "--no-progress"]
+    assert main(args) == 0 and seen == [None]           # nothing to resume yet: a new run
+    cfg = load_config(trainer_recipe(), ["--optim.lr", "3e-5"]).to_dict()
+    _fake_run(tmp_path / "runs" / "grpo-1", cfg)
+    assert main(args) == 0 and str(seen[-1]) == os.path.join("runs", "grpo-1")
+
+
+def trainer_recipe():
+    from posttrain.cli import DEFAULT_RECIPE, recipe_path
+    return recipe_path(DEFAULT_RECIPE)
+
+
+def test_a_stage_stopped_by_a_signal_resumes_to_the_same_weights(tmp_path, tokenizer, monkeypatch):
+    fields = dict(synthetic="addition", n_pairs=24, eval_size=2, lr=3e-3, batch_size=8, epochs=2,
+                  system_prompt="Be brief.")
+    stages.sft(stage_config(run_dir=str(tmp_path / "whole"), **fields), model=make_tiny_model(tokenizer),
+               tokenizer=tokenizer, show_progress=False)
+    calls, real = [0], stages._step
+
+    def step_then_signal(st, loss):
+        calls[0] += 1
+        lr = real(st, loss)
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return lr
+    monkeypatch.setattr(stages, "_step", step_then_signal)
+    cut = tmp_path / "cut"
+    out = stages.sft(stage_config(run_dir=str(cut), **fields), model=make_tiny_model(tokenizer),
+                     tokenizer=tokenizer, show_progress=False)
+    assert out["stopped_by"] == "SIGTERM" and out["resume"] == f"posttrain sft --resume {cut}"
+    assert (cut / "checkpoints" / "step_000003").is_dir()
+    monkeypatch.undo()
+    stages.sft(stage_config(run_dir=str(cut), **fields), model=make_tiny_model(tokenizer),
+               tokenizer=tokenizer, show_progress=False, resume=cut)
+    a, b = _weights(tmp_path / "whole"), _weights(cut)
+    assert all(torch.equal(a[k], b[k]) for k in a)
