@@ -6,9 +6,10 @@
 
 The recipe is the default job's (posttrain/recipes/addition_grpo.yaml): SmolLM2-135M-Instruct,
 2-digit addition under the chat template's default system prompt, 16 prompts x 4 answers a step,
-lr 2e-5 constant, beta 0, at most 24 new tokens, temperature 1, answers scored on the text before the
+lr 2e-5, beta 0, at most 24 new tokens, temperature 1, answers scored on the text before the
 first blank line by posttrain's verifier (posttrain's side: the recipe's token-mean loss, AdamW beta2
-0.999, eager attention). Anything after `--` is passed to `posttrain train` (the
+0.999, eager attention, cosine decay over --steps; TRL's side: a constant lr, so pass
+`-- --optim.schedule constant` to compare per step). Anything after `--` is passed to `posttrain train` (the
 TRL side always runs the fixed recipe, with TRL 1.16's defaults otherwise: its 'dapo' token-mean
 loss, AdamW betas (0.9, 0.999), float32).
 

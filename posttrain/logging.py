@@ -36,8 +36,26 @@ class MetricsLogger:
         resumed from that step's checkpoint redoes them, so none is logged twice), and a last
         line that a killed process left half-written."""
         self._file.close()
-        for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):
+        for name in LOG_FILES:
             truncate_jsonl(self.run_dir / name, step)
+        self._file = open(self.path, "a")
+
+    def line_counts(self) -> dict[str, int]:
+        """Complete rows in each log file now (saved with a checkpoint)."""
+        return {name: _complete_lines(self.run_dir / name) for name in LOG_FILES}
+
+    def truncate_to(self, counts: dict[str, int]) -> None:
+        """Keep the first `counts[name]` rows of each log file: exactly what was written when
+        the checkpoint was (rows logged after it at the same step, such as the final evaluation
+        of a run killed before it finished, are redone, not doubled)."""
+        self._file.close()
+        for name in LOG_FILES:
+            path = self.run_dir / name
+            if path.is_file():
+                lines = path.read_text().splitlines(keepends=True)[:counts.get(name, 0)]
+                tmp = path.with_suffix(".jsonl.tmp")
+                tmp.write_text("".join(lines))
+                os.replace(tmp, path)
         self._file = open(self.path, "a")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -61,11 +79,32 @@ class NullLogger:
     def truncate_after(self, step: int) -> None:
         pass
 
+    def line_counts(self) -> dict[str, int]:
+        return {}
+
+    def truncate_to(self, counts: dict[str, int]) -> None:
+        pass
+
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         pass
 
     def close(self) -> None:
         pass
+
+
+LOG_FILES = ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl")
+
+
+def _complete_lines(path: Path) -> int:
+    return path.read_text().count("\n") if path.is_file() else 0
+
+
+def resume_logs(logger, state: dict[str, Any]) -> None:
+    """A resumed run's logs as they were at its checkpoint (older checkpoints: by step)."""
+    if "log_rows" in state:
+        logger.truncate_to(state["log_rows"])
+    else:
+        logger.truncate_after(state["step"])
 
 
 def truncate_jsonl(path: Path, step: int) -> None:

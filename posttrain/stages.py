@@ -33,7 +33,7 @@ from posttrain.distributed import (World, average_gradients, barrier, device_for
                                    full_state_dict, full_weights_for_generation, gather_objects,
                                    global_sum, init_world, load_optimizer_state, wrap)
 from posttrain.lifecycle import Lifecycle, resume_command
-from posttrain.logging import MetricsLogger, NullLogger
+from posttrain.logging import MetricsLogger, NullLogger, resume_logs
 from posttrain.losses import dpo_loss, sequence_logprob, sft_loss
 from posttrain.models import (freeze_lower_layers, load_policy, load_tokenizer, resolve_model_path,
                               save_model)
@@ -156,7 +156,8 @@ def run_steps(st: _Stage, cfg: StageConfig, batches: list, step_fn, state, desc:
             save, stop = lifecycle.after_step(step)
             if (save and step < len(batches)) or stop:
                 save_checkpoint(st.run_dir, step, st.model, st.tokenizer, st.optimizer,
-                                st.scheduler, torch.Generator(), {"stage": state()}, asdict(cfg),
+                                st.scheduler, torch.Generator(),
+                                {"stage": state(), "log_rows": st.logger.line_counts()}, asdict(cfg),
                                 world=st.world, keep=cfg.checkpoint.keep)
                 lifecycle.saved()
             if stop:
@@ -233,7 +234,7 @@ def _start(cfg: StageConfig, model, tokenizer, fields: list[str],
     if world.main:
         logger = MetricsLogger(run_dir, tensorboard=False, resume=ckpt is not None)
         if state is not None:   # rows a killed run wrote after its last checkpoint are redone
-            logger.truncate_after(state["step"])
+            resume_logs(logger, state)
     return _Stage(rows, model, tokenizer, _encode(tokenizer, cfg, [r[cfg.data.prompt_field] for r in rows]),
                   optimizer, run_dir, logger, random.Random(cfg.seed), world, device,
                   max_grad_norm=o.max_grad_norm, resume_state=state,

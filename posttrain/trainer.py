@@ -41,7 +41,7 @@ from posttrain.config import AlgorithmConfig, ConfigError, TrainConfig
 from posttrain.data.source import Sampler, build_task
 from posttrain.data.tasks import Problem
 from posttrain.evaluation import evaluate
-from posttrain.logging import MetricsLogger, NullLogger, console_line, plot_run
+from posttrain.logging import MetricsLogger, NullLogger, console_line, plot_run, resume_logs
 from posttrain.losses import (DISTILL_LOSSES, KL_ESTIMATORS, explained_variance,
                               kl_penalized_rewards, sampled_reverse_kl)
 from posttrain.memory import estimate as estimate_memory
@@ -417,7 +417,7 @@ def restore(run: Run, ckpt: Path) -> None:
     if run.critic is not None:
         run.critic.load_optimizer_state(state["critic_optimizer"])
     run.start_step, run.sampler.position = state["step"], state["data_position"]
-    run.logger.truncate_after(state["step"])   # rows a killed run wrote after it are redone
+    resume_logs(run.logger, state)   # rows a killed run wrote after its checkpoint are redone
     run.saved_step = state["step"]
     run.train_seconds, run.resumed = state["train_seconds"], True
 
@@ -434,7 +434,8 @@ def checkpoint(run: Run, step: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         save_model(run.ref_model, run.tokenizer, tmp)
         os.replace(tmp, ref_dir)
-    extra = {"data_position": run.sampler.position, "train_seconds": run.train_seconds}
+    extra = {"data_position": run.sampler.position, "train_seconds": run.train_seconds,
+             "log_rows": run.logger.line_counts()}
     if run.critic is not None:
         extra["critic_optimizer"] = run.critic.optimizer_state()
     save_checkpoint(run.run_dir, step, run.model, run.tokenizer, run.optimizer, run.scheduler,

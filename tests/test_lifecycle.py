@@ -191,3 +191,30 @@ def test_a_stage_stopped_by_a_signal_resumes_to_the_same_weights(tmp_path, token
                tokenizer=tokenizer, show_progress=False, resume=cut)
     a, b = _weights(tmp_path / "whole"), _weights(cut)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_checkpoint_write_that_dies_halfway_leaves_the_previous_one_intact(tmp_path, tokenizer,
+                                                                            monkeypatch):
+    """A full disk (or a kill) while the trainer state is written: the half-written folder is
+    never taken for a checkpoint, the previous one stays the latest, and the next save works."""
+    import posttrain.checkpoint as ckpt
+    from posttrain.run import make_scheduler
+    model = make_tiny_model(tokenizer)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = make_scheduler(opt, 10)
+    save = lambda step: ckpt.save_checkpoint(tmp_path, step, model, tokenizer, opt, sched,  # noqa: E731
+                                             torch.Generator(), {}, {"x": 1})
+    save(1)
+    real = torch.save
+
+    def disk_full(*a, **kw):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ckpt.torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        save(2)
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_000001"
+    assert (tmp_path / "checkpoints" / ".step_000002.tmp").is_dir()   # (the half-written one)
+    monkeypatch.setattr(ckpt.torch, "save", real)
+    save(2)
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_000002"
+    assert not (tmp_path / "checkpoints" / ".step_000002.tmp").exists()
