@@ -141,3 +141,26 @@ def test_timeout_outside_the_main_thread():
 def test_bad_function_specs_are_named(spec, msg):
     with pytest.raises(ValueError, match=msg):
         load_function(spec)
+
+
+def test_one_training_run_survives_every_kind_of_reward_failure(tmp_path, tokenizer):
+    """Raise, hang after calling math-verify, NaN, a segfault and os._exit, all in the same run:
+    it finishes, and every failure is counted by its kind, on every step."""
+    from posttrain.config import load_config
+    from posttrain.trainer import train
+    from tests.conftest import make_tiny_model
+    bad = ",".join(f"tests.toy_rewards:{f}" for f in ("raises", "verify_then_hang", "not_a_number",
+                                                        "segfaults", "dies", "first_letter_a_to_e"))
+    cfg = load_config(None, ["--reward.verifier", "none", "--reward.functions", bad,
+                             "--reward.timeout_s", "1", "--reward.fallback", "0",
+                             "--data.eval_size", "0", "--rollout.max_new_tokens", "3",
+                             "--data.system_prompt", "null", "--tensorboard", "false",
+                             "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
+                             "--steps", "2", "--run_dir", str(tmp_path / "run")])
+    summary = train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    assert summary["steps"] == 2 and (tmp_path / "run" / "final_model").is_dir()
+    import json
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    for r in rows:   # 4 responses a step, one call each of every function
+        assert (r["reward/failures_error"], r["reward/failures_timeout"], r["reward/failures_nonfinite"],
+                r["reward/failures_crash"]) == (4, 4, 4, 8), r

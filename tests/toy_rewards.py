@@ -48,3 +48,16 @@ def slow_pid(prompt: str, completion: str, answer: str) -> float:
     import os
     time.sleep(0.3)
     return float(os.getpid())
+
+
+def segfaults(prompt: str, completion: str, answer: str) -> float:
+    """Dies of SIGSEGV, as a C extension's invalid memory access does."""
+    import os
+    import signal
+    os.kill(os.getpid(), signal.SIGSEGV)
+    return 1.0
+
+
+def sleeps_02(prompt: str, completion: str, answer: str) -> float:
+    time.sleep(0.2)
+    return 1.0
