@@ -12,8 +12,9 @@ process start-up, generation, the update, an evaluation or a checkpoint being wr
 restarted with `--resume auto` (which continues from the latest complete checkpoint, or starts
 anew when none was written yet), until it finishes. Compared at the end: every tensor of the final
 model, every tensor of the last checkpoint's optimizer state, and every metrics row without its
-timings (perf/*). Kills that left a new half-written checkpoint folder are counted (a tiny
-model's checkpoint takes a few percent of a step, so few kills land there).
+timings (perf/*). Every 4th kill waits for a checkpoint write to begin (a new `.step_*.tmp`
+folder) and strikes at once; the others fall at random moments. Kills that left a new
+half-written checkpoint folder are counted.
 """
 
 from __future__ import annotations
@@ -56,13 +57,21 @@ def command(model: Path, run_dir: Path, steps: int) -> list[str]:
             "--tensorboard", "false", "--max_minutes", "null", "--resume", "auto"]
 
 
-def _run(cmd: list[str], kill_after: float | None) -> tuple[int, float]:
+def _run(cmd: list[str], kill_after: float | None, kill_in_write: Path | None = None
+         ) -> tuple[int, float]:
+    """Run `cmd`; SIGKILL it after `kill_after` seconds, or (`kill_in_write`, a checkpoints
+    folder) the moment a new half-written checkpoint folder appears in it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
+    seen = set(kill_in_write.glob(".step_*.tmp")) if kill_in_write is not None else set()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     try:
-        if kill_after is not None:
+        if kill_in_write is not None:
+            while proc.poll() is None and not set(kill_in_write.glob(".step_*.tmp")) - seen:
+                time.sleep(0.001)
+            proc.send_signal(signal.SIGKILL)
+        elif kill_after is not None:
             try:
                 proc.wait(timeout=kill_after)
             except subprocess.TimeoutExpired:
@@ -109,7 +118,8 @@ def _steps_done(run_dir: Path) -> int:
 
 def crash_and_resume(out: Path, kills: int, seed: int = 0, steps: int = 24) -> dict:
     """Kill the run `kills` times (fewer if it finishes first), each at a moment drawn uniformly
-    from the time it still needs (start-up included), resuming after each."""
+    from the time it still needs (start-up included), every 4th inside a checkpoint write,
+    resuming after each."""
     out.mkdir(parents=True, exist_ok=True)
     model = make_model_folder(out)
     whole, cut = out / f"whole-{steps}", out / f"cut-{steps}-{kills}-{seed}"
@@ -124,7 +134,8 @@ def crash_and_resume(out: Path, kills: int, seed: int = 0, steps: int = 24) -> d
         left = startup + (span - startup) * (1 - _steps_done(cut) / steps)
         at = rng.uniform(0.5, left) if killed < kills else None
         before = set((cut / "checkpoints").glob(".step_*.tmp"))
-        code, _ = _run(command(model, cut, steps), at)
+        in_write = killed < kills and killed % 4 == 3   # every 4th kill aims at a checkpoint write
+        code, _ = _run(command(model, cut, steps), at, cut / "checkpoints" if in_write else None)
         if code == 0:
             break
         killed += 1

@@ -77,3 +77,12 @@ def stage_config(**kw):
         else:
             cfg = replace(cfg, **{k: v})
     return replace(cfg, **{s: replace(getattr(cfg, s), **f) for s, f in sections.items()})
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The fuzz test's count of bad invocations, each refused in one line."""
+    import sys
+    module = sys.modules.get("tests.test_bad_input") or sys.modules.get("test_bad_input")
+    if module is not None and module.REFUSED["invocations"]:
+        terminalreporter.write_line(f"bad input: {module.REFUSED['invocations']} invocations "
+                                    "refused in one line, exit code 2, nothing loaded")

@@ -86,6 +86,9 @@ def no_models(monkeypatch):
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", boom)
 
 
+REFUSED = {"invocations": 0}   # printed at the end of the run (conftest.py)
+
+
 def _refused(argv: list[str], capsys, folder) -> str:
     capsys.readouterr()   # (what making the bad input printed)
     code = main(argv)
@@ -95,6 +98,7 @@ def _refused(argv: list[str], capsys, folder) -> str:
     assert len(err.splitlines()) == 1 and err.startswith("posttrain: error: "), (argv, err)
     assert "Traceback" not in out.err + out.out
     assert not (folder / "runs").exists(), argv   # nothing left behind
+    REFUSED["invocations"] += 1
     return err
 
 
