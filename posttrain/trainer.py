@@ -335,7 +335,7 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
         teachers.bind_student(model)
     algo = cfg.algo
     uses_ref = algo.kl_in != "none" and algo.kl_coef > 0
-    ref_model = reference_model(cfg, model, tokenizer, run_dir, ckpt, world) if uses_ref else None
+    ref_model = reference_model(cfg, model, run_dir, ckpt) if uses_ref else None
     # PPO's value model (§5), initialised from the policy's starting weights or critic.path
     critic = (Critic(cfg.critic, model, world, ckpt / "critic" if ckpt is not None else None)
               if algo.advantage in NEEDS_VALUES else None)
@@ -395,10 +395,9 @@ def load_models(cfg: TrainConfig, ckpt: Path | None, model, tokenizer, teacher):
     return model, tokenizer, teachers, path
 
 
-def reference_model(cfg: TrainConfig, model, tokenizer, run_dir: Path, ckpt: Path | None,
-                    world: World):
-    """pi_ref: the starting policy, frozen (saved with the run, so a resumed run gets the same
-    one). With LoRA it is the policy with its adapters switched off: None, no second copy."""
+def reference_model(cfg: TrainConfig, model, run_dir: Path, ckpt: Path | None):
+    """pi_ref: the starting policy, frozen (saved with the first checkpoint, so a resumed run gets
+    the same one). With LoRA it is the policy with its adapters switched off: None, no second copy."""
     if cfg.lora.rank > 0:
         return None
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)

@@ -147,9 +147,9 @@ def test_resume_auto_finds_the_newest_run_of_the_same_config(tmp_path):
     assert find_run_to_resume(load_config(None, ["--optim.lr", "7e-5"]).to_dict(), None, tmp_path) is None
 
 
-def test_train_resume_auto_continues_a_stopped_run(tmp_path, tokenizer, monkeypatch):
-    """The command line: a run stopped by SIGTERM, then the same command with --resume auto
-    continues it to the end (and a fresh config starts a new run)."""
+def test_train_resume_auto_picks_the_run_folder_of_the_same_config(tmp_path, tokenizer, monkeypatch):
+    """The command line: with no run of this config, --resume auto starts a new one; once a run
+    folder of the same config holds a checkpoint, the same command resumes that folder."""
     monkeypatch.chdir(tmp_path)
     seen = []
     monkeypatch.setattr(trainer, "train", lambda cfg, resume=None, show_progress=True:

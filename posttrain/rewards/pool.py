@@ -16,7 +16,6 @@ non-fork multiprocessing, a script that trains must keep its code under
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 import os
 import sys
@@ -26,7 +25,7 @@ from typing import Any
 
 from pebble import ProcessExpired, ProcessPool
 
-from posttrain.rewards.safe import load_function
+from posttrain.rewards.safe import as_reward, load_function
 
 _FUNCTIONS: dict[str, Any] = {}   # in a worker: spec -> the function it names
 
@@ -104,8 +103,4 @@ def _outcome(future) -> tuple[float | None, str]:
         return None, "crash"
     except Exception:  # noqa: BLE001 - any failure of user code becomes the fallback reward
         return None, "error"
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return None, "error"
-    return (value, "ok") if math.isfinite(value) else (None, "nonfinite")
+    return as_reward(value)

@@ -51,6 +51,12 @@ def call_with_limits(fn: Callable[..., Any], kwargs: dict[str, Any], timeout_s: 
         return None, "timeout"
     except Exception:  # noqa: BLE001 - any failure of user code becomes the fallback reward
         return None, "error"
+    return as_reward(value)
+
+
+def as_reward(value: Any) -> tuple[float | None, str]:
+    """What a reward function returned, as (float, 'ok'), or (None, 'error') for a non-number,
+    (None, 'nonfinite') for NaN or Inf."""
     try:
         value = float(value)
     except (TypeError, ValueError):
