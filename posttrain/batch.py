@@ -32,13 +32,15 @@ class ScoredBatch:
     # another engine sampled (vLLM): rollout.logp_B_T are its log-probs, these the trainer's own
     # for the same tokens (ratios, advantages, KL and the truncated IS weights use them)
     trainer_old_logp_B_T: Tensor | None = None
+    transcripts: list[str] | None = None  # multi-turn: each whole episode as text (logs)
 
     def __post_init__(self) -> None:
-        """Every per-token log-prob holds 0 past each response's end: what an engine left in the
+        """Every per-token log-prob holds 0 past each response's end and on the tokens an
+        environment wrote: what an engine left in the
         padding (another engine's NaN filler) can never reach a ratio, a loss, its gradient
         (where()'s backward multiplies by the local derivative, so NaN would survive a mask) or
         a metric."""
-        pad = self.rollout.response_mask_B_T == 0
+        pad = self.rollout.policy_tokens_B_T == 0
         clean = lambda x: None if x is None else x.masked_fill(pad, 0.0)  # noqa: E731
         object.__setattr__(self, "rollout", replace(self.rollout, logp_B_T=clean(self.rollout.logp_B_T)))
         for name in ("ref_logp_B_T", "teacher_logp_B_T", "trainer_old_logp_B_T"):

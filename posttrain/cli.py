@@ -146,19 +146,23 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides += ["--data.task", args.task]
     # Same generation settings as the default job unless a config says otherwise.
     cfg = load_config(args.config or recipe_path(DEFAULT_RECIPE), overrides)
+    from posttrain.envs import for_tokenizer, make_env
+
     task = build_task(cfg.data)
+    env = make_env(cfg.env, task)
     scorer = Scorer(cfg.reward, task.verifier)
     path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     tokenizer, model = load_tokenizer(path), load_policy(path, cfg.model.dtype)
+    env = for_tokenizer(env, tokenizer)
     engine = make_engine(cfg.rollout.backend, model, tokenizer,
                          **vllm_options(cfg, path, model, SINGLE))
-    res = evaluate(model, tokenizer, engine, task.eval_problems, scorer, cfg)
+    res = evaluate(model, tokenizer, engine, task.eval_problems, scorer, cfg, env=env)
     samples = res.pop("_samples")
     if args.k > 1:
         n = max(args.samples, args.k)
         res_k = evaluate(model, tokenizer, engine, task.eval_problems, scorer, cfg, samples=n,
                          k=args.k, temperature=cfg.rollout.temperature,
-                         generator=torch.Generator().manual_seed(cfg.seed))
+                         generator=torch.Generator().manual_seed(cfg.seed), env=env)
         res[f"eval/pass@{args.k}"] = res_k[f"eval/pass@{args.k}"]
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}, indent=2))
     for s in samples[:3]:
@@ -189,7 +193,8 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     overrides = [*overrides, "--model.path", args.model_path]
     cfg = load_config(args.config or recipe_path(DEFAULT_RECIPE), overrides)
-    out = generate(cfg, args.n, args.out, args.samples, not args.keep_wrong)
+    out = generate(cfg, args.n, args.out, args.samples, not args.keep_wrong,
+                   demonstrate=args.demonstrate)
     print(json.dumps(out, indent=2))
     return 0
 
@@ -262,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=1000, help="training problems to answer")
     p.add_argument("--samples", type=int, default=1, help="answers per problem (1: greedy)")
     p.add_argument("--keep-wrong", action="store_true", help="also keep answers the verifier rejects")
+    p.add_argument("--demonstrate", action="store_true",
+                   help="ground-truth episodes of the environment (e.g. calculator calls) instead "
+                   "of the model's: SFT data that teaches a tool format before RL")
     p.add_argument("--config", type=Path, help="task/rollout settings (default: the default recipe)")
     p.set_defaults(fn=cmd_generate)
 

@@ -298,8 +298,12 @@ class CriticConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    task: str = "addition"              # built-in task ('addition', 'countdown', ...) or 'file'
+    # built-in task ('addition', 'multiplication', 'countdown', 'guess_number', ...), 'file', or
+    # 'reasoning_gym:NAME' (pip install 'posttrain[gym]'; its settings in task_options)
+    task: str = "addition"
     difficulty: int = 2                 # task knob: digits per operand; numbers for countdown
+    task_options: dict[str, Any] = field(default_factory=dict)   # reasoning_gym: the dataset's config
+    train_size: int = 5000              # reasoning_gym: training problems generated
     eval_size: int = 200                # held-out problems (fixed seed, disjoint from training)
     eval_seed: int = 1234               # seed of the held-out set
     train_path: str | None = None       # task 'file': JSONL / CSV / Parquet file or datasets folder
@@ -308,6 +312,30 @@ class DataConfig:
     answer_field: str = "answer"        # task 'file': the column holding the ground truth
     system_prompt: str | None = None    # None: the chat template's own system prompt
     chat_template: bool = True          # apply the tokenizer's chat template to prompts
+    # extra arguments of the chat template, e.g. {"enable_thinking": false} for Qwen3
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """The environment of each episode (posttrain/envs, docs/environments.md): what answers the
+    policy between its turns. Single-turn tasks have none beyond the verifier."""
+
+    # 'auto': the task's own ('single_turn' for most; 'tools' when env.tools is set);
+    # 'single_turn', 'tools', 'guess_number', or 'module:function' returning an Environment
+    name: str = "auto"
+    tools: tuple[str, ...] = ()         # tools offered: 'calculator', 'python' (a sandbox), 'module:function'
+    tool_format: Literal["auto", "tag", "json"] = "auto"   # auto: json if the chat template takes tools
+    max_turns: int = 4                  # policy turns per episode
+    max_tokens: int = 256               # the whole episode's tokens (policy + environment)
+    max_reply_tokens: int = 64          # an environment message is cut to this many tokens
+    tool_timeout_s: float = 5.0         # a tool call running longer is answered with an error
+    python_memory_mb: int = 512         # address-space limit of the python tool's subprocess
+
+    def validate(self) -> None:
+        for name in ("max_turns", "max_tokens", "max_reply_tokens", "python_memory_mb"):
+            _check_range(f"env.{name}", getattr(self, name), 1)
+        _check_range("env.tool_timeout_s", self.tool_timeout_s, 0.0, lo_open=True)
 
 
 @dataclass(frozen=True)
@@ -426,6 +454,7 @@ class TrainConfig:
     critic: CriticConfig = CriticConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
+    env: EnvConfig = EnvConfig()
     reward: RewardConfig = RewardConfig()
     optim: OptimConfig = OptimConfig()
     parallel: ParallelConfig = ParallelConfig()
@@ -508,6 +537,10 @@ class TrainConfig:
             raise ConfigError("lora.rank > 0 with a value head on the shared body is not "
                               "supported; use a separate critic")
         self.reward.validate()
+        self.env.validate()
+        if self.env.max_tokens < r.max_new_tokens and (self.env.tools or self.env.name != "auto"):
+            raise ConfigError(f"env.max_tokens={self.env.max_tokens} must be at least "
+                              f"rollout.max_new_tokens={r.max_new_tokens} (one whole turn)")
         if algo.advantage in NEEDS_TEACHER and not (self.teacher.path or self.teacher.domains):
             raise ConfigError(f"algorithm.advantage={algo.advantage!r} distils from a teacher: "
                               "set teacher.path to a model folder (or teacher.domains)")
@@ -641,6 +674,11 @@ def _coerce(where: str, value: Any, hint: Any) -> Any:
         return None
     if isinstance(value, str) and any(typing.get_origin(m) is tuple for m in members):
         value = [v for v in value.split(",") if v]
+    if isinstance(value, str) and any(typing.get_origin(m) is dict for m in members):
+        try:   # a mapping from the command line: --data.chat_template_kwargs '{enable_thinking: false}'
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            pass   # (pydantic's error says it must be a mapping)
     literal = next((m for m in members if typing.get_origin(m) is Literal), None)
     if isinstance(value, bool) and bool not in members and literal is None:
         kinds = [k for m in members for k, t in (("float", float), ("int", int)) if m is t]

@@ -12,9 +12,10 @@ import torch
 from posttrain.config import TrainConfig
 from posttrain.data.tasks import Problem
 from posttrain.distributed import SINGLE, World, gather_objects
-from posttrain.prompts import encode_prompts
+from posttrain.envs import Environment, SingleTurn
 from posttrain.rewards import Scorer
-from posttrain.rollout import RolloutEngine, SamplingParams
+from posttrain.rollout import RolloutEngine, SamplingParams, episode_settings
+from posttrain.rollout.episodes import run_episodes
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -26,26 +27,32 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def evaluate(model, tokenizer, engine: RolloutEngine, problems: list[Problem], scorer: Scorer,
              cfg: TrainConfig, samples: int = 1, k: int = 1, temperature: float = 1.0,
-             generator: torch.Generator | None = None, world: World = SINGLE) -> dict[str, Any]:
-    """Greedy accuracy (samples=1), or pass@k from `samples` sampled answers per problem.
+             generator: torch.Generator | None = None, world: World = SINGLE,
+             env: Environment | None = None) -> dict[str, Any]:
+    """Greedy accuracy (samples=1), or pass@k from `samples` sampled answers per problem; each
+    answer is an episode in `env` (a tool-using or multi-turn task is evaluated as it trains).
 
     Also splits accuracy by every boolean field of the problems' meta (e.g. 'carry' for addition).
     """
+    env = env or SingleTurn()
     greedy = samples == 1
     params = SamplingParams(cfg.rollout.max_new_tokens, temperature if not greedy else 1.0,
                             1.0, greedy=greedy, stop=cfg.rollout.stop)
-    correct, texts = [], []
+    correct, texts, counts = [], [], {}
     all_problems, problems = problems, problems[world.rank::world.size]   # each rank: a share
     for start in range(0, len(problems), cfg.eval_batch_size):
         chunk = problems[start:start + cfg.eval_batch_size]
-        rollout = engine.generate(encode_prompts(tokenizer, chunk, cfg.data.system_prompt,
-                                                 cfg.data.chat_template), samples, params, generator)
-        ids = rollout.response_ids_B_T.masked_fill(rollout.response_mask_B_T == 0, tokenizer.pad_token_id)
-        outs = tokenizer.batch_decode(ids, skip_special_tokens=True)
-        res = scorer([p for p in chunk for _ in range(samples)], outs, with_model=False)
-        correct.append(res.correct_B.reshape(len(chunk), samples).cpu())
-        texts.extend(outs[::samples])
+        episodes = run_episodes(engine, tokenizer, env, chunk, samples, params,
+                                episode_settings(cfg), generator)
+        res = scorer([p for p in chunk for _ in range(samples)], episodes.completions, with_model=False)
+        verdict = [v if v is not None else bool(c)
+                   for v, c in zip(episodes.env_correct, res.correct_B.tolist())]
+        correct.append(torch.tensor(verdict, dtype=torch.bool).reshape(len(chunk), samples))
+        texts.extend(episodes.transcripts[::samples])
+        for k, v in episodes.counts.items():
+            counts[k] = counts.get(k, 0) + v
     c = torch.cat(correct) if correct else torch.zeros(0, samples, dtype=torch.bool)
+    episodes_here = max(len(texts) * samples, 1)   # this rank's (its counts are its own)
     if world.distributed:   # put the shares back in order: problem i was evaluated by rank i % W
         parts = gather_objects((c, texts), world)
         c = torch.zeros(len(all_problems), samples, dtype=torch.bool)
@@ -68,6 +75,8 @@ def evaluate(model, tokenizer, engine: RolloutEngine, problems: list[Problem], s
             idx = [i for i, p in enumerate(problems) if p.meta.get(key) is flag]
             if idx:
                 out[f"eval/accuracy_{key}={str(flag).lower()}"] = c[idx].float().mean().item()
+    if env.max_turns > 1:   # per held-out episode: turns, tool calls, malformed calls, ...
+        out.update({f"eval/{k}": v / episodes_here for k, v in sorted(counts.items())})
     out["_samples"] = [{"prompt": p.prompt, "answer": p.answer, "completion": t, "correct": bool(ok)}
                        for p, t, ok in zip(problems[:5], texts[:5], c[:5, 0].tolist())]
     return out

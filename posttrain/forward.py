@@ -22,8 +22,9 @@ from posttrain.rollout.hf import cache_kwarg
 # ---------------------------------------------------------------------------------------------
 
 def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]],
-         device: torch.device | str = "cpu") -> Rollout:
-    """Prompt ids left-padded, response ids right-padded: the layout the trainer's forward uses."""
+         device: torch.device | str = "cpu", policy_masks: list[list[int]] | None = None) -> Rollout:
+    """Prompt ids left-padded, response ids right-padded: the layout the trainer's forward uses
+    (`policy_masks`: episodes, 1 on the policy's tokens and 0 on the environment's)."""
     p_ids, p_mask = left_pad(prompts, tokenizer.pad_token_id)
     T = max(len(r) for r in responses)
     r_ids = torch.full((len(responses), T), tokenizer.pad_token_id, dtype=torch.long)
@@ -31,9 +32,16 @@ def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]],
     for i, r in enumerate(responses):
         r_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
         r_mask[i, :len(r)] = 1.0
+    policy = None
+    if policy_masks is not None:
+        policy = torch.zeros((len(responses), T))
+        for i, m in enumerate(policy_masks):
+            policy[i, :len(m)] = torch.tensor(m, dtype=torch.float32)
+        policy = policy.to(device)
     return Rollout(p_ids.to(device), p_mask.to(device), r_ids.to(device), r_mask.to(device),
                    torch.zeros_like(r_mask, device=device),
-                   torch.zeros(len(responses), dtype=torch.bool, device=device), group_size=1)
+                   torch.zeros(len(responses), dtype=torch.bool, device=device), group_size=1,
+                   policy_mask_B_T=policy)
 
 
 def group_chunks(n_rows: int, group_size: int, max_rows: int) -> list[Tensor]:

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from posttrain.checkpoint import latest_checkpoint, load_trainer_state, restore_rng, save_checkpoint
 from posttrain.config import StageConfig
 from posttrain.data import read_rows
+from posttrain.data.files import chat_messages
 from posttrain.data.tasks import Problem
 from posttrain.distributed import (World, average_gradients, barrier, device_for,
                                    full_state_dict, full_weights_for_generation, gather_objects,
@@ -73,6 +74,27 @@ def _teacher_ids(tokenizer, path: str, rows: list[dict], response_field: str) ->
     return out
 
 
+def _policy_masks(path, rows: list[dict], responses: list[list[int]]) -> list[list[int]] | None:
+    """Each row's `policy_mask` (an episode written by `posttrain generate`: 1 on the tokens the
+    policy wrote, 0 on the environment's), fitted to its response ids; None when no row has one."""
+    if not any("policy_mask" in r for r in rows):
+        return None
+    out = []
+    for i, (row, resp) in enumerate(zip(rows, responses), start=1):
+        mask = row.get("policy_mask")
+        ids = row.get("response_ids")
+        if mask is None:
+            out.append([1] * len(resp))
+            continue
+        if not (isinstance(ids, list) and isinstance(mask, list) and len(mask) == len(ids)
+                and all(m in (0, 1) for m in mask)):
+            raise ValueError(f"{path}: line {i}: field 'policy_mask' must be a list of 0/1, one per "
+                             "entry of 'response_ids'")
+        mask = mask[:len(resp)]
+        out.append(mask + [1] * (len(resp) - len(mask)))   # the EOS _response_ids appended
+    return out
+
+
 def _check_rows(path: str, rows: list[dict], fields: list[str]) -> None:
     """Missing, empty and (for pairs) identical fields are reported with file, line and field."""
     if not rows:
@@ -101,8 +123,11 @@ def length_buckets(lengths: list[int], batch_size: int, rng: random.Random) -> l
     return batches
 
 
-def _encode(tokenizer, cfg: StageConfig, prompts: list[str]) -> list[list[int]]:
-    return encode_prompts(tokenizer, [Problem(p, "") for p in prompts], cfg.data.system_prompt)
+def _encode(tokenizer, cfg: StageConfig, prompts: list) -> list[list[int]]:
+    """Prompts as text, or as chat messages (a conversational row, an episode's prompt)."""
+    problems = [Problem(p, "") if isinstance(p, str) else
+                Problem("", "", messages=chat_messages(p, "prompt")) for p in prompts]
+    return encode_prompts(tokenizer, problems, cfg.data.system_prompt)
 
 
 @dataclass
@@ -316,6 +341,7 @@ def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
     ids = _teacher_ids(st.tokenizer, cfg.data.train_path, st.rows, cfg.data.response_field)
     responses = [_response_ids(st.tokenizer, r[cfg.data.response_field], cfg.max_len, t)
                  for r, t in zip(st.rows, ids)]
+    masks = _policy_masks(cfg.data.train_path, st.rows, responses)
     lengths = [len(p) + len(r) for p, r in zip(st.prompts, responses)]
     batches = [b for _ in range(cfg.optim.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
     st.schedule(cfg, len(batches))
@@ -328,10 +354,11 @@ def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
     def step_fn(step: int, batch: list[int]) -> None:
         t0 = time.perf_counter()
         mine, weight = share_of_batch(batch, st.world)
-        r = pack(st.tokenizer, [st.prompts[i] for i in mine], [responses[i] for i in mine], st.device)
+        r = pack(st.tokenizer, [st.prompts[i] for i in mine], [responses[i] for i in mine], st.device,
+                 None if masks is None else [masks[i] for i in mine])
         logp = sequence_logprobs(st.model, r, torch.arange(len(mine)), 1.0, autocast=cfg.model.autocast).logp
-        tokens = global_sum(weight * r.response_mask_B_T.sum(), st.world)
-        loss = weight * sft_loss(logp, r.response_mask_B_T, tokens)
+        tokens = global_sum(weight * r.policy_tokens_B_T.sum(), st.world)   # an episode: the policy's
+        loss = weight * sft_loss(logp, r.policy_tokens_B_T, tokens)
         lr = _step(st, loss * st.world.size)
         losses.append(global_sum(loss.detach(), st.world).item())
         width = r.prompt_ids_B_L.shape[1] + r.response_ids_B_T.shape[1]
@@ -685,48 +712,105 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
 
 
 def generate(cfg, n: int, out: str | Path, samples: int = 1, only_correct: bool = True,
-             model=None, tokenizer=None) -> dict[str, Any]:
+             model=None, tokenizer=None, demonstrate: bool = False) -> dict[str, Any]:
     """Teacher outputs for SFT (§8: a short SFT of the student on teacher outputs precedes
-    distillation): `samples` responses to each of the first `n` training problems of `cfg`'s task,
-    greedy when samples == 1, written as JSONL rows {prompt, response, answer, correct}."""
+    distillation): `samples` episodes from each of the first `n` training problems of `cfg`'s
+    task, greedy when samples == 1, written as JSONL rows {prompt, response, response_ids,
+    answer, correct}. A multi-turn or tool task's rows hold the whole episode: `prompt` as chat
+    messages, `response_ids` with the environment's messages in it and `policy_mask` (1 on the
+    policy's tokens, which `sft` trains on). `demonstrate`: ground-truth episodes instead of the
+    model's (envs: `demonstration`), e.g. calculator calls that teach a tool format before RL."""
     from posttrain.rewards import Scorer
-    from posttrain.rollout import SamplingParams, make_engine
+    from posttrain.rollout import SamplingParams, episode_settings, make_engine
+    from posttrain.rollout.episodes import run_episodes
     from posttrain.distributed import SINGLE
     from posttrain.data.source import Sampler, build_task
+    from posttrain.envs import for_tokenizer, make_env
     from posttrain.rollout import vllm_options
 
     task = build_task(cfg.data)
+    env = make_env(cfg.env, task)
     scorer = Scorer(cfg.reward, task.verifier)
     path = cfg.model.path
     if model is None:
         path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-        tokenizer, model = load_tokenizer(path), load_policy(path, cfg.model.dtype)
+        tokenizer = load_tokenizer(path)
+        model = None if demonstrate else load_policy(path, cfg.model.dtype)
+    env = for_tokenizer(env, tokenizer)
+    sampler = Sampler(task, cfg.seed)
+    if demonstrate:
+        rows = demonstration_rows(sampler.next(n), env, tokenizer, cfg)
+        write_jsonl(out, rows)
+        return {"written": len(rows), "generated": n, "out": str(out)}
     engine = make_engine(cfg.rollout.backend, model, tokenizer,
                          **vllm_options(cfg, path, model, SINGLE))
     r = cfg.rollout
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, greedy=samples == 1, stop=r.stop)
-    sampler, rows = Sampler(task, cfg.seed), []
+    rows: list[dict[str, Any]] = []
     gen = torch.Generator().manual_seed(cfg.seed)
     for start in range(0, n, cfg.eval_batch_size):
         problems = sampler.next(min(cfg.eval_batch_size, n - start))
-        rollout = engine.generate(encode_prompts(tokenizer, problems, cfg.data.system_prompt,
-                                                 cfg.data.chat_template), samples, params, gen)
-        ids = rollout.response_ids_B_T.masked_fill(rollout.response_mask_B_T == 0, tokenizer.pad_token_id)
-        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        ep = run_episodes(engine, tokenizer, env, problems, samples, params, episode_settings(cfg), gen)
         per_response = [p for p in problems for _ in range(samples)]
-        correct = scorer(per_response, texts).correct_B.tolist()
-        # the response as the teacher wrote it, its stop string included: a student warmed up on
-        # it ends its answers as the teacher does, which the distillation that follows compares
-        # token by token (stripped, the student learned to end with EOS where the teacher writes
-        # a blank line, docs/distillation.md, MOPD)
-        # and its token ids, which `sft` trains on (the text may re-tokenise differently)
-        token_ids = [row[m > 0].tolist() for row, m in zip(rollout.response_ids_B_T.cpu(),
-                                                          rollout.response_mask_B_T.cpu())]
-        rows += [{"prompt": p.prompt, "response": t, "response_ids": i, "answer": p.answer,
-                  "correct": ok}
-                 for p, t, i, ok in zip(per_response, texts, token_ids, correct) if ok or not only_correct]
+        res = scorer(per_response, ep.completions)
+        correct = [v if v is not None else bool(c) for v, c in zip(ep.env_correct, res.correct_B.tolist())]
+        rows += [{**row, "correct": ok}
+                 for row, ok in zip(episode_rows(ep, per_response, env, tokenizer, cfg), correct)
+                 if ok or not only_correct]
     write_jsonl(out, rows)
     return {"written": len(rows), "generated": n * samples, "out": str(out)}
+
+
+def episode_rows(ep, problems, env, tokenizer, cfg) -> list[dict[str, Any]]:
+    """SFT rows of sampled episodes. The response as the teacher wrote it, its stop string
+    included: a student warmed up on it ends its answers as the teacher does, which the
+    distillation that follows compares token by token (stripped, the student learned to end with
+    EOS where the teacher writes a blank line, docs/distillation.md, MOPD); and its token ids,
+    which `sft` trains on (the text may re-tokenise differently)."""
+    from posttrain.prompts import prompt_messages
+    r = ep.rollout
+    rows = []
+    for i, p in enumerate(problems):
+        m = r.response_mask_B_T[i].cpu() > 0
+        ids = r.response_ids_B_T[i].cpu()[m].tolist()
+        text = (ep.completions[i] if r.policy_mask_B_T is None   # (one turn: the answer's text)
+                else tokenizer.decode(ids, skip_special_tokens=True))
+        row = {"prompt": p.prompt, "response": text, "response_ids": ids, "answer": p.answer}
+        if r.policy_mask_B_T is not None or p.messages:   # an episode: its messages and masks
+            row["prompt"] = prompt_messages(p, env.system_prompt(cfg.data.system_prompt))
+        if r.policy_mask_B_T is not None:
+            row["policy_mask"] = [int(x) for x in r.policy_mask_B_T[i].cpu()[m].tolist()]
+            row["transcript"] = ep.transcripts[i]
+        rows.append(row)
+    return rows
+
+
+def demonstration_rows(problems, env, tokenizer, cfg) -> list[dict[str, Any]]:
+    """Ground-truth episodes of `env` (its `demonstration(problem)`: the messages an expert
+    writes and receives) as SFT rows with token ids and policy masks."""
+    from posttrain.prompts import ReplyEncoder, prompt_messages
+    demo = getattr(env, "demonstration", None)
+    if demo is None:
+        raise ValueError(f"environment {env.name!r} has no demonstrations; generate episodes "
+                         "from a model instead (drop --demonstrate)")
+    enc = ReplyEncoder(tokenizer, cfg.data.chat_template, dict(cfg.data.chat_template_kwargs))
+    rows = []
+    for p in problems:
+        ids, mask = [], []
+        for k, message in enumerate(demo(p)):
+            if message["role"] == "assistant":
+                turn = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
+            else:
+                turn = enc.encode(message, policy_wrote_eos=False)
+            ids += turn
+            mask += [int(message["role"] == "assistant")] * len(turn)
+        ids.append(tokenizer.eos_token_id)
+        mask.append(1)
+        rows.append({"prompt": prompt_messages(p, env.system_prompt(cfg.data.system_prompt)),
+                     "response": tokenizer.decode(ids, skip_special_tokens=True),
+                     "response_ids": ids, "policy_mask": mask, "answer": p.answer,
+                     "transcript": tokenizer.decode(ids)})
+    return rows
 
 
 def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:

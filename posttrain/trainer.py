@@ -48,9 +48,11 @@ from posttrain.memory import estimate as estimate_memory
 from posttrain.models import (add_lora, check_model_folder, load_policy, load_tokenizer,
                               merged_lora_copy, resolve_model_path, save_model)
 from posttrain.rewards import Scorer, overlong_penalty
+from posttrain.envs import Environment, SingleTurn, for_tokenizer, make_env
 from posttrain.prompts import encode_prompts, left_pad
 from posttrain.rollout import (HFRolloutEngine, Rollout, RolloutEngine, SamplingParams,
-                               make_engine, vllm_options)
+                               episode_settings, make_engine, vllm_options)
+from posttrain.rollout.episodes import Episodes, run_episodes
 from posttrain.rollout.hf import row_seeds
 from posttrain.run import make_scheduler, seed_everything
 from posttrain.teachers import Teachers
@@ -79,7 +81,7 @@ def teacher_view(batch: ScoredBatch, cfg: TrainConfig, tokenizer) -> Rollout:
     if template is None:
         return batch.rollout
     G = batch.rollout.group_size
-    shown = [replace(p, prompt=template.format(prompt=p.prompt, answer=p.answer))
+    shown = [replace(p, prompt=template.format(prompt=p.prompt, answer=p.answer), messages=None)
              for p in batch.problems[::G]]
     ids, mask = left_pad(encode_prompts(tokenizer, shown, cfg.data.system_prompt,
                                         cfg.data.chat_template), tokenizer.pad_token_id)
@@ -90,11 +92,14 @@ def teacher_view(batch: ScoredBatch, cfg: TrainConfig, tokenizer) -> Rollout:
 
 def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, scorer: Scorer,
                        cfg: TrainConfig, algo: AlgorithmConfig, generator: torch.Generator,
-                       timings: Counter, world: World = SINGLE) -> tuple[ScoredBatch, dict[str, float]]:
-    """Sample groups and score them; with dynamic sampling, refill until P informative groups.
+                       timings: Counter, world: World = SINGLE, env: Environment | None = None
+                       ) -> tuple[ScoredBatch, dict[str, float]]:
+    """Sample a group of episodes per prompt and score them; with dynamic sampling, refill until
+    P informative groups. A single-turn task's episode is one answer (envs/base.py).
 
     Every rank draws the same P prompts and keeps its share; each response is sampled from noise
     keyed by (seed, prompt index, g), so the batch does not depend on the number of ranks."""
+    env = env or SingleTurn()
     r = cfg.rollout
     P, G = r.prompts_per_step, r.group_size
     P_global, P = P, P // world.size
@@ -107,28 +112,25 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
         problems = sampler.next(P_global)[world.share(P_global)]
         indices = list(range(first_index, first_index + P_global))[world.share(P_global)]
         with full_weights_for_generation(getattr(engine, "model", None), world):
-            rollout = engine.generate(
-                encode_prompts(tokenizer, problems, cfg.data.system_prompt, cfg.data.chat_template),
-                G, params, generator, seeds=row_seeds(cfg.seed, indices, G))
+            episodes = run_episodes(engine, tokenizer, env, problems, G, params,
+                                    episode_settings(cfg), generator, seeds=row_seeds(cfg.seed, indices, G))
         t1 = time.perf_counter()
-        completions = tokenizer.batch_decode(rollout.response_ids_B_T * rollout.response_mask_B_T.long()
-                                             + (1 - rollout.response_mask_B_T.long()) * tokenizer.pad_token_id,
-                                             skip_special_tokens=True)
+        rollout, completions = episodes.rollout, episodes.completions
         per_response = [p for p in problems for _ in range(G)]
         result = scorer(per_response, completions)
-        rewards = result.rewards_B.to(rollout.response_mask_B_T.device)
+        rewards, correct = episode_rewards(result, episodes, rollout.response_mask_B_T.device)
         if algo.overlong == "shape":
             rewards = rewards + overlong_penalty(rollout.lengths_B, r.max_new_tokens,
                                                  algo.overlong_buffer, algo.overlong_penalty)
-        loss_mask = rollout.response_mask_B_T.clone()
-        if algo.overlong == "filter":
-            loss_mask[rollout.truncated_B] = 0.0   # truncated answers teach nothing about the end
         timings["generate"] += t1 - t0
         timings["reward"] += time.perf_counter() - t1
         for k, v in result.failures.items():
             stats[f"reward/failures_{k}"] += v
-        batch = ScoredBatch(rollout, per_response, completions, rewards,
-                            result.correct_B.to(rewards.device), loss_mask)
+        if env.max_turns > 1 and rounds == 0:    # per episode: turns, tool calls, malformed calls
+            stats.update(episodes.metrics())
+        batch = ScoredBatch(rollout, per_response, completions, rewards, correct,
+                            loss_mask(rollout, algo),
+                            transcripts=episodes.transcripts if env.max_turns > 1 else None)
         equal = equal_reward_groups(batch.rewards_P_G)
         if rounds == 0:
             first = batch
@@ -167,6 +169,24 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
     merged = merge(parts, tokenizer.pad_token_id)
     mine = world.share(n_use)
     return merged.select(torch.arange(mine.start * G, mine.stop * G)), dict(stats)
+
+
+def loss_mask(rollout: Rollout, algo: AlgorithmConfig) -> Tensor:
+    """The response tokens the loss sees: the policy's own (never an environment's), and with
+    the overlong filter none of a truncated answer's (they teach nothing about the end)."""
+    mask = rollout.policy_tokens_B_T.clone()
+    if algo.overlong == "filter":
+        mask[rollout.truncated_B] = 0.0
+    return mask
+
+
+def episode_rewards(result, episodes: Episodes, device) -> tuple[Tensor, Tensor]:
+    """The reward of each episode: the verifier's and reward functions' (on its last turn) plus
+    the environment's; correct is the environment's verdict where it gave one."""
+    rewards = result.rewards_B.to(device) + episodes.env_rewards_B.to(device)
+    verdict = [v if v is not None else bool(c)
+               for v, c in zip(episodes.env_correct, result.correct_B.tolist())]
+    return rewards, torch.tensor(verdict, dtype=torch.bool, device=device)
 
 
 def reward_model_metrics(scores_B: Tensor, correct_B: Tensor) -> dict[str, Tensor]:
@@ -217,6 +237,7 @@ class Run:
     ref_model: Any = None               # pi_ref when it is a separate copy (no LoRA)
     uses_ref: bool = False              # a KL term needs pi_ref's log-probs
     critic: Critic | None = None
+    env: Environment = SingleTurn()     # what answers the policy between its turns
     start_step: int = 0
     train_seconds: float = 0.0
     resumed: bool = False
@@ -261,7 +282,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
 
             # 1. sample a group per prompt and score it (pi_old = the current policy)
             batch, metrics = generate_and_score(run.engine, run.tokenizer, run.sampler, run.scorer,
-                                                cfg, algo, run.generator, timings, world)
+                                                cfg, algo, run.generator, timings, world, run.env)
             if len(batch.rewards_B) > 0:   # (dynamic sampling may find nothing informative)
                 # 2. frozen log-probs: the trainer's pi_old (another engine sampled), pi_ref, the teacher
                 batch = frozen_passes(run, batch, metrics, timings)
@@ -309,6 +330,7 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
     world = init_world(cfg.parallel.strategy)         # torchrun: join the process group
     check_world(cfg, world)
     task = build_task(cfg.data)                       # data errors surface before model loading
+    env = make_env(cfg.env, task)                     # so do unknown environments and tools
     if teacher is None and cfg.algo.advantage in NEEDS_TEACHER:   # so do missing teachers
         for where, path in teacher_paths(cfg.teacher):
             check_model_folder(path, where)
@@ -319,6 +341,7 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
     if resume and ckpt is None:
         raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir}/checkpoints")
     model, tokenizer, teachers, path = load_models(cfg, ckpt, model, tokenizer, teacher)
+    env = for_tokenizer(env, tokenizer)               # e.g. the template's tool-call format
     if world.main:   # created once the inputs have loaded: a refused run leaves no empty folder
         run_dir.mkdir(parents=True, exist_ok=True)
     barrier(world)
@@ -358,7 +381,7 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
     log.info("run folder %s; algorithm %s", run_dir, algo)
     run = Run(cfg, world, run_dir, model, tokenizer, engine, optimizer, scheduler,
               Sampler(task, cfg.seed), scorer, generator, logger, task.eval_problems, teachers,
-              ref_model, uses_ref, critic)
+              ref_model, uses_ref, critic, env=env)
     if ckpt is not None:
         restore(run, ckpt)
     return run
@@ -523,10 +546,11 @@ def log_step(run: Run, step: int, batch: ScoredBatch, adv: Tensor, metrics: dict
     run.logger.log(step, metrics)
     if world.main:
         n = cfg.log_samples
+        shown = batch.transcripts or batch.completions   # multi-turn: the whole episode
         with open(run.run_dir / "samples.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "samples": [
                 {"prompt": p.prompt, "completion": c, "reward": r}
-                for p, c, r in zip(batch.problems[:n], batch.completions[:n],
+                for p, c, r in zip(batch.problems[:n], shown[:n],
                                    batch.rewards_B[:n].tolist())]}) + "\n")
     bar.set_postfix_str(console_line(step, cfg.steps, metrics).split(" | ", 1)[-1])
     bar.update(1)
@@ -574,7 +598,7 @@ def run_eval(run: Run, step: int, label: str) -> dict[str, Any]:
               else run.engine)
     with full_weights_for_generation(run.model, run.world):
         res = evaluate(run.model, run.tokenizer, engine, run.eval_problems, run.scorer,
-                       run.cfg, world=run.world)
+                       run.cfg, world=run.world, env=run.env)
     samples = res.pop("_samples")
     res["eval/seconds"] = time.perf_counter() - t0
     res["perf/train_minutes"] = run.train_seconds / 60

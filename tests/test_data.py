@@ -35,7 +35,7 @@ def test_carry_and_arithmetic_helpers():
 
 
 def test_unknown_task_lists_known_ones():
-    with pytest.raises(KeyError, match="known: \\['addition', 'arithmetic', 'countdown', 'subtraction'\\]"):
+    with pytest.raises(KeyError, match="known: \\['addition', 'arithmetic', 'countdown', 'guess_number', 'multiplication', 'subtraction'\\]"):
         make_task("nope", 1)
 
 

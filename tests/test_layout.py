@@ -18,13 +18,14 @@ PACKAGE = ROOT / "posttrain"
 # The pipeline, lowest layer first. A module may import from its own layer and the ones below,
 # never from a layer above (and never in a cycle, even within a layer).
 LAYERS = [
-    ["registry", "perf", "data.tasks", "recipes", "errors"],                           # plain Python
-    ["losses", "advantages", "data", "data.files", "data.preferences", "rollout.base",
+    ["registry", "perf", "data.tasks", "recipes", "errors", "envs.base"],              # plain Python
+    ["losses", "advantages", "data", "data.files", "data.preferences", "data.gym", "rollout.base",
      "batch"],                                                               # math, data
     ["config"],                                                              # typed configs
     ["data.source", "prompts", "models", "distributed", "memory", "logging", "checkpoint",
-     "rewards.safe", "rewards.pool", "rewards.verifiers", "run", "lifecycle"],                            # machinery
-    ["rollout", "rollout.hf", "rollout.vllm", "forward"],                    # sampling, forward
+     "rewards.safe", "rewards.pool", "rewards.verifiers", "run", "lifecycle",
+     "envs.tools", "envs.builtin", "envs"],                                 # machinery
+    ["rollout", "rollout.hf", "rollout.vllm", "rollout.episodes", "forward"],   # sampling, forward
     ["rewards", "rewards.model", "teachers", "critic", "evaluation"],        # scores, teachers
     ["update"],                                                              # the policy update
     ["trainer", "stages"],                                                   # the loops

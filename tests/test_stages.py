@@ -96,7 +96,7 @@ def test_generate_command_takes_config_overrides(tmp_path, monkeypatch):
     from posttrain.cli import main
     seen = {}
     monkeypatch.setattr(posttrain.stages, "generate",
-                        lambda cfg, n, out, samples, only_correct: seen.update(cfg=cfg, n=n) or {})
+                        lambda cfg, n, out, samples, only_correct, **kw: seen.update(cfg=cfg, n=n) or {})
     assert main(["generate", "--model.path", "TEACHER", "--n", "7", "--out", str(tmp_path / "g.jsonl"),
                  "--data.task", "subtraction"]) == 0
     assert (seen["cfg"].data.task, seen["cfg"].model.path, seen["n"]) == ("subtraction", "TEACHER", 7)

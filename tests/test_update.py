@@ -97,7 +97,8 @@ def _batch(T: int, with_optional: bool) -> ScoredBatch:
     return ScoredBatch(r, [Problem(f"p{i}", str(i)) for i in range(B)], [f"c{i}" for i in range(B)],
                        torch.arange(B, dtype=torch.float), torch.ones(B, dtype=torch.bool),
                        torch.ones(B, T), ref_logp_B_T=opt(-1.0), teacher_logp_B_T=opt(-2.0),
-                       teacher_view=r if with_optional else None, trainer_old_logp_B_T=opt(-3.0))
+                       teacher_view=r if with_optional else None, trainer_old_logp_B_T=opt(-3.0),
+                       transcripts=[f"t{i}" for i in range(B)] if with_optional else None)
 
 
 def test_a_scored_batch_is_immutable_and_select_merge_keep_every_field():

@@ -61,3 +61,32 @@ def segfaults(prompt: str, completion: str, answer: str) -> float:
 def sleeps_02(prompt: str, completion: str, answer: str) -> float:
     time.sleep(0.2)
     return 1.0
+
+
+def difficulty_column(prompt: str, completion: str, answer: str, difficulty: str) -> float:
+    """Reads a row's extra column: 1 when the row's `difficulty` column is 'easy'."""
+    return float(difficulty == "easy")
+
+
+def trl_style(prompts, completions, level, **kwargs) -> list[float]:
+    """TRL's signature: lists, conversational completions as assistant messages, columns too."""
+    return [float(isinstance(c, list) and c[0]["role"] == "assistant") + float(lv == 2)
+            for c, lv in zip(completions, level)]
+
+
+# tools for the environment tests (env.tools 'tests.toy_rewards:...')
+
+def tool_raises(x: str) -> str:
+    """A tool that always raises."""
+    raise RuntimeError("broken tool")
+
+
+def tool_hangs(x: str) -> str:
+    """A tool that never returns."""
+    time.sleep(60)
+    return "late"
+
+
+def tool_garbage(x: str) -> object:
+    """A tool that returns something that is not text."""
+    return {"not": "text"}

@@ -70,6 +70,33 @@ def load_problems(path: str | Path, prompt_field: str, answer_field: str,
                 raise ValueError(f"{path}: row {i}: field {name!r} is missing or empty "
                                  f"(fields present: {sorted(row)})")
         meta = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
-        problems.append(Problem(str(row[prompt_field]), str(row[answer_field]), meta,
-                                str(row.get(domain_field) or "default")))
+        prompt, messages = row[prompt_field], None
+        if isinstance(prompt, (list, tuple)):   # conversational (TRL): chat messages
+            messages = chat_messages(prompt, f"{path}: row {i}: field {prompt_field!r}")
+            prompt = next((m["content"] for m in reversed(messages) if m["role"] == "user"),
+                          messages[-1]["content"])
+        elif not isinstance(prompt, str):
+            raise ValueError(f"{path}: row {i}: field {prompt_field!r} holds a "
+                             f"{type(prompt).__name__}; it must be text or a list of chat messages "
+                             '([{"role": "user", "content": "..."}])')
+        problems.append(Problem(prompt, str(row[answer_field]), meta,
+                                str(row.get(domain_field) or "default"), messages))
     return problems
+
+
+def chat_messages(value: Any, where: str) -> tuple[dict[str, str], ...]:
+    """A conversational prompt checked: a non-empty list of {"role", "content"} with text values,
+    not ending on an assistant message (the policy writes that one)."""
+    if not value:
+        raise ValueError(f"{where}: an empty list of messages")
+    out = []
+    for j, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise ValueError(f"{where}: message {j} must look like "
+                             f'{{"role": "user", "content": "..."}}, got {str(m)[:80]!r}')
+        out.append({"role": m["role"], "content": m["content"]})
+    if out[-1]["role"] == "assistant":
+        raise ValueError(f"{where}: the last message is the assistant's; a prompt ends before "
+                         "the answer the policy writes")
+    return tuple(out)

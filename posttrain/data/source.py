@@ -22,6 +22,13 @@ def build_task(d: DataConfig) -> Task:
             held_out = [pool[i] for i in order[:n_eval]]
             pool = [pool[i] for i in order[n_eval:]]
         return Task("file", lambda rng: pool[0], train_pool=pool, eval_problems=held_out[:d.eval_size])
+    if d.task.startswith("reasoning_gym:"):     # a library's task family (data/gym.py)
+        from posttrain.data.gym import reasoning_gym_task
+        try:
+            return reasoning_gym_task(d.task.partition(":")[2], dict(d.task_options), d.eval_size,
+                                      d.eval_seed, d.train_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     parts = []
     for spec in d.task.split("+"):   # 'addition+arithmetic:1': a mixture, difficulty per task
         name, _, level = spec.partition(":")

@@ -22,8 +22,11 @@ from posttrain.registry import Registry
 class Problem:
     prompt: str                         # the user message (chat template applied later)
     answer: str                         # ground truth for the verifier
-    meta: dict[str, Any] = field(default_factory=dict)   # task details, e.g. {"carry": True}
+    meta: dict[str, Any] = field(default_factory=dict)   # task details / a file row's other columns
     domain: str = "default"
+    # a conversational prompt (TRL's format: [{"role": "user", "content": ...}, ...]): encoded as
+    # these messages; `prompt` then holds the last user message's text
+    messages: tuple[dict[str, str], ...] | None = None
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Task:
     key: Callable[[Problem], Any] = lambda p: p.prompt   # identity used to keep eval out of train
     eval_problems: list[Problem] = field(default_factory=list)
     train_pool: list[Problem] | None = None  # file tasks: a finite pool, cycled by index
+    environment: str = "single_turn"    # the environment `env.name: auto` picks (posttrain/envs)
 
     def build_eval(self, size: int, seed: int) -> None:
         if self.train_pool is not None and self.eval_problems:
@@ -118,6 +122,37 @@ def subtraction_task(difficulty: int = 2) -> Task:
 
 def _digits(n: int) -> list[int]:
     return [int(c) for c in reversed(str(n))]
+
+
+@TASKS.register("multiplication")
+def multiplication_task(difficulty: int = 2) -> Task:
+    """a * b with `difficulty`-digit operands (2: a, b in 10..99); the calculator environment's
+    task (docs/environments.md): SmolLM2-135M-Instruct alone gets almost none right."""
+    if difficulty < 1:
+        raise ValueError(f"data.difficulty={difficulty} must be >= 1 digit")
+
+    def make(rng: random.Random) -> Problem:
+        a, b = _operand(rng, difficulty), _operand(rng, difficulty)
+        return Problem(f"What is {a} * {b}?", str(a * b), {"a": a, "b": b})
+    return Task("multiplication", make)
+
+
+@TASKS.register("guess_number")
+def guess_number_task(difficulty: int = 10) -> Task:
+    """Find a secret integer in 1..difficulty from 'Higher.' / 'Lower.' replies (the
+    'guess_number' environment: several turns, reward 1 when found). The held-out set is the
+    same secrets drawn from another seed (there are only `difficulty` problems)."""
+    if difficulty < 2:
+        raise ValueError(f"data.difficulty={difficulty}: guess_number needs a range of at least 2")
+
+    def make(rng: random.Random) -> Problem:
+        secret = rng.randint(1, difficulty)
+        return Problem(f"I am thinking of an integer from 1 to {difficulty}. Guess it: answer with "
+                       "one number, and I will tell you if my number is higher or lower.",
+                       str(secret), {"secret": secret})
+    # a key equal to nothing: every secret may appear in both splits (the episodes differ)
+    return Task("guess_number", make, verifier="none", environment="guess_number",
+                key=lambda p: object())
 
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -25,6 +27,45 @@ class RewardResult:
     model_scores_B: Tensor | None = None   # reward model scores (normalised), when one is used
 
 
+@dataclass(frozen=True)
+class CallStyle:
+    """How a reward function wants its arguments: one response (`prompt, completion, answer`) or
+    TRL's batch signature (`prompts, completions, **columns`, lists; called with one response);
+    and which of a row's other columns it takes (None: all, it has **kwargs)."""
+
+    batched: bool
+    accepts: frozenset[str] | None
+
+
+def call_style(fn) -> CallStyle:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):   # a builtin or C function: the plain signature
+        return CallStyle(False, frozenset({"prompt", "completion", "answer"}))
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return CallStyle("completions" in params, None)
+    return CallStyle("completions" in params, frozenset(params))
+
+
+def reward_kwargs(style: CallStyle, problem: Problem, completion: str) -> dict[str, Any]:
+    """A reward function's arguments for one response: the prompt (a conversational row's
+    messages), the completion, the answer, and every other column of the problem's row."""
+    columns = {k: v for k, v in problem.meta.items() if k not in ("prompt", "completion", "answer")}
+    if style.batched:   # TRL: lists, conversational completions as assistant messages
+        prompt = list(problem.messages) if problem.messages else problem.prompt
+        done = [{"role": "assistant", "content": completion}] if problem.messages else completion
+        kwargs = {"prompts": [prompt], "completions": [done], "answer": [problem.answer],
+                  **{k: [v] for k, v in columns.items()}}
+    else:
+        kwargs = {"prompt": problem.prompt, "completion": completion, "answer": problem.answer,
+                  **columns}
+        if problem.messages:
+            kwargs["messages"] = list(problem.messages)
+    if style.accepts is None:
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in style.accepts}
+
+
 class Scorer:
     """reward = correct_reward * verified + format_weight * well_formatted + sum(user functions)
               + model_weight * reward_model(prompt, completion)."""
@@ -37,6 +78,7 @@ class Scorer:
         self.per_problem = cfg.verifier == "math"   # a task mixture names each problem's verifier
         # Loaded now, so a wrong 'module:function' fails before any model is loaded.
         self.functions = [(spec, load_function(spec)) for spec in cfg.functions]
+        self.styles = {spec: call_style(fn) for spec, fn in self.functions}
         self.pool = (RewardPool(tuple(cfg.functions), cfg.workers, cfg.timeout_s)
                      if cfg.functions and cfg.workers else None)
         self.system_prompt, self.autocast = system_prompt, autocast
@@ -78,7 +120,7 @@ class Scorer:
                 r += self.cfg.format_weight * is_bare_answer(text)
             rewards.append(r)
             correct.append(ok)
-        calls = [(spec, {"prompt": p.prompt, "completion": text, "answer": p.answer})
+        calls = [(spec, reward_kwargs(self.styles[spec], p, text))
                  for p, text in zip(problems, completions) for spec, _ in self.functions]
         if self.pool is not None:
             outcomes = self.pool.map(calls)

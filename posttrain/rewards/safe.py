@@ -41,12 +41,8 @@ def call_with_limits(fn: Callable[..., Any], kwargs: dict[str, Any], timeout_s: 
     or a regex). Elsewhere, or on platforms without SIGALRM, the call runs in a daemon thread that
     is abandoned on timeout: the result is discarded, but that thread cannot be killed.
     """
-    use_signal = (hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread())
     try:
-        if use_signal:
-            value = _call_with_alarm(fn, kwargs, timeout_s)
-        else:
-            value = _call_in_thread(fn, kwargs, timeout_s)
+        value = call_with_timeout(fn, kwargs, timeout_s)
     except RewardTimeout:
         return None, "timeout"
     except Exception:  # noqa: BLE001 - any failure of user code becomes the fallback reward
@@ -54,9 +50,20 @@ def call_with_limits(fn: Callable[..., Any], kwargs: dict[str, Any], timeout_s: 
     return as_reward(value)
 
 
+def call_with_timeout(fn: Callable[..., Any], kwargs: dict[str, Any], timeout_s: float) -> Any:
+    """fn(**kwargs), or RewardTimeout after `timeout_s` seconds (SIGALRM in the main thread, an
+    abandoned daemon thread elsewhere); the function's own exceptions propagate."""
+    if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
+        return _call_with_alarm(fn, kwargs, timeout_s)
+    return _call_in_thread(fn, kwargs, timeout_s)
+
+
 def as_reward(value: Any) -> tuple[float | None, str]:
     """What a reward function returned, as (float, 'ok'), or (None, 'error') for a non-number,
-    (None, 'nonfinite') for NaN or Inf."""
+    (None, 'nonfinite') for NaN or Inf. A one-element list is its element (a TRL-style function
+    called with one response)."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
     try:
         value = float(value)
     except (TypeError, ValueError):

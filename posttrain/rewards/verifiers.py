@@ -89,8 +89,15 @@ def countdown_correct(completion: str, problem: Problem) -> bool:
     return used == sorted(problem.meta["numbers"]) and value == int(problem.answer)
 
 
+def reasoning_gym_correct(completion: str, problem: Problem) -> bool:
+    """reasoning-gym's own `score_answer` (data/gym.py; the optional package is imported then)."""
+    from posttrain.data.gym import gym_correct
+    return gym_correct(completion, problem)
+
+
 VERIFIERS: dict[str, Callable[[str, Problem], bool]] = {
     "math": math_correct, "exact": exact_correct, "countdown": countdown_correct,
+    "reasoning_gym": reasoning_gym_correct,
 }
 
 _BARE_ANSWER = re.compile(r"^\s*(\\boxed\{)?\s*-?[\d,]+(\.\d+)?\s*\}?\s*\.?\s*$")

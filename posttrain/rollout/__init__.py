@@ -1,9 +1,11 @@
 """Sampling responses from the policy. The trainer sees only `RolloutEngine` and `Rollout`."""
 
 from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams
+from posttrain.rollout.episodes import EpisodeSettings
 from posttrain.rollout.hf import HFRolloutEngine
 
-__all__ = ["HFRolloutEngine", "Rollout", "RolloutEngine", "SamplingParams", "make_engine", "vllm_options"]
+__all__ = ["HFRolloutEngine", "Rollout", "RolloutEngine", "SamplingParams", "episode_settings",
+           "make_engine", "vllm_options"]
 
 
 def make_engine(backend: str, model, tokenizer, autocast: str = "none", **vllm_options) -> RolloutEngine:
@@ -28,3 +30,10 @@ def vllm_options(cfg, model_path, model, world) -> dict:
     return dict(model_path=str(model_path), rollout_cfg=cfg.rollout, dtype=dtype,
                 seed=cfg.seed, rank=world.rank, world_size=world.size,
                 max_model_len=min(getattr(model.config, "max_position_embeddings", 4096), 4096))
+
+
+def episode_settings(cfg) -> EpisodeSettings:
+    """How episodes of a TrainConfig are encoded and bounded (rollout/episodes.py)."""
+    return EpisodeSettings(cfg.data.system_prompt, cfg.data.chat_template,
+                           dict(cfg.data.chat_template_kwargs), cfg.env.max_tokens,
+                           cfg.env.max_reply_tokens)

@@ -22,6 +22,7 @@ class SamplingParams:
     top_p: float = 1.0         # nucleus sampling; logp stay those of the untruncated distribution
     greedy: bool = False       # evaluation: argmax decoding
     stop: tuple[str, ...] = ()  # stop strings: the response ends with the token that completes one
+    max_episode_tokens: int | None = None   # multi-turn: the whole episode's tokens (policy + environment)
 
 
 @dataclass
@@ -39,6 +40,16 @@ class Rollout:
     logp_B_T: Tensor            # (B, T) float32 log pi_old(y_t | x, y_<t) at the sampling temperature
     truncated_B: Tensor         # (B,) bool: stopped by max_new_tokens, not by EOS or a stop string
     group_size: int
+    # multi-turn episodes: 1 on the tokens the policy wrote, 0 on those the environment wrote
+    # (tool results, feedback: context, never trained on); None: every response token is the policy's
+    policy_mask_B_T: Tensor | None = None
+
+    @property
+    def policy_tokens_B_T(self) -> Tensor:
+        """(B, T) float: 1 on the response tokens the policy sampled."""
+        if self.policy_mask_B_T is None:
+            return self.response_mask_B_T
+        return self.response_mask_B_T * self.policy_mask_B_T
 
     @property
     def lengths_B(self) -> Tensor:
@@ -48,7 +59,8 @@ class Rollout:
         """Keep responses `rows` (whole groups, for dynamic sampling)."""
         return Rollout(self.prompt_ids_B_L[rows], self.prompt_mask_B_L[rows],
                        self.response_ids_B_T[rows], self.response_mask_B_T[rows],
-                       self.logp_B_T[rows], self.truncated_B[rows], self.group_size)
+                       self.logp_B_T[rows], self.truncated_B[rows], self.group_size,
+                       None if self.policy_mask_B_T is None else self.policy_mask_B_T[rows])
 
 
 def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
@@ -73,6 +85,8 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         torch.cat([pad(p.logp_B_T, T, 0.0, False) for p in parts]),
         torch.cat([p.truncated_B for p in parts]),
         parts[0].group_size,
+        None if all(p.policy_mask_B_T is None for p in parts) else
+        torch.cat([pad(p.policy_tokens_B_T, T, 0.0, False) for p in parts]),
     )
 
 
@@ -80,7 +94,9 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: list[list[int]], group_size: int, params: SamplingParams,
                  generator: torch.Generator | None = None, seeds: Tensor | None = None) -> Rollout:
         """Sample `group_size` responses for each prompt (token ids, chat template applied);
-        `seeds`, one int64 per response, make each response depend on its own seed only."""
+        `seeds`, one int64 per response, make each response depend on its own seed only.
+        An engine that also takes `respond=` (rollout/hf.py) runs multi-turn episodes in one
+        call; for the others rollout/episodes.py calls `generate` once per turn."""
         ...
 
     def sync_weights(self) -> None:

@@ -12,6 +12,7 @@ Written as a short loop instead of `model.generate` for three reasons, each meas
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -134,26 +135,27 @@ class HFRolloutEngine:
 
     @torch.no_grad()  # not inference_mode: the trainer reuses these tensors under autograd
     def generate(self, prompts: list[list[int]], group_size: int, params: SamplingParams,
-                 generator: torch.Generator | None = None, seeds: Tensor | None = None) -> Rollout:
+                 generator: torch.Generator | None = None, seeds: Tensor | None = None,
+                 respond: Respond | None = None) -> Rollout:
         """`seeds` (one per response, see row_seeds) make every response a function of its own
-        seed only; without them sampling draws from `generator`."""
+        seed only; without them sampling draws from `generator`.
+
+        `respond` makes each response an episode of several turns (rollout/episodes.py): when a
+        row's turn ends (EOS, a stop string, or `max_new_tokens` tokens in the turn),
+        `respond(row, turn_ids, reason)` returns the tokens the environment writes next (they are
+        fed through the same KV cache, one per step beside the other rows' sampled tokens, and
+        get policy mask 0), or None to end the episode. The whole episode holds at most
+        `params.max_episode_tokens` tokens."""
         model = self.model
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
-        ids_P_L, mask_P_L = left_pad(prompts, self.pad_id)
-        ids_P_L, mask_P_L = ids_P_L.to(device), mask_P_L.to(device)
-        pos_P_L = (mask_P_L.cumsum(-1) - 1).clamp(min=0)
-
-        cache = DynamicCache()
-        logits = self._last_logits(input_ids=ids_P_L, attention_mask=mask_P_L, position_ids=pos_P_L,
-                                   use_cache=True, **{self.cache_kw: cache})
         G = group_size
-        cache.batch_repeat_interleave(G)            # prompt KV computed once, shared by its group
-        logits = logits.repeat_interleave(G, 0)     # (B, V)
-        attn = mask_P_L.repeat_interleave(G, 0)             # (B, L)
-        next_pos = pos_P_L[:, -1].repeat_interleave(G, 0) + 1   # (B,)
-        B, T = logits.shape[0], params.max_new_tokens
+        ids_P_L, mask_P_L = (x.to(device) for x in left_pad(prompts, self.pad_id))
+        cache, logits, attn, next_pos = self._prefill(ids_P_L, mask_P_L, G)
+        B = logits.shape[0]
+        T = params.max_new_tokens if respond is None else max(params.max_episode_tokens or 0,
+                                                               params.max_new_tokens)
 
         tokens = torch.full((B, T), self.pad_id, dtype=torch.long, device=device)
         logps = torch.zeros((B, T), dtype=torch.float32, device=device)
@@ -162,16 +164,24 @@ class HFRolloutEngine:
         active = torch.arange(B, device=device)     # rows still writing, in cache order
         stopped = torch.zeros(B, dtype=torch.bool, device=device)
         row_seed = seeds.to(device) if seeds is not None else None
+        turns = _Turns(B, T, device) if respond is not None else None
         for t in range(T):
             tok, logp = sample_next(logits, params, generator,
                                     row_seed[active] if row_seed is not None else None, t)
+            if turns is not None:
+                tok, logp = turns.force(active, tok, logp, t)
             tokens[active, t] = tok
             logps[active, t] = logp
             done = torch.isin(tok, eos)
             if params.stop:
-                hit = self._stop_hits(tokens[active, max(0, t - 3):t + 1], params.stop)
+                window = tokens[active, max(0, t - 3):t + 1]
+                if turns is not None:    # only this turn's own tokens can complete a stop string
+                    window = turns.this_turn(window, active, t, self.pad_id)
+                hit = self._stop_hits(window, params.stop)
                 stopped[active[hit]] = True
                 done |= hit
+            if turns is not None:
+                done = turns.end_turns(active, done, t, tokens, params.max_new_tokens, respond)
             if done.any():
                 lengths[active[done]] = t + 1
                 keep = (~done).nonzero().squeeze(-1)
@@ -187,16 +197,89 @@ class HFRolloutEngine:
                                        **{self.cache_kw: cache})
             next_pos = next_pos + 1
 
+        model.train(was_training)
         width = int(lengths.max())
         mask_B_T = (torch.arange(width, device=device)[None, :] < lengths[:, None]).float()
-        truncated = ~(torch.isin(tokens[torch.arange(B, device=device), lengths - 1], eos) | stopped)
-        model.train(was_training)
+        if turns is None:
+            truncated = ~(torch.isin(tokens[torch.arange(B, device=device), lengths - 1], eos) | stopped)
         return Rollout(
             prompt_ids_B_L=ids_P_L.repeat_interleave(G, 0),
             prompt_mask_B_L=mask_P_L.repeat_interleave(G, 0),
             response_ids_B_T=tokens[:, :width].masked_fill(mask_B_T == 0, self.pad_id),
             response_mask_B_T=mask_B_T,
             logp_B_T=logps[:, :width] * mask_B_T,
-            truncated_B=truncated,
+            truncated_B=truncated if turns is None else turns.truncated,
             group_size=G,
+            policy_mask_B_T=None if turns is None else turns.policy_B_T[:, :width] * mask_B_T,
         )
+
+    def _prefill(self, ids_P_L: Tensor, mask_P_L: Tensor, G: int):
+        """The prompts' KV cache, computed once and shared by each group of G responses, and the
+        (B, V) logits, (B, L) attention mask and (B,) next positions of the first sampling step."""
+        pos_P_L = (mask_P_L.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self._last_logits(input_ids=ids_P_L, attention_mask=mask_P_L, position_ids=pos_P_L,
+                                   use_cache=True, **{self.cache_kw: cache})
+        cache.batch_repeat_interleave(G)
+        return (cache, logits.repeat_interleave(G, 0), mask_P_L.repeat_interleave(G, 0),
+                pos_P_L[:, -1].repeat_interleave(G, 0) + 1)
+
+
+# respond(row, the turn's token ids, 'end' (EOS or a stop string) | 'length') -> the environment's tokens, or None
+Respond = Callable[[int, list[int], str], "list[int] | None"]
+
+
+class _Turns:
+    """Book-keeping of multi-turn episodes inside one sampling loop (HFRolloutEngine.generate):
+    where each row's current turn began, the environment tokens still to feed it, and which
+    positions the policy wrote."""
+
+    def __init__(self, B: int, T: int, device) -> None:
+        self.T = T
+        self.start = [0] * B                      # column of each row's current turn
+        self.queue: list[list[int]] = [[] for _ in range(B)]   # environment tokens to feed
+        self.policy_B_T = torch.ones((B, T), dtype=torch.float32, device=device)
+        self.truncated = torch.ones(B, dtype=torch.bool, device=device)   # until an episode ends
+        self.forced_now: set[int] = set()         # rows that took an environment token this step
+
+    def force(self, active: Tensor, tok: Tensor, logp: Tensor, t: int) -> tuple[Tensor, Tensor]:
+        """Rows with environment tokens queued take the next one instead of their sample."""
+        rows = [i for i, r in enumerate(active.tolist()) if self.queue[r]]
+        self.forced_now = {int(active[i]) for i in rows}
+        if not rows:
+            return tok, logp
+        tok, logp = tok.clone(), logp.clone()
+        idx = torch.tensor(rows, device=tok.device)
+        tok[idx] = torch.tensor([self.queue[int(active[i])].pop(0) for i in rows], device=tok.device)
+        logp[idx] = 0.0
+        self.policy_B_T[active[idx], t] = 0.0
+        return tok, logp
+
+    def this_turn(self, window: Tensor, active: Tensor, t: int, pad_id: int) -> Tensor:
+        """The last columns of each row, with those before its current turn blanked out."""
+        first = t + 1 - window.shape[1]
+        cols = torch.arange(first, t + 1, device=window.device)[None, :]
+        starts = torch.tensor([self.start[r] for r in active.tolist()], device=window.device)
+        return window.masked_fill(cols < starts[:, None], pad_id)
+
+    def end_turns(self, active: Tensor, ended: Tensor, t: int, tokens: Tensor, max_turn_tokens: int,
+                  respond: Respond) -> Tensor:
+        """Ask the environment about every row whose turn ended at t; return the rows whose
+        episode is over (the environment said so, or its next message would not fit)."""
+        done = torch.zeros_like(ended)
+        for i, (r, end) in enumerate(zip(active.tolist(), ended.tolist())):
+            if r in self.forced_now:
+                continue                              # the environment is writing this row
+            reason = "end" if end else ("length" if t + 1 - self.start[r] >= max_turn_tokens else None)
+            if reason is None:
+                continue
+            reply = respond(r, tokens[r, self.start[r]:t + 1].tolist(), reason)
+            if reply is None:
+                done[i] = True
+                self.truncated[r] = reason == "length"
+            elif t + 1 + len(reply) >= self.T:        # no room left for the reply and a turn
+                done[i] = True
+            else:
+                self.queue[r] = list(reply)
+                self.start[r] = t + 1 + len(reply)
+        return done

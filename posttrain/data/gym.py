@@ -1,0 +1,88 @@
+"""reasoning-gym's procedural tasks as a data source (optional: pip install 'posttrain[gym]').
+
+    posttrain train --data.task reasoning_gym:leg_counting --data.task_options '{max_animals: 3}'
+
+Problems are generated offline from the library (no download): the held-out set from
+`data.eval_seed`, the training pool (`data.train_size` problems) from another seed with every
+question of the held-out set removed, so the two are disjoint. Answers are scored by the task's own
+`score_answer` (verifier 'reasoning_gym'): a response is correct when it scores 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+from posttrain.data.tasks import Problem, Task
+
+
+def _library():
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ValueError("data.task='reasoning_gym:NAME' needs the optional package reasoning-gym: "
+                         "pip install 'posttrain[gym]'") from None
+    return reasoning_gym
+
+
+def reasoning_gym_task(name: str, options: dict[str, Any], eval_size: int, eval_seed: int,
+                       train_size: int) -> Task:
+    rg = _library()
+    try:
+        held = rg.create_dataset(name, seed=eval_seed, size=max(eval_size, 1), **options)
+    except (KeyError, ValueError, TypeError, AssertionError) as e:
+        known = sorted(getattr(rg.factory, "DATASETS", {}))
+        raise ValueError(f"data.task='reasoning_gym:{name}' with data.task_options={options}: "
+                         f"{type(e).__name__}: {e}" + (f"; tasks: {known[:60]}" if name not in known else "")) from None
+    eval_problems = [_problem(name, entry) for entry in held][:eval_size]
+    seen = {p.prompt for p in eval_problems}
+    pool = [p for p in (_problem(name, e) for e in
+                        rg.create_dataset(name, seed=eval_seed + 1, size=train_size, **options))
+            if p.prompt not in seen]
+    if not pool:
+        raise ValueError(f"reasoning_gym:{name}: every training problem is in the held-out set; "
+                         "raise data.train_size or widen data.task_options")
+    return Task(f"reasoning_gym:{name}", lambda rng: pool[0], verifier="reasoning_gym",
+                eval_problems=eval_problems, train_pool=pool)
+
+
+def _problem(name: str, entry: dict[str, Any]) -> Problem:
+    return Problem(entry["question"], str(entry["answer"]),
+                   {"reasoning_gym": name, "entry": entry})
+
+
+@functools.cache
+def _scorer(name: str):
+    return _library().create_dataset(name, seed=0, size=1).score_answer
+
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def candidates(text: str) -> list[str]:
+    """What a response may mean as its answer: the text, an <answer> tag's content, the last line,
+    the last number (small models write a sentence around the answer)."""
+    text = text.strip()
+    out = [text]
+    out += [m.strip() for m in _ANSWER_TAG.findall(text)[-1:]]
+    if text:
+        out.append(text.splitlines()[-1].strip().rstrip("."))
+    numbers = _NUMBER.findall(text)
+    if numbers:
+        out.append(numbers[-1])
+    return list(dict.fromkeys(c for c in out if c))
+
+
+def gym_correct(completion: str, problem: Problem) -> bool:
+    """The task's own `score_answer` gives one of the response's candidate answers full marks."""
+    score = _scorer(problem.meta["reasoning_gym"])
+    entry = problem.meta["entry"]
+    for c in candidates(completion):
+        try:
+            if float(score(answer=c, entry=entry)) >= 1.0:
+                return True
+        except Exception:  # noqa: BLE001 - a scorer that chokes on a strange answer: not correct
+            continue
+    return False

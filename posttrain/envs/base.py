@@ -1,0 +1,62 @@
+"""The environment a policy acts in: an episode starts from a problem, the policy speaks, the
+environment answers (a tool result, feedback, the next question) or ends the episode, for any
+number of turns up to a limit. A single-turn task is the one-turn case (`SingleTurn`).
+
+The environment sees text and answers with chat messages; rollout/episodes.py turns its messages
+into tokens with the chat template and feeds them to the sampler, whose loss mask leaves them out
+(docs/environments.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from posttrain.data.tasks import Problem
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What the environment does after one of the policy's turns."""
+
+    message: dict[str, str] | None = None   # {"role": "tool" | "user", "content": ...}; None: the episode ends
+    reward: float = 0.0                      # added to the episode's reward
+    correct: bool | None = None              # the environment's own verdict (None: the task's verifier decides)
+    counts: dict[str, int] = field(default_factory=dict)   # e.g. {"tool_calls": 1}, summed per step
+
+
+class Environment(Protocol):
+    name: str
+    max_turns: int                     # the policy speaks at most this many times per episode
+    stop: tuple[str, ...]              # extra stop strings that end a policy turn (a tool call's end)
+
+    def system_prompt(self, base: str | None) -> str | None:
+        """The system prompt of every episode (`base`: the configured one), e.g. with tool
+        instructions."""
+        ...
+
+    def reset(self, problem: Problem) -> Any:
+        """A new episode's state."""
+        ...
+
+    def step(self, state: Any, text: str, turn: int) -> Reply:
+        """The policy wrote `text` as its turn number `turn` (1-based). On the last allowed turn
+        the reply's message is ignored (the episode ends); its reward and verdict still count."""
+        ...
+
+
+class SingleTurn:
+    """One answer per problem, scored by the task's verifier and the reward functions."""
+
+    name = "single_turn"
+    max_turns = 1
+    stop: tuple[str, ...] = ()
+
+    def system_prompt(self, base: str | None) -> str | None:
+        return base
+
+    def reset(self, problem: Problem) -> Any:
+        return None
+
+    def step(self, state: Any, text: str, turn: int) -> Reply:
+        return Reply()

@@ -1,0 +1,123 @@
+"""The built-in environments: tool use over any task, and guess-the-number with feedback."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+from posttrain.data.preferences import expression
+from posttrain.data.tasks import Problem
+from posttrain.envs.base import Reply
+from posttrain.envs.tools import Tool, calculate, parse_calls, run_call
+
+
+@dataclass(frozen=True)
+class ToolEnv:
+    """The policy may call tools before it answers: a turn with tool calls is answered with their
+    results (role 'tool'); a turn without one is the final answer, scored by the task's verifier.
+    A malformed call is answered with an error message; the counts go to the step's metrics."""
+
+    tools: tuple[Tool, ...]
+    max_turns: int = 4
+    format: str = "tag"                 # 'tag' or 'json' (envs/tools.py); 'auto' until bound
+    timeout_s: float = 5.0
+    name: str = "tools"
+
+    @property
+    def by_name(self) -> dict[str, Tool]:
+        return {t.name: t for t in self.tools}
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        if self.format == "json":
+            return ("</tool_call>",)
+        return tuple(f"</{t.name}>" for t in self.tools)
+
+    @property
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        """Passed to the chat template when it renders tools itself (format 'json')."""
+        return [t.schema for t in self.tools] if self.format == "json" else None
+
+    def bind(self, tokenizer) -> ToolEnv:
+        """Resolve format 'auto': the template's own tool format ('json') when it takes tools."""
+        if self.format != "auto":
+            return self
+        template = getattr(tokenizer, "chat_template", None) or ""
+        return replace(self, format="json" if "tools" in template else "tag")
+
+    def system_prompt(self, base: str | None) -> str | None:
+        if self.format == "json":   # the chat template writes the tool instructions itself
+            return base
+        lines = [f"- {t.name}: {t.description} Example: <{t.name}>"
+                 f"{_example(t)}</{t.name}>" for t in self.tools]
+        text = ("You can use tools. To call one, write <NAME>ARGUMENT</NAME>; its result comes "
+                "back in the next message. When you know the answer, write it without a tool "
+                "call.\nTools:\n" + "\n".join(lines))
+        return f"{base}\n\n{text}" if base else text
+
+    def reset(self, problem: Problem) -> Any:
+        return None
+
+    def demonstration(self, problem: Problem) -> list[dict[str, str]]:
+        """An expert's episode for an arithmetic prompt ('What is 37 * 48?'): one calculator
+        call, its result, the answer ('37 * 48 = 1776'); SFT data that teaches the call format
+        (`posttrain generate --demonstrate`)."""
+        if "calculator" not in self.by_name:
+            raise ValueError("demonstrations need the calculator tool (env.tools calculator)")
+        expr = expression(problem)
+        call = expr.replace(" ", "")
+        text = (f"<calculator>{call}</calculator>" if self.format != "json" else
+                '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>' % call)
+        result = calculate(expr)
+        return [{"role": "assistant", "content": text}, {"role": "tool", "content": result},
+                {"role": "assistant", "content": f"{expr} = {result}"}]
+
+    def step(self, state: Any, text: str, turn: int) -> Reply:
+        calls, errors = parse_calls(text, self.by_name, self.format)
+        if not calls and not errors:
+            return Reply()                          # a final answer
+        results, failures = [], 0
+        for call in calls:
+            out, ok = run_call(call, self.by_name, self.timeout_s)
+            results.append(out)
+            failures += not ok
+        content = "\n".join(results + [f"error: {e}" for e in errors])
+        return Reply({"role": "tool", "content": content},
+                     counts={"tool_calls": len(calls), "malformed_calls": len(errors),
+                             "tool_failures": failures})
+
+
+def _example(tool: Tool) -> str:
+    return {"calculator": "37*48", "python": "print(2**10)"}.get(tool.name, "...")
+
+
+_INT = re.compile(r"-?\d+")
+
+
+@dataclass(frozen=True)
+class GuessNumber:
+    """Guess a secret integer (the problem's answer); each wrong guess is answered 'Higher.' or
+    'Lower.'. Reward 1 for finding it within `max_turns` guesses, 0 otherwise."""
+
+    max_turns: int = 5
+    name: str = "guess_number"
+    stop: tuple[str, ...] = ()
+    tool_schemas: None = None
+
+    def system_prompt(self, base: str | None) -> str | None:
+        return base
+
+    def reset(self, problem: Problem) -> Any:
+        return int(problem.answer)
+
+    def step(self, secret: int, text: str, turn: int) -> Reply:
+        numbers = _INT.findall(text)
+        if not numbers:
+            return Reply({"role": "user", "content": "Answer with one number."}, correct=False,
+                         counts={"invalid_guesses": 1})
+        guess = int(numbers[-1])
+        if guess == secret:
+            return Reply(None, reward=1.0, correct=True)
+        return Reply({"role": "user", "content": "Higher." if secret > guess else "Lower."},
+                     correct=False)

@@ -1,0 +1,248 @@
+"""Tools the policy can call: a Python function with a JSON schema, called from the model's text.
+
+Two call formats:
+- 'json': `<tool_call>{"name": "calculator", "arguments": {"expression": "37*48"}}</tool_call>`,
+  the format of the Hermes / Qwen chat templates (used when the tokenizer's template takes tools);
+- 'tag': `<calculator>37*48</calculator>`: the tool's name as a tag around its one argument (or
+  around a JSON object of its arguments), short enough for a small model to learn in a few steps.
+
+Every call runs under a time limit and any exception, hang or non-text result becomes an error
+message to the model (counted), never a crash. Built in: `calculator` (an arithmetic evaluator on
+Python's `ast`, no `eval`) and `python` (a subprocess with a time and memory limit; off unless
+named in `env.tools`).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import operator
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from posttrain.registry import Registry
+from posttrain.rewards.safe import RewardTimeout, call_with_timeout, load_function
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]          # JSON schema of the arguments (an object)
+    fn: Callable[..., Any] = field(repr=False)
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI / Hugging Face function schema (what `apply_chat_template(tools=...)` takes)."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+    @property
+    def single_argument(self) -> str | None:
+        """The name of the tool's only parameter, when it has exactly one (tag format: the tag's
+        text is that argument)."""
+        props = self.parameters.get("properties", {})
+        return next(iter(props)) if len(props) == 1 else None
+
+
+TOOLS: Registry[Callable[[Any], Tool]] = Registry("tool")
+
+
+# ---------------------------------------------------------------------------------------------
+# calculator
+# ---------------------------------------------------------------------------------------------
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+        ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+        ast.Pow: operator.pow}
+
+
+def calculate(expression: str) -> str:
+    """The value of an arithmetic expression: numbers, + - * / // % **, parentheses.
+    Hand-written on `ast` (not `eval`, which would run any code the model writes); exponents are
+    bounded so that `9**9**9` cannot hang the trainer."""
+    if len(expression) > 200:
+        raise ValueError("expression longer than 200 characters")
+    text = expression.strip().replace("×", "*").replace("^", "**").rstrip("=").strip()
+
+    def walk(node: ast.AST) -> int | float:
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = walk(node.left), walk(node.right)
+            if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 10 ** 6):
+                raise ValueError("exponent too large")
+            return _OPS[type(node.op)](left, right)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            value = walk(node.operand)
+            return -value if isinstance(node.op, ast.USub) else value
+        raise ValueError(f"not arithmetic: {ast.unparse(node)[:40]!r}")
+    try:
+        value = walk(ast.parse(text, mode="eval"))
+    except SyntaxError:
+        raise ValueError(f"cannot parse {expression[:60]!r}") from None
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("result is not finite")
+        if value.is_integer() and abs(value) < 1e15:
+            return str(int(value))
+        return f"{value:.10g}"
+    return str(value)
+
+
+@TOOLS.register("calculator")
+def calculator_tool(cfg: Any = None) -> Tool:
+    return Tool("calculator", "Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",
+                {"type": "object", "properties": {"expression": {"type": "string"}},
+                 "required": ["expression"]}, calculate)
+
+
+# ---------------------------------------------------------------------------------------------
+# python sandbox
+# ---------------------------------------------------------------------------------------------
+
+def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 256, max_output: int = 2000) -> str:
+    """Run `code` in a fresh, isolated interpreter (`python -I`) in an empty temporary folder,
+    with an address-space limit of `memory_mb` and a CPU-time limit; return what it printed
+    (stdout, then stderr), cut to `max_output` characters. A sandbox against mistakes and
+    runaway loops, not against a hostile program: it can still read files the user can."""
+    def limits() -> None:   # in the child, before it runs the code
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
+        cpu = max(1, math.ceil(timeout_s))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    with tempfile.TemporaryDirectory() as cwd:
+        try:
+            out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
+                                 timeout=timeout_s, cwd=cwd, preexec_fn=limits,
+                                 env={"PATH": os.environ.get("PATH", "")})
+        except subprocess.TimeoutExpired:
+            return f"error: timed out after {timeout_s:g} s"
+    if out.returncode == -signal.SIGXCPU:      # the CPU-time limit struck before the wall clock
+        return f"error: timed out after {timeout_s:g} s"
+    text = out.stdout + (out.stderr[-max_output:] if out.returncode else "")
+    if out.returncode and not out.stderr.strip():
+        text += f"error: exit status {out.returncode}"
+    return text[:max_output] if text else "(no output)"
+
+
+@TOOLS.register("python")
+def python_tool(cfg: Any = None) -> Tool:
+    timeout = getattr(cfg, "tool_timeout_s", 5.0)
+    memory = getattr(cfg, "python_memory_mb", 256)
+    return Tool("python", "Run a Python program and return what it prints.",
+                {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+                lambda code: run_python(code, timeout, memory))
+
+
+def make_tools(names: tuple[str, ...], cfg: Any = None) -> list[Tool]:
+    """Built-in tools by name, or 'module:function' returning a `Tool` (or a plain function,
+    whose docstring and parameters make its schema)."""
+    tools = []
+    for name in names:
+        if ":" not in name:
+            tools.append(TOOLS[name](cfg))
+            continue
+        obj = load_function(name)
+        made = obj() if not isinstance(obj, Tool) and _takes_nothing(obj) else obj
+        tools.append(made if isinstance(made, Tool) else tool_from_function(obj))
+    return tools
+
+
+def _takes_nothing(fn: Callable) -> bool:
+    import inspect
+    try:
+        return not inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def tool_from_function(fn: Callable[..., Any]) -> Tool:
+    """A tool from a plain function: its name, first docstring line, and string parameters."""
+    import inspect
+    params = list(inspect.signature(fn).parameters)
+    return Tool(fn.__name__, (inspect.getdoc(fn) or fn.__name__).splitlines()[0],
+                {"type": "object", "properties": {p: {"type": "string"} for p in params},
+                 "required": params}, fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# parsing calls and running them
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Call:
+    name: str
+    arguments: dict[str, Any]
+
+
+_JSON_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+
+
+def parse_calls(text: str, tools: dict[str, Tool], fmt: str) -> tuple[list[Call], list[str]]:
+    """The tool calls in a turn's text, and an error message for each malformed one."""
+    calls, errors = [], []
+    if fmt == "json":
+        for body, close in _JSON_CALL.findall(text):
+            try:
+                obj = json.loads(body.strip())
+                name, args = obj["name"], obj.get("arguments", {})
+                if isinstance(args, str):
+                    args = json.loads(args)
+                if not isinstance(args, dict):
+                    raise TypeError("arguments must be an object")
+            except (ValueError, KeyError, TypeError) as e:
+                errors.append(f"malformed tool call ({type(e).__name__}): write "
+                              '<tool_call>{"name": ..., "arguments": {...}}</tool_call>')
+                continue
+            if not close:
+                errors.append("tool call without </tool_call>")
+            elif name not in tools:
+                errors.append(f"unknown tool {name!r}; tools: {sorted(tools)}")
+            else:
+                calls.append(Call(name, args))
+        return calls, errors
+    for name, tool in tools.items():
+        for m in re.finditer(rf"<{re.escape(name)}>(.*?)(</{re.escape(name)}>|$)", text, re.DOTALL):
+            body, close = m.group(1).strip(), m.group(2)
+            if not close:
+                errors.append(f"<{name}> without </{name}>")
+                continue
+            arg = tool.single_argument
+            if arg is not None and not body.startswith("{"):
+                calls.append(Call(name, {arg: body}))
+                continue
+            try:
+                args = json.loads(body)
+                if not isinstance(args, dict):
+                    raise TypeError
+                calls.append(Call(name, args))
+            except (ValueError, TypeError):
+                errors.append(f"<{name}> needs a JSON object of its arguments")
+    return calls, errors
+
+
+def run_call(call: Call, tools: dict[str, Tool], timeout_s: float) -> tuple[str, bool]:
+    """(the result as text, whether it succeeded). Exceptions, hangs and results that are not
+    text or numbers come back as 'error: ...'."""
+    try:
+        value = call_with_timeout(tools[call.name].fn, call.arguments, timeout_s)
+    except RewardTimeout:
+        return f"error: {call.name} timed out after {timeout_s:g} s", False
+    except Exception as e:  # noqa: BLE001 - a tool's failure is the model's feedback
+        return f"error: {type(e).__name__}: {str(e)[:200]}", False
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return f"error: {call.name} returned {type(value).__name__}, not text", False
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"error: {call.name} returned {value}", False
+    return str(value), True

@@ -1,0 +1,188 @@
+"""Episodes: the policy and an environment taking turns (envs/base.py), as one `Rollout`.
+
+    prompt -> policy turn 1 -> environment message -> policy turn 2 -> ... -> the episode ends
+
+An episode's response holds every token after the prompt, the environment's messages included
+(they are context for the later turns); `Rollout.policy_mask_B_T` is 1 only on the tokens the
+policy sampled, so losses, KL, teacher terms and aggregation count those alone. The in-process
+engine runs all turns in one sampling loop over one KV cache (rollout/hf.py `respond=`); another
+engine (vLLM) is called once per turn with the conversation so far (its prefix cache keeps the
+earlier turns' keys and values). A single-turn task is the one-turn case: one `generate` call,
+exactly as before episodes existed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from posttrain.data.tasks import Problem
+from posttrain.envs.base import Environment, Reply
+from posttrain.prompts import ReplyEncoder, encode_prompts, left_pad
+from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    system_prompt: str | None = None
+    chat_template: bool = True
+    template_kwargs: dict[str, Any] | None = None
+    max_tokens: int = 256               # the whole episode (policy and environment tokens)
+    max_reply_tokens: int = 64          # one environment message
+
+
+@dataclass
+class Episodes:
+    rollout: Rollout
+    completions: list[str]              # each episode's last policy turn (what the verifier reads)
+    transcripts: list[str]              # the whole episode as text (logs)
+    env_rewards_B: Tensor               # the environment's rewards, summed over the episode
+    env_correct: list[bool | None]      # the environment's verdict (None: the verifier decides)
+    counts: Counter                     # turns, tool_calls, malformed_calls, ... over the batch
+
+    def metrics(self) -> dict[str, float]:
+        """Per-episode means of the counts (env/turns, env/tool_calls, ...)."""
+        n = max(len(self.completions), 1)
+        return {f"env/{k}": v / n for k, v in sorted(self.counts.items())}
+
+
+def run_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems: list[Problem],
+                 group_size: int, params: SamplingParams, settings: EpisodeSettings,
+                 generator: torch.Generator | None = None, seeds: Tensor | None = None) -> Episodes:
+    """`group_size` episodes from each problem; `seeds` as for `RolloutEngine.generate`."""
+    G = group_size
+    prompts = encode_prompts(tokenizer, problems, env.system_prompt(settings.system_prompt),
+                             settings.chat_template, settings.template_kwargs,
+                             getattr(env, "tool_schemas", None))
+    book = _Book(env, [p for p in problems for _ in range(G)], tokenizer, settings)
+    if env.max_turns == 1:
+        rollout = engine.generate(prompts, G, params, generator, seeds=seeds)
+        texts = _decode(tokenizer, rollout)
+        for r, text in enumerate(texts):
+            book.turn_ended(r, text)
+        return book.episodes(rollout, texts, texts)
+    params = replace(params, stop=tuple(dict.fromkeys(params.stop + env.stop)),
+                     max_episode_tokens=settings.max_tokens)
+    if "respond" in inspect.signature(engine.generate).parameters:
+        rollout = engine.generate(prompts, G, params, generator, seeds=seeds, respond=book.respond)
+    else:
+        rollout = generate_by_turns(engine, prompts, G, params, book.respond, tokenizer.pad_token_id,
+                                    generator, seeds)
+    lengths = rollout.lengths_B.long().tolist()
+    transcripts = [tokenizer.decode(row[:n]) for row, n in zip(rollout.response_ids_B_T.tolist(), lengths)]
+    return book.episodes(rollout, book.last_text, transcripts)
+
+
+def _masked_ids(tokenizer, rollout: Rollout) -> Tensor:
+    m = rollout.response_mask_B_T.long()
+    return rollout.response_ids_B_T * m + (1 - m) * tokenizer.pad_token_id
+
+
+def _decode(tokenizer, rollout: Rollout) -> list[str]:
+    return tokenizer.batch_decode(_masked_ids(tokenizer, rollout), skip_special_tokens=True)
+
+
+class _Book:
+    """Each episode's environment state, turn count, rewards and last turn's text; `respond` is
+    what the engine calls when a policy turn ends."""
+
+    def __init__(self, env: Environment, problems: list[Problem], tokenizer,
+                 settings: EpisodeSettings) -> None:
+        self.env, self.tokenizer, self.settings = env, tokenizer, settings
+        self.states = [env.reset(p) for p in problems]
+        self.turns = [0] * len(problems)
+        self.last_text = [""] * len(problems)
+        self.rewards = [0.0] * len(problems)
+        self.correct: list[bool | None] = [None] * len(problems)
+        self.counts: Counter = Counter()
+        self.encoder = ReplyEncoder(tokenizer, settings.chat_template, settings.template_kwargs)
+        self.eos_id = tokenizer.eos_token_id
+
+    def turn_ended(self, r: int, text: str) -> Reply | None:
+        """Tell the environment; return its reply when the episode goes on."""
+        self.turns[r] += 1
+        self.last_text[r] = text
+        self.counts["turns"] += 1
+        try:
+            reply = self.env.step(self.states[r], text, self.turns[r])
+        except Exception:  # noqa: BLE001 - an environment's bug ends its episode, not the run
+            self.counts["env_errors"] += 1
+            return None
+        self.rewards[r] += float(reply.reward)
+        if reply.correct is not None:
+            self.correct[r] = bool(reply.correct)
+        self.counts.update(reply.counts)
+        if reply.message is None or self.turns[r] >= self.env.max_turns:
+            return None
+        return reply
+
+    def respond(self, r: int, ids: list[int], reason: str) -> list[int] | None:
+        reply = self.turn_ended(r, self.tokenizer.decode(ids, skip_special_tokens=True))
+        if reply is None:
+            return None
+        message = dict(reply.message)
+        message["content"] = self.encoder.cut(str(message.get("content", "")),
+                                              self.settings.max_reply_tokens)
+        return self.encoder.encode(message, policy_wrote_eos=bool(ids) and ids[-1] == self.eos_id)
+
+    def episodes(self, rollout: Rollout, completions: list[str], transcripts: list[str]) -> Episodes:
+        return Episodes(rollout, list(completions), list(transcripts),
+                        torch.tensor(self.rewards, dtype=torch.float32), list(self.correct),
+                        self.counts)
+
+
+def generate_by_turns(engine: RolloutEngine, prompts: list[list[int]], group_size: int,
+                      params: SamplingParams, respond, pad_id: int,
+                      generator: torch.Generator | None = None, seeds: Tensor | None = None) -> Rollout:
+    """Episodes from an engine that samples one turn per call: each later turn is a new request
+    holding the conversation so far (an engine with a prefix cache, such as vLLM, reuses the
+    earlier turns' KV). Turn k of response i draws its noise from seed (seeds[i], k)."""
+    G, budget = group_size, params.max_episode_tokens or params.max_new_tokens
+    B = len(prompts) * G
+    ids: list[list[int]] = [[] for _ in range(B)]
+    logps: list[list[float]] = [[] for _ in range(B)]
+    policy: list[list[float]] = [[] for _ in range(B)]
+    truncated = [True] * B
+    turn_params = replace(params, max_episode_tokens=None)
+    rows, out, turn = list(range(B)), engine.generate(prompts, G, turn_params, generator, seeds=seeds), 0
+    while rows:
+        going = []
+        for j, r in enumerate(rows):
+            n = int(out.response_mask_B_T[j].sum())
+            new = out.response_ids_B_T[j, :n].tolist()[: budget - len(ids[r])]
+            ids[r] += new
+            logps[r] += out.logp_B_T[j, :len(new)].tolist()
+            policy[r] += [1.0] * len(new)
+            reason = "length" if bool(out.truncated_B[j]) else "end"
+            reply = respond(r, new, reason)
+            if reply is None:
+                truncated[r] = reason == "length"
+            elif len(ids[r]) + len(reply) < budget:
+                ids[r] += reply
+                logps[r] += [0.0] * len(reply)
+                policy[r] += [0.0] * len(reply)
+                going.append(r)
+        rows, turn = going, turn + 1
+        if rows:
+            turn_seeds = None if seeds is None else seeds[rows] * 1_000_003 + turn
+            out = engine.generate([prompts[r // G] + ids[r] for r in rows], 1, turn_params,
+                                  generator, seeds=turn_seeds)
+    p_ids, p_mask = left_pad(prompts, pad_id)
+    T = max(len(x) for x in ids)
+    resp = torch.full((B, T), pad_id, dtype=torch.long)
+    mask, lp, pol = (torch.zeros(B, T) for _ in range(3))
+    for r in range(B):
+        n = len(ids[r])
+        resp[r, :n] = torch.tensor(ids[r], dtype=torch.long)
+        mask[r, :n] = 1.0
+        lp[r, :n] = torch.tensor(logps[r])
+        pol[r, :n] = torch.tensor(policy[r])
+    device = out.response_ids_B_T.device
+    return Rollout(p_ids.repeat_interleave(G, 0).to(device), p_mask.repeat_interleave(G, 0).to(device),
+                   resp.to(device), mask.to(device), lp.to(device),
+                   torch.tensor(truncated, device=device), G, pol.to(device))
