@@ -146,7 +146,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def plot_run(run_dir: Path) -> Path:
-    """training_curves.png: reward, held-out accuracy (vs wall time), length, KL and entropy."""
+    """training_curves.png: reward, held-out accuracy (vs wall time), length (multi-turn: the
+    environment's per-episode counts), KL and entropy."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -171,9 +172,15 @@ def plot_run(run_dir: Path) -> Path:
     ax.set_xlabel("training wall time (min)"); ax.set_ylabel("accuracy")
     ax.set_title("held-out greedy accuracy"); ax.set_ylim(0, 1)
     ax = axes[1, 0]
-    ax.plot(*series("rollout/length_correct"), label="correct")
-    ax.plot(*series("rollout/length_incorrect"), label="incorrect")
-    ax.set_xlabel("step"); ax.set_title("response length (tokens)"); ax.legend()
+    env_keys = sorted({k for r in train for k in r if k.startswith("env/")})
+    if env_keys:   # multi-turn episodes: turns, tool calls, malformed calls per episode
+        for key in env_keys:
+            ax.plot(*series(key), label=key[len("env/"):])
+        ax.set_xlabel("step"); ax.set_title("environment, per episode"); ax.legend()
+    else:
+        ax.plot(*series("rollout/length_correct"), label="correct")
+        ax.plot(*series("rollout/length_incorrect"), label="incorrect")
+        ax.set_xlabel("step"); ax.set_title("response length (tokens)"); ax.legend()
     ax = axes[1, 1]
     ax.plot(*series("policy/entropy"), label="entropy")
     if any(r.get("policy/kl_ref") is not None for r in train):

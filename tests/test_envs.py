@@ -1,6 +1,7 @@
 """Environments: tools, multi-turn episodes on one KV cache, loss masks with holes, rows in full."""
 
 import json
+import math
 from dataclasses import dataclass, replace
 
 import pytest
@@ -64,7 +65,8 @@ def test_tools_that_raise_hang_or_return_garbage_become_error_messages():
     assert all(line.startswith("error:") for line in lines[:4]) and lines[4] == "5"
     assert "timed out" in lines[1] and "RuntimeError" in lines[0] and "ZeroDivisionError" in lines[3]
     assert reply.counts == {"tool_calls": 5, "malformed_calls": 0, "tool_failures": 4}
-    assert env.step(None, "It is 5.", 2) == Reply()      # no call: the final answer
+    final = env.step(None, "It is 5.", 2)               # no call: the final answer
+    assert final.message is None and final.reward == 0 and sum(final.counts.values()) == 0
 
 
 def test_python_tool_runs_with_time_and_memory_limits():
@@ -422,3 +424,20 @@ def test_reasoning_gym_tasks_are_disjoint_and_scored_by_their_own_scorer():
     assert res.correct_B.tolist() == [True, True, False]
     with pytest.raises(ConfigError, match="reasoning_gym:no_such_task"):
         build_task(load_config(None, ["--data.task", "reasoning_gym:no_such_task"]).data)
+
+
+@pytest.mark.parametrize("preset", ["reinforce", "rloo", "dapo", "dr_grpo", "ppo", "opd"])
+def test_every_preset_trains_on_multi_turn_episodes(tmp_path, tokenizer, preset):
+    """Groups are one problem's episodes; PPO's GAE and the distillation teacher see the whole
+    episode as context and train on the policy's tokens only."""
+    extra = {"dapo": ["--algorithm.overlong", "none"],
+             "opd": ["--teacher.path", "unused-a-teacher-is-passed-in"]}.get(preset, [])
+    cfg = load_config(None, [*TINY, "--run_dir", str(tmp_path / "run"), "--steps", "2", "--preset", preset,
+                             "--data.task", "guess_number", "--data.difficulty", "4", "--data.eval_size", "0",
+                             "--env.max_turns", "2", "--rollout.max_new_tokens", "3", *extra])
+    teacher = make_tiny_model(tokenizer, seed=5) if preset == "opd" else None
+    summary = train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False,
+                    teacher=teacher)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert summary["steps"] == 2 and all(r["env/turns"] >= 1.0 for r in rows)
+    assert all(math.isfinite(r["policy/grad_norm"]) for r in rows if "policy/grad_norm" in r)
