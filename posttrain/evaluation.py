@@ -45,9 +45,7 @@ def evaluate(model, tokenizer, engine: RolloutEngine, problems: list[Problem], s
         episodes = run_episodes(engine, tokenizer, env, chunk, samples, params,
                                 episode_settings(cfg), generator)
         res = scorer([p for p in chunk for _ in range(samples)], episodes.completions, with_model=False)
-        verdict = [v if v is not None else bool(c)
-                   for v, c in zip(episodes.env_correct, res.correct_B.tolist())]
-        correct.append(torch.tensor(verdict, dtype=torch.bool).reshape(len(chunk), samples))
+        correct.append(episodes.verdicts(res.correct_B).reshape(len(chunk), samples))
         texts.extend(episodes.transcripts[::samples])
         for k, v in episodes.counts.items():
             counts[k] = counts.get(k, 0) + v

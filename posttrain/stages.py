@@ -753,7 +753,7 @@ def generate(cfg, n: int, out: str | Path, samples: int = 1, only_correct: bool 
         ep = run_episodes(engine, tokenizer, env, problems, samples, params, episode_settings(cfg), gen)
         per_response = [p for p in problems for _ in range(samples)]
         res = scorer(per_response, ep.completions)
-        correct = [v if v is not None else bool(c) for v, c in zip(ep.env_correct, res.correct_B.tolist())]
+        correct = ep.verdicts(res.correct_B).tolist()
         rows += [{**row, "correct": ok}
                  for row, ok in zip(episode_rows(ep, per_response, env, tokenizer, cfg), correct)
                  if ok or not only_correct]

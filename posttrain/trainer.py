@@ -184,9 +184,7 @@ def episode_rewards(result, episodes: Episodes, device) -> tuple[Tensor, Tensor]
     """The reward of each episode: the verifier's and reward functions' (on its last turn) plus
     the environment's; correct is the environment's verdict where it gave one."""
     rewards = result.rewards_B.to(device) + episodes.env_rewards_B.to(device)
-    verdict = [v if v is not None else bool(c)
-               for v, c in zip(episodes.env_correct, result.correct_B.tolist())]
-    return rewards, torch.tensor(verdict, dtype=torch.bool, device=device)
+    return rewards, episodes.verdicts(result.correct_B).to(device)
 
 
 def reward_model_metrics(scores_B: Tensor, correct_B: Tensor) -> dict[str, Tensor]:

@@ -111,3 +111,30 @@ def test_without_vllm_the_backend_says_how_to_install_it(tokenizer, monkeypatch)
         make_engine("vllm", make_tiny_model(tokenizer), tokenizer, model_path="x",
                     rollout_cfg=load_config(None, []).rollout, dtype="float32", seed=0,
                     max_model_len=64)
+
+
+def test_a_weight_sync_empties_the_prefix_cache():
+    """vLLM keeps prefix-cache keys and values across weight loads; after a sync they belong to
+    the old weights, so the engine resets the cache (colocated: the LLM; server: its endpoint)."""
+    from posttrain.rollout.vllm import VLLMRolloutEngine
+    calls = []
+
+    class Fake:
+        def send_weights(self):
+            calls.append("send")
+
+        def reset_prefix_cache(self):
+            calls.append("reset")
+
+    engine = object.__new__(VLLMRolloutEngine)
+    engine.server, engine.asleep, engine.sender, engine.llm = None, set(), Fake(), Fake()
+    engine.sync_weights()
+    assert calls == ["send", "reset"]
+
+    class Http:
+        def post(self, url, timeout):
+            calls.append(url)
+            raise ConnectionError("down")
+    engine.server, engine.http = "http://host:8000", Http()
+    engine.sync_weights()                       # a failing reset is warned about, not fatal
+    assert calls[-2:] == ["send", "http://host:8000/reset_prefix_cache"]

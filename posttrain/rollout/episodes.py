@@ -45,6 +45,11 @@ class Episodes:
     env_correct: list[bool | None]      # the environment's verdict (None: the verifier decides)
     counts: Counter                     # turns, tool_calls, malformed_calls, ... over the batch
 
+    def verdicts(self, verified_B: Tensor) -> Tensor:
+        """(B,) bool: the environment's verdict where it gave one, else the verifier's."""
+        return torch.tensor([v if v is not None else bool(c)
+                             for v, c in zip(self.env_correct, verified_B.tolist())], dtype=torch.bool)
+
     def metrics(self) -> dict[str, float]:
         """Per-episode means of the counts (env/turns, env/tool_calls, ...)."""
         n = max(len(self.completions), 1)

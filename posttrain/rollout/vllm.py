@@ -30,6 +30,7 @@ private attributes that change between releases.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ import torch
 from torch import Tensor
 
 from posttrain.rollout.base import Rollout, SamplingParams
+
+log = logging.getLogger("posttrain")
 from posttrain.prompts import left_pad
 
 INSTALL_HINT = ('rollout.backend="vllm" needs vLLM and a CUDA GPU: pip install "posttrain[vllm]" '
@@ -189,11 +192,28 @@ class VLLMRolloutEngine:
     # -- the RolloutEngine contract ----------------------------------------------------------
 
     def sync_weights(self) -> None:
-        """Send the trainer's weights (called after every optimizer update)."""
+        """Send the trainer's weights (called after every optimizer update), then empty the
+        prefix cache: its keys and values were computed by the old weights, and vLLM leaves the
+        reset to the caller (a group's shared prompt, an episode's earlier turns would otherwise
+        be read from a stale cache)."""
         if "weights" in self.asleep:               # weights back on the GPU, KV cache not yet
             self.llm.wake_up(tags=["weights"])
             self.asleep.remove("weights")
         self.sender.send_weights()
+        self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
+        try:
+            if self.server:   # (an endpoint of VLLM_SERVER_DEV_MODE=1, as the weight sync's)
+                self.http.post(f"{self.server.rstrip('/')}/reset_prefix_cache",
+                               timeout=60).raise_for_status()
+            else:
+                self.llm.reset_prefix_cache()
+        except Exception as e:  # noqa: BLE001 - an engine that cannot: say so once, keep going
+            if not getattr(self, "_warned_prefix", False):
+                log.warning("vLLM prefix cache not reset after the weight sync (%s): requests that "
+                            "share a prefix may read keys and values of older weights", e)
+                self._warned_prefix = True
 
     def generate(self, prompts: list[list[int]], group_size: int, params: SamplingParams,
                  generator: torch.Generator | None = None, seeds: Tensor | None = None) -> Rollout:
