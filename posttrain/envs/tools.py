@@ -15,6 +15,7 @@ named in `env.tools`).
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import math
 import operator
@@ -160,7 +161,6 @@ def make_tools(names: tuple[str, ...], cfg: Any = None) -> list[Tool]:
 
 
 def _takes_nothing(fn: Callable) -> bool:
-    import inspect
     try:
         return not inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -169,7 +169,6 @@ def _takes_nothing(fn: Callable) -> bool:
 
 def tool_from_function(fn: Callable[..., Any]) -> Tool:
     """A tool from a plain function: its name, first docstring line, and string parameters."""
-    import inspect
     params = list(inspect.signature(fn).parameters)
     return Tool(fn.__name__, (inspect.getdoc(fn) or fn.__name__).splitlines()[0],
                 {"type": "object", "properties": {p: {"type": "string"} for p in params},
