@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/learning.py --seeds 0 1 2 --steps 20                 # both sides
     .venv/bin/python benchmarks/learning.py --sides posttrain --label lr1e-5 -- --optim.lr 1e-5
     .venv/bin/python benchmarks/learning.py --report OUT_A OUT_B ...                 # tables + plot only
+    .venv/bin/python benchmarks/learning.py --presets reinforce rloo grpo dapo dr_grpo ppo \
+        --steps 90 --max_minutes 10 --eval_every 10                                # the preset table
 
 The recipe is the default job's (posttrain/recipes/addition_grpo.yaml): SmolLM2-135M-Instruct,
 2-digit addition under the chat template's default system prompt, 16 prompts x 4 answers a step,
@@ -19,9 +21,11 @@ Each side runs one seed at a time (never two heavy jobs at once: 2 cores). Every
 final models of both sides are scored again by benchmarks/heldout.py, on 2-digit and on 3-digit
 addition (never trained). Evaluation time is excluded from the training minutes.
 
-Prints, for each side: training reward at every step (mean and spread over seeds), its mean over
-all steps, held-out accuracy at equal steps and at equal training minutes, entropy and the share of
-all-equal groups per step; writes OUT/results.json and OUT/learning.png. Runs already finished
+Prints, for each side: a summary row (held-out accuracy at 2 and 5 training minutes and after
+training, 3-digit transfer, steps, s/step, the run's peak resident memory), training reward at
+every step (mean and spread over seeds), its mean over all steps, held-out accuracy at equal
+steps and at equal training minutes, entropy and the share of all-equal groups per step; writes
+OUT/learning.png (each run's figures are in OUT/<side>-s<seed>/bench.json or OUT/trl-s<seed>.json). Runs already finished
 in OUT are reused, so an interrupted benchmark continues where it stopped.
 """
 
@@ -43,6 +47,19 @@ from step_time import MALLOC_ENV, ensure_trl_venv  # noqa: E402
 
 RECIPE = dict(prompts=16, group=4, lr=2e-5, max_new_tokens=24, threads=2)
 
+# `--presets`: each algorithm on the default job's task, sampling and optimizer (lr, cosine decay,
+# AdamW beta2, bf16). The default recipe overrides GRPO's aggregation (token-mean), so each preset
+# gets its own back; PPO takes its critic from its recipe.
+PRESET_ARGS = {
+    "reinforce": ["--preset", "reinforce", "--algorithm.aggregation", "seq_mean_token_sum"],
+    "rloo": ["--preset", "rloo", "--algorithm.aggregation", "seq_mean_token_mean"],
+    "grpo": [],                                   # the default job itself
+    "dapo": ["--preset", "dapo"],
+    "dr_grpo": ["--preset", "dr_grpo", "--algorithm.aggregation", "seq_mean_token_sum_norm"],
+    "ppo": ["--config", "posttrain/recipes/addition_ppo.yaml", "--optim.schedule", "cosine",
+            "--optim.beta2", "0.999", "--model.attention", "eager"],
+}
+
 
 # ---------------------------------------------------------------------------------------------
 # posttrain
@@ -62,7 +79,12 @@ def run_posttrain(out: Path, seed: int, steps: int, eval_every: int, overrides: 
            "--tensorboard", "false", *overrides]
     t0 = time.time()
     with open(out / f"posttrain-s{seed}.log", "w") as log:
-        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)     # this run's own peak RSS (KiB on Linux)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"posttrain run failed (exit {proc.returncode}); see "
+                           f"{out / f'posttrain-s{seed}.log'}")
     rows = [json.loads(line) for line in open(run / "metrics.jsonl") if line.strip()]
     train = [r for r in rows if "reward/mean" in r]
     evals = [r for r in rows if "eval/accuracy" in r]
@@ -76,7 +98,7 @@ def run_posttrain(out: Path, seed: int, steps: int, eval_every: int, overrides: 
         "eval_steps": [r["step"] for r in evals],
         "eval_minutes": [r["perf/train_minutes"] for r in evals],
         "eval_accuracy": [r["eval/accuracy"] for r in evals],
-        "final": final, "wall_s": time.time() - t0,
+        "final": final, "wall_s": time.time() - t0, "peak_rss_gb": usage.ru_maxrss / 2**20,
     }
     result.write_text(json.dumps(res))
     return res
@@ -208,8 +230,29 @@ def at_minutes(run: dict, t: float) -> float | None:
     return pts[0][1]
 
 
+def summary(sides: dict[str, list[dict]]) -> None:
+    """One row per side: held-out at 2 and 5 training minutes and after training, 3-digit
+    transfer, steps done, step time and peak memory (mean ± sd over seeds)."""
+    print("| side | held-out 2 min | 5 min | after training | training minutes | steps | "
+          "3-digit | s/step | peak RSS |")
+    print("|---" * 9 + "|")
+    for name, runs in sides.items():
+        at = {t: [at_minutes(r, t) for r in runs] for t in (2, 5)}
+        cells = [pct(v) if all(x is not None for x in v) else "-" for v in at.values()]
+        rss = [r["peak_rss_gb"] for r in runs if r.get("peak_rss_gb")]
+        step_s = statistics.median(x for r in runs for x in r["step_s"][1:] or r["step_s"])
+        print(f"| {name} | " + " | ".join(cells) +
+              f" | {pct([r['eval_accuracy'][-1] for r in runs])}"
+              f" | {mean_sd([r['eval_minutes'][-1] for r in runs], digits=1)}"
+              f" | {mean_sd([r['eval_steps'][-1] for r in runs], digits=0)}"
+              f" | {pct([r['final']['3digit']['accuracy'] for r in runs])} | {step_s:.1f}"
+              f" | {f'{max(rss):.1f} GB' if rss else 'n/a'} |")
+
+
 def report(sides: dict[str, list[dict]], out: Path) -> None:
     print(f"\n## {', '.join(f'{k}: {len(v)} seeds' for k, v in sides.items())}\n")
+    summary(sides)
+    print()
     print("training reward (mean ± sd over seeds) at step:")
     n_steps = min(len(r["reward"]) for runs in sides.values() for r in runs)
     marks = sorted({1, 5, 10, 15, 20, n_steps} & set(range(1, n_steps + 1)))
@@ -324,8 +367,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="output folder (default benchmarks/out/learning-LABEL)")
     ap.add_argument("--trl-venv", type=Path, default=ROOT / ".venv-trl")
     ap.add_argument("--report", type=Path, nargs="+", help="only print tables of finished folders")
+    ap.add_argument("--presets", nargs="+", choices=list(PRESET_ARGS),
+                    help="run these algorithms (posttrain only), one folder each under --out")
     args, overrides = ap.parse_known_args()
     overrides = [o for o in overrides if o != "--"]
+    if args.presets:
+        root = args.out or ROOT / "benchmarks" / "out" / "presets"
+        folders = [root / name for name in args.presets]
+        for name, folder in zip(args.presets, folders):
+            run_side(folder, "posttrain", name, args, PRESET_ARGS[name] + overrides)
+        args.report = folders
     if args.report:
         sides: dict[str, list[dict]] = {}
         for folder in args.report:
@@ -334,23 +385,28 @@ def main() -> None:
         report(sides, args.report[0])
         return
     out = args.out or ROOT / "benchmarks" / "out" / f"learning-{args.label or 'default'}"
+    for side in args.sides:
+        run_side(out, side, args.label, args, overrides)
+    report(load_out(out), out)
+
+
+def run_side(out: Path, side: str, label: str, args: argparse.Namespace, overrides: list[str]) -> None:
+    """Every seed of one side into `out` (finished seeds are reused)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "meta.json").write_text(json.dumps({"label": args.label, "overrides": overrides,
-                                               "steps": args.steps, "seeds": args.seeds}))
+    meta = out / "meta.json"
+    if side == "posttrain" or not meta.is_file():
+        meta.write_text(json.dumps({"label": label, "overrides": overrides,
+                                    "steps": args.steps, "seeds": args.seeds}))
     from posttrain.models import prepare_embedded
     model_dir = prepare_embedded()
-    sides = {}
-    for side in args.sides:
-        for seed in args.seeds:
-            t0 = time.time()
-            if side == "posttrain":
-                r = run_posttrain(out, seed, args.steps, args.eval_every, overrides, args.max_minutes)
-            else:
-                r = run_trl(out, seed, args.steps, args.eval_every, model_dir, args.trl_venv)
-            print(f"{side} seed {seed}: held-out {r['eval_accuracy'][-1]:.3f} at step "
-                  f"{r['eval_steps'][-1]}, {time.time() - t0:.0f} s", flush=True)
-    sides = load_out(out)
-    report(sides, out)
+    for seed in args.seeds:
+        t0 = time.time()
+        if side == "posttrain":
+            r = run_posttrain(out, seed, args.steps, args.eval_every, overrides, args.max_minutes)
+        else:
+            r = run_trl(out, seed, args.steps, args.eval_every, model_dir, args.trl_venv)
+        print(f"{label or side} seed {seed}: held-out {r['eval_accuracy'][-1]:.3f} at step "
+              f"{r['eval_steps'][-1]}, {time.time() - t0:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

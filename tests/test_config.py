@@ -81,3 +81,36 @@ def test_every_packaged_recipe_loads_and_validates():
         cfg = load_config(recipe, extra)
         task = {"calculator_multiplication": "multiplication", "guess_number": "guess_number"}
         assert cfg.data.task == task.get(recipe.stem, "addition"), recipe
+
+
+def test_preset_table_runs_each_preset_as_defined():
+    """benchmarks/learning.py --presets runs each algorithm on the default recipe, whose algorithm
+    block overrides GRPO's aggregation: every row must get its own preset's loss back."""
+    import importlib.util
+    from dataclasses import replace
+    from pathlib import Path
+
+    from posttrain.cli import DEFAULT_RECIPE, recipe_path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("learning", root / "benchmarks" / "learning.py")
+    learning = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(learning)
+    default = load_config(recipe_path(DEFAULT_RECIPE))
+    assert set(learning.PRESET_ARGS) == set(PRESETS) - {"opd"}
+    for name, args in learning.PRESET_ARGS.items():
+        path = recipe_path(DEFAULT_RECIPE)
+        if "--config" in args:
+            i = args.index("--config")
+            path, args = root / args[i + 1], args[:i] + args[i + 2:]
+        cfg = load_config(path, args)
+        assert cfg.preset == name
+        if name == "grpo":          # the default job: GRPO with token-mean and no KL
+            assert cfg.algo == replace(PRESETS["grpo"], aggregation="token_mean", kl_coef=0.0)
+        elif name != "ppo":         # PPO's recipe sets its own KL and whitening
+            assert cfg.algo == PRESETS[name], name
+        assert cfg.algo.aggregation == PRESETS[name].aggregation or name == "grpo"
+        # the same sampling and optimizer as the default job
+        assert (cfg.rollout, cfg.optim.lr, cfg.optim.schedule, cfg.optim.beta2, cfg.model.autocast) == (
+            default.rollout, default.optim.lr, default.optim.schedule, default.optim.beta2,
+            default.model.autocast), name
