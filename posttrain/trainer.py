@@ -364,7 +364,7 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
         scorer.reward_model.check_tokenizer(tokenizer)
         scorer.reward_model.to(device)                # beside the policy (a GPU on a GPU run)
     model = wrap(model, world)                        # FSDP2: shard the layers, in place
-    engine = make_engine(cfg.rollout.backend, model, tokenizer, cfg.rollout.autocast,
+    engine = make_engine(cfg.rollout.backend, model, tokenizer, cfg.rollout.autocast, cfg.rollout.weights,
                          **vllm_options(cfg, path, model, world))
     o = cfg.optim
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr,
@@ -472,7 +472,10 @@ def frozen_passes(run: Run, batch: ScoredBatch, metrics: dict[str, Any],
     cfg, algo, model = run.cfg, run.algo, run.model
     temperature, micro, autocast = cfg.rollout.temperature, cfg.optim.micro_batch_size, cfg.model.autocast
     t0 = time.perf_counter()
-    if cfg.rollout.backend != "hf":
+    # (a single update's own forward already gives pi_old = pi_theta for its ratio and IS weights;
+    # the KL folded into the rewards and the teacher's advantage are computed before it)
+    single = cfg.optim.epochs == 1 and cfg.optim.minibatches == 1
+    if cfg.rollout.off_trainer and not (single and run.teachers is None and algo.kl_in != "reward"):
         batch = replace(batch, trainer_old_logp_B_T=frozen_logprobs(model, batch.rollout,
                                                                     temperature, micro, autocast))
         timings["old_logprobs"] += time.perf_counter() - t0

@@ -102,3 +102,34 @@ def test_bf16_sampling_records_the_logprobs_of_the_trainers_bf16_forward(tokeniz
     err_bf16 = (rollout.logp_B_T - bf16)[m].abs().max()
     err_fp32 = (rollout.logp_B_T - fp32)[m].abs().max()
     assert err_bf16 < 0.05 and err_bf16 < err_fp32, (err_bf16, err_fp32)
+
+
+def test_bf16_copy_samples_near_the_policy_and_follows_its_updates(tokenizer):
+    """weights='bfloat16': a bf16 copy of the body (rotary frequencies kept in float32), the
+    policy's own float32 head; its log-probs are close to the policy's, and `sync_weights` (not
+    anything else) carries an update over."""
+    from posttrain.forward import frozen_logprobs
+    from tests.conftest import make_tiny_model
+    model = make_tiny_model(tokenizer, seed=2, init_range=0.2)
+    engine = HFRolloutEngine(model, tokenizer, weights="bfloat16")
+    copy = engine.model
+    assert copy is not model and all(p.dtype == torch.bfloat16 and not p.requires_grad
+                                     for p in copy.parameters())
+    assert all(b.dtype == torch.float32 for b in copy.buffers())
+    assert all(p.dtype == torch.float32 for p in model.parameters())    # the policy untouched
+    ps = [tokenizer("What is 12 + 34?")["input_ids"], tokenizer("Hi")["input_ids"]]
+
+    def gap():
+        rollout = engine.generate(ps, 3, SamplingParams(6, 1.0), seeds=torch.arange(6))
+        m = rollout.response_mask_B_T > 0
+        return (rollout.logp_B_T - frozen_logprobs(model, rollout, 1.0, micro=6))[m].abs().max()
+
+    assert gap() < 0.1
+    with torch.no_grad():                                  # an "update" of the policy
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn_like(p) * p.std())
+    assert gap() > 0.2                                     # the copy still holds the old weights
+    engine.sync_weights()
+    assert gap() < 0.1
+    for a, b in zip(copy.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b.to(torch.bfloat16))

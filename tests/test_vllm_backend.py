@@ -138,3 +138,30 @@ def test_a_weight_sync_empties_the_prefix_cache():
     engine.server, engine.http = "http://host:8000", Http()
     engine.sync_weights()                       # a failing reset is warned about, not fatal
     assert calls[-2:] == ["send", "http://host:8000/reset_prefix_cache"]
+
+
+def test_the_bf16_copy_is_corrected_like_another_engine(tmp_path, tokenizer):
+    """rollout.weights='bfloat16' samples from a copy: the same truncated IS weights as vLLM,
+    and a single update takes pi_old from its own forward (no extra pass over the batch)."""
+    cfg = toy_config(tmp_path, "--steps", "1", "--optim.max_grad_norm", "1e9",
+                     "--rollout.weights", "bfloat16")
+    assert cfg.rollout.off_trainer
+    batch, _ = generate_and_score(make_engine("hf", make_tiny_model(tokenizer, seed=11), tokenizer),
+                                  tokenizer, Sampler(build_task(cfg.data), 0), Scorer(cfg.reward), cfg,
+                                  cfg.algo, torch.Generator().manual_seed(0), Counter())
+    adv = torch.randn(batch.loss_mask_B_T.shape, generator=torch.Generator().manual_seed(1))
+    adv = adv * batch.loss_mask_B_T
+    shared = replace(cfg, rollout=replace(cfg.rollout, weights="shared"))
+    plain, _ = _update(tokenizer, batch, shared, adv)
+    mask = batch.rollout.response_mask_B_T
+    off = replace(batch, rollout=replace(batch.rollout,
+                                         logp_B_T=(batch.rollout.logp_B_T - math.log(1.5)) * mask))
+    delta, stats = _update(tokenizer, off, cfg, adv)
+    torch.testing.assert_close(delta, 1.5 * plain, atol=1e-6, rtol=1e-4)
+    assert stats["rollout/tis_weight_mean"] == pytest.approx(1.5, rel=1e-4)
+    for args, message in ((["--rollout.weights", "bfloat16", "--rollout.autocast", "bfloat16"],
+                           "rollout.autocast=none"),
+                          (["--rollout.weights", "bfloat16", "--rollout.backend", "vllm"],
+                           "rollout.backend=hf")):
+        with pytest.raises(ConfigError, match=message):
+            toy_config(tmp_path, *args)

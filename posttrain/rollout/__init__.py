@@ -8,11 +8,13 @@ __all__ = ["HFRolloutEngine", "Rollout", "RolloutEngine", "SamplingParams", "epi
            "make_engine", "vllm_options"]
 
 
-def make_engine(backend: str, model, tokenizer, autocast: str = "none", **vllm_options) -> RolloutEngine:
-    """`autocast`: the in-process engine's precision ('bfloat16': body in bf16, head in float32);
-    `vllm_options`: VLLMRolloutEngine's (model_path, rollout_cfg, dtype, seed, ...)."""
+def make_engine(backend: str, model, tokenizer, autocast: str = "none", weights: str = "shared",
+                **vllm_options) -> RolloutEngine:
+    """`autocast`, `weights`: the in-process engine's precision ('bfloat16': body in bf16 under
+    autocast, or from a bf16 copy; the head in float32); `vllm_options`: VLLMRolloutEngine's
+    (model_path, rollout_cfg, dtype, seed, ...)."""
     if backend == "hf":
-        return HFRolloutEngine(model, tokenizer, autocast)
+        return HFRolloutEngine(model, tokenizer, autocast, weights)
     if backend == "vllm":
         from posttrain.rollout.vllm import VLLMRolloutEngine   # optional dependency, GPU only
         return VLLMRolloutEngine(model, tokenizer, **vllm_options)

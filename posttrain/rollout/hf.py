@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from copy import deepcopy
 
 import torch
 from torch import Tensor
@@ -94,16 +95,41 @@ def cache_kwarg(model: PreTrainedModel) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-class HFRolloutEngine:
-    """Samples from the very model object the trainer updates: weights are always in sync.
+def bfloat16_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A frozen copy of `model` with bf16 parameters, for sampling only. Buffers keep their
+    precision (the rotary frequencies: rounding them to bf16 would shift every position's angle).
+    (The copy is made in full precision first: twice the model's size for a moment.)"""
+    copy = deepcopy(model).requires_grad_(False).eval()
+    buffers = dict(model.named_buffers())
+    copy.to(torch.bfloat16)
+    for name, _ in list(copy.named_buffers()):
+        owner, _, attr = name.rpartition(".")
+        copy.get_submodule(owner)._buffers[attr] = buffers[name].clone()
+    return copy
 
-    `autocast='bfloat16'`: the transformer body runs under bf16 autocast and the LM head in
-    float32 on its output, as in the trainer's forward (forward.py), so the sampled distribution
-    and the recorded log-probs are those of the policy the trainer computes."""
+
+class HFRolloutEngine:
+    """Samples in-process with transformers.
+
+    `weights='shared'`: from the very model object the trainer updates, so weights are always in
+    sync and the recorded log-probs are pi_old. `autocast='bfloat16'`: the transformer body runs
+    under bf16 autocast and the LM head in float32 on its output, as in the trainer's forward
+    (forward.py), so the sampled distribution and the recorded log-probs are those of the policy
+    the trainer computes.
+
+    `weights='bfloat16'`: the body runs from a bf16 copy (`bfloat16_copy`, refreshed by
+    `sync_weights` after every update) and the LM head is the policy's own, in float32. No weight
+    is cast per decoding step, and the body's activations stay in bf16: on a 2-core AVX-512 CPU
+    64 responses decode about 1.7x faster than in float32 (1.2x under autocast, measured in the
+    training process). The log-probs are then the copy's, not pi_old: the trainer corrects for the
+    difference as for vLLM (losses.truncated_is_weights)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 autocast: str = "none") -> None:
-        self.model = model
+                 autocast: str = "none", weights: str = "shared") -> None:
+        if weights not in ("shared", "bfloat16"):
+            raise ValueError(f"rollout.weights={weights!r} is not valid; accepted: ['shared', 'bfloat16']")
+        self.policy = model
+        self.model = model if weights == "shared" else bfloat16_copy(model)
         self.tokenizer = tokenizer
         self.autocast = autocast
         self.cache_kw = cache_kwarg(model)
@@ -113,11 +139,18 @@ class HFRolloutEngine:
         if gen_eos is not None:
             self.eos_ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
 
+    @torch.no_grad()
     def sync_weights(self) -> None:
-        pass
+        """The bf16 copy takes the policy's updated weights (nothing to do when they are shared)."""
+        if self.model is not self.policy:
+            for copy, param in zip(self.model.parameters(), self.policy.parameters(), strict=True):
+                copy.copy_(param)
 
     def _last_logits(self, **inputs) -> Tensor:
         """Logits at each row's last position, (B, V) float32."""
+        if self.model is not self.policy:   # the bf16 copy's body, the policy's float32 head
+            hidden = decoder_and_head(self.model)[0](**inputs).last_hidden_state[:, -1]
+            return self.policy.get_output_embeddings()(hidden.float()).float()
         if self.autocast == "none":
             return self.model(**inputs, logits_to_keep=1).logits[:, -1]
         decoder, head = decoder_and_head(self.model)
