@@ -3,7 +3,8 @@
 Counted per rank, in bytes, from the model config and the run config (no allocation happens):
 - policy weights, their gradients and AdamW's two moments (FSDP2 divides the decoder layers'
   share of all four by the number of ranks; the embeddings stay replicated);
-- the frozen reference (when the KL is on) and a teacher of the policy's size (distillation);
+- the frozen reference (when the KL is on), a teacher of the policy's size (distillation) and
+  the sampler's bf16 copy (`rollout.weights bfloat16`);
 - PPO's value model: a second set of weights, gradients and moments (none when it shares the body);
 - generation's KV cache for P x G responses of prompt + max_new_tokens tokens;
 - training activations of one micro-batch (hidden states kept for backward, ~34 numbers per
@@ -55,6 +56,8 @@ def estimate(cfg: TrainConfig, model_config, n_params: int, world_size: int = 1,
         parts["reference policy"] = n_params * w
     if algo.advantage == "reverse_kl" and cfg.teacher.path not in (None, "self"):
         parts["teacher (policy-sized)"] = n_params * _BYTES[cfg.teacher.dtype]
+    if cfg.rollout.weights == "bfloat16":
+        parts["bf16 sampler copy"] = n_params * 2
     if algo.advantage == "gae" and not cfg.critic.shared_backbone:
         parts["value model + grads + Adam"] = per_rank * (w + w + 8)   # sharded like the policy
     heads = model_config.num_attention_heads
@@ -63,7 +66,8 @@ def estimate(cfg: TrainConfig, model_config, n_params: int, world_size: int = 1,
     r = cfg.rollout
     batch = r.prompts_per_step * r.group_size // world_size
     tokens = 64 + r.max_new_tokens                       # a chat prompt of ~64 tokens
-    parts["KV cache (generation)"] = batch * tokens * layers * 2 * kv_heads * head_dim * w
+    kv = 2 if r.weights == "bfloat16" else w             # the bf16 copy's cache is bf16 too
+    parts["KV cache (generation)"] = batch * tokens * layers * 2 * kv_heads * head_dim * kv
     micro = min(cfg.optim.micro_batch_size, batch)
     act = 2 if cfg.model.autocast == "bfloat16" else w
     parts["activations (1 micro-batch)"] = (micro * tokens * layers * hidden * 34 * act

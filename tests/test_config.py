@@ -114,3 +114,24 @@ def test_preset_table_runs_each_preset_as_defined():
         assert (cfg.rollout, cfg.optim.lr, cfg.optim.schedule, cfg.optim.beta2, cfg.model.autocast) == (
             default.rollout, default.optim.lr, default.optim.schedule, default.optim.beta2,
             default.model.autocast), name
+
+
+def test_memory_estimate_counts_what_the_run_holds(tmp_path):
+    """The estimate printed before training: weights + gradients + AdamW's two moments in float32
+    (16 bytes a parameter), a reference copy only with the KL on, and the bf16 sampler copy (2 bytes
+    a parameter) only with rollout.weights=bfloat16."""
+    from types import SimpleNamespace
+    from posttrain.memory import estimate
+    mc = SimpleNamespace(hidden_size=8, num_hidden_layers=2, vocab_size=100, tie_word_embeddings=True,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+    n = 10_000
+    base = estimate(load_config(None, ["--algorithm.kl_coef", "0"]), mc, n)
+    assert base.parts["policy weights"] + base.parts["gradients"] + base.parts["AdamW moments (2)"] == 16 * n
+    assert "reference policy" not in base.parts and "bf16 sampler copy" not in base.parts
+    kl = estimate(load_config(None, ["--algorithm.kl_coef", "0.04"]), mc, n)
+    assert kl.parts["reference policy"] == 4 * n
+    copy = estimate(load_config(None, ["--algorithm.kl_coef", "0", "--rollout.weights", "bfloat16"]), mc, n)
+    assert copy.parts["bf16 sampler copy"] == 2 * n
+    assert copy.parts["KV cache (generation)"] * 2 == base.parts["KV cache (generation)"]
+    assert {k: v for k, v in copy.parts.items() if k not in ("bf16 sampler copy", "KV cache (generation)")} \
+        == {k: v for k, v in base.parts.items() if k != "KV cache (generation)"}
