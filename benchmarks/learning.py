@@ -25,8 +25,8 @@ Prints, for each side: a summary row (held-out accuracy at 2 and 5 training minu
 training, 3-digit transfer, steps, s/step, the run's peak resident memory), training reward at
 every step (mean and spread over seeds), its mean over all steps, held-out accuracy at equal
 steps and at equal training minutes, entropy and the share of all-equal groups per step; writes
-OUT/learning.png (each run's figures are in OUT/<side>-s<seed>/bench.json or OUT/trl-s<seed>.json). Runs already finished
-in OUT are reused, so an interrupted benchmark continues where it stopped.
+OUT/learning.png (each run's figures: OUT/posttrain-s<seed>/bench.json, OUT/trl-s<seed>.json).
+Runs already finished in OUT are reused, so an interrupted benchmark continues where it stopped.
 """
 
 from __future__ import annotations

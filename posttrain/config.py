@@ -418,6 +418,12 @@ class OptimConfig:
     minibatches: int = 1                # optimizer steps per pass
     micro_batch_size: int = 32          # responses per forward/backward (gradient accumulation)
 
+    @property
+    def single_update(self) -> bool:
+        """One epoch of one minibatch: the policy cannot move between sampling and its update, so
+        pi_old = pi_theta exactly (§3)."""
+        return self.epochs == 1 and self.minibatches == 1
+
 
 @dataclass(frozen=True)
 class LoraConfig:

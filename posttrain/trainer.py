@@ -364,8 +364,8 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
         scorer.reward_model.check_tokenizer(tokenizer)
         scorer.reward_model.to(device)                # beside the policy (a GPU on a GPU run)
     model = wrap(model, world)                        # FSDP2: shard the layers, in place
-    engine = make_engine(cfg.rollout.backend, model, tokenizer, cfg.rollout.autocast, cfg.rollout.weights,
-                         **vllm_options(cfg, path, model, world))
+    engine = make_engine(cfg.rollout.backend, model, tokenizer, cfg.rollout.autocast,
+                         cfg.rollout.weights, **vllm_options(cfg, path, model, world))
     o = cfg.optim
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr,
                                   betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
@@ -474,7 +474,7 @@ def frozen_passes(run: Run, batch: ScoredBatch, metrics: dict[str, Any],
     t0 = time.perf_counter()
     # (a single update's own forward already gives pi_old = pi_theta for its ratio and IS weights;
     # the KL folded into the rewards and the teacher's advantage are computed before it)
-    single = cfg.optim.epochs == 1 and cfg.optim.minibatches == 1
+    single = cfg.optim.single_update
     if cfg.rollout.off_trainer and not (single and run.teachers is None and algo.kl_in != "reward"):
         batch = replace(batch, trainer_old_logp_B_T=frozen_logprobs(model, batch.rollout,
                                                                     temperature, micro, autocast))

@@ -110,10 +110,11 @@ def update_terms(batch: ScoredBatch, cfg: TrainConfig, algo: AlgorithmConfig,
     o = cfg.optim
     # With a single update the policy cannot have moved since sampling: pi_old = pi_theta exactly,
     # the ratio is 1 and the recorded log-probs are not needed (§3).
-    single_update = o.epochs == 1 and o.minibatches == 1
-    # Another engine sampled (vLLM, or the in-process bf16 copy): its log-probs are not the trainer's. The ratio is taken
-    # against the trainer's own pi_old, and each token's policy-gradient term is weighted by the
-    # truncated importance ratio pi_trainer / pi_engine (§3, losses.truncated_is_weights).
+    single_update = o.single_update
+    # Another engine sampled (vLLM, or the in-process bf16 copy): its log-probs are not the
+    # trainer's. The ratio is taken against the trainer's own pi_old, and each token's
+    # policy-gradient term is weighted by the truncated importance ratio pi_trainer / pi_engine
+    # (§3, losses.truncated_is_weights).
     foreign = cfg.rollout.off_trainer
     if foreign and not single_update and batch.trainer_old_logp_B_T is None:
         raise ValueError("several updates on another engine's samples need the trainer's pi_old "

@@ -159,6 +159,19 @@ def test_the_bf16_copy_is_corrected_like_another_engine(tmp_path, tokenizer):
     delta, stats = _update(tokenizer, off, cfg, adv)
     torch.testing.assert_close(delta, 1.5 * plain, atol=1e-6, rtol=1e-4)
     assert stats["rollout/tis_weight_mean"] == pytest.approx(1.5, rel=1e-4)
+    # the trainer's own pi_old pass runs only when a later update needs it
+    from posttrain.trainer import frozen_passes
+    model = make_tiny_model(tokenizer, seed=11)
+    for extra, passes in (([], 0), (["--optim.minibatches", "2"], 1)):
+        c = toy_config(tmp_path, "--rollout.weights", "bfloat16", *extra)
+        run = SimpleNamespace(cfg=c, algo=c.algo, model=model, uses_ref=False, teachers=None,
+                              lora=False, tokenizer=tokenizer)
+        timings = Counter()
+        out = frozen_passes(run, off, {}, timings)
+        assert ("old_logprobs" in timings) == bool(passes)
+        assert (out.trainer_old_logp_B_T is not None) == bool(passes)
+        if passes:
+            torch.testing.assert_close(out.old_logp_B_T * mask, batch.rollout.logp_B_T, atol=1e-5, rtol=0)
     for args, message in ((["--rollout.weights", "bfloat16", "--rollout.autocast", "bfloat16"],
                            "rollout.autocast=none"),
                           (["--rollout.weights", "bfloat16", "--rollout.backend", "vllm"],
