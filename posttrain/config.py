@@ -306,6 +306,9 @@ class DataConfig:
     train_size: int = 5000              # reasoning_gym: training problems generated
     eval_size: int = 200                # held-out problems (fixed seed, disjoint from training)
     eval_seed: int = 1234               # seed of the held-out set
+    # a prompt not every answer of whose group was correct is asked again at the next step, up
+    # to this many times (at most half of a step's prompts; Kimi k1.5's prioritised sampling)
+    retry_unsolved: int = 0
     train_path: str | None = None       # task 'file': JSONL / CSV / Parquet file or datasets folder
     eval_path: str | None = None        # task 'file': held-out file; None splits eval_size off train
     prompt_field: str = "prompt"        # task 'file': the column holding the question
@@ -546,6 +549,7 @@ class TrainConfig:
                               f"rollout.max_new_tokens={r.max_new_tokens}")
         _check_range("steps", self.steps, 0)
         _check_range("data.eval_size", self.data.eval_size, 0)
+        _check_range("data.retry_unsolved", self.data.retry_unsolved, 0)
         for name, lo in (("eval_every", 0), ("eval_batch_size", 1), ("log_samples", 0)):
             _check_range(name, getattr(self, name), lo)
         if self.max_minutes is not None:

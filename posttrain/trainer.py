@@ -108,17 +108,19 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
     n_kept, rounds, stats = 0, 0, Counter()
     while True:
         t0 = time.perf_counter()
-        first_index = sampler.position
-        problems = sampler.next(P_global)[world.share(P_global)]
-        indices = list(range(first_index, first_index + P_global))[world.share(P_global)]
+        drawn, keys = sampler.draw(P_global)     # (prompts that failed before come first)
+        problems, keys = drawn[world.share(P_global)], keys[world.share(P_global)]
+        if sampler.retries:
+            stats["rollout/retried_prompts"] += sampler.last_retried
         with full_weights_for_generation(getattr(engine, "model", None), world):
             episodes = run_episodes(engine, tokenizer, env, problems, G, params,
-                                    episode_settings(cfg), generator, seeds=row_seeds(cfg.seed, indices, G))
+                                    episode_settings(cfg), generator, seeds=row_seeds(cfg.seed, keys, G))
         t1 = time.perf_counter()
         rollout, completions = episodes.rollout, episodes.completions
         per_response = [p for p in problems for _ in range(G)]
         result = scorer(per_response, completions)
         rewards, correct = episode_rewards(result, episodes, rollout.response_mask_B_T.device)
+        report_solved(sampler, correct, G, world)
         if algo.overlong == "shape":
             rewards = rewards + overlong_penalty(rollout.lengths_B, r.max_new_tokens,
                                                  algo.overlong_buffer, algo.overlong_penalty)
@@ -169,6 +171,13 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
     merged = merge(parts, tokenizer.pad_token_id)
     mine = world.share(n_use)
     return merged.select(torch.arange(mine.start * G, mine.stop * G)), dict(stats)
+
+
+def report_solved(sampler: Sampler, correct_B: Tensor, G: int, world: World) -> None:
+    """Tell the sampler which of the step's prompts every answer solved (all ranks' prompts, in
+    draw order): the others may be asked again (`data.retry_unsolved`)."""
+    solved = correct_B.view(-1, G).all(-1).tolist()
+    sampler.report([ok for share in gather_objects(solved, world) for ok in share])
 
 
 def loss_mask(rollout: Rollout, algo: AlgorithmConfig) -> Tensor:
@@ -377,9 +386,11 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
     logger = (MetricsLogger(run_dir, cfg.tensorboard, resume=ckpt is not None) if world.main
               else NullLogger())
     log.info("run folder %s; algorithm %s", run_dir, algo)
-    run = Run(cfg, world, run_dir, model, tokenizer, engine, optimizer, scheduler,
-              Sampler(task, cfg.seed), scorer, generator, logger, task.eval_problems, teachers,
-              ref_model, uses_ref, critic, env=env)
+    sampler = Sampler(task, cfg.seed, retries=cfg.data.retry_unsolved,
+                      max_waiting=cfg.rollout.prompts_per_step)
+    run = Run(cfg, world, run_dir, model, tokenizer, engine, optimizer, scheduler, sampler,
+              scorer, generator, logger, task.eval_problems, teachers, ref_model, uses_ref, critic,
+              env=env)
     if ckpt is not None:
         restore(run, ckpt)
     return run
@@ -436,7 +447,8 @@ def restore(run: Run, ckpt: Path) -> None:
     restore_rng(state["rng"], run.generator)
     if run.critic is not None:
         run.critic.load_optimizer_state(state["critic_optimizer"])
-    run.start_step, run.sampler.position = state["step"], state["data_position"]
+    run.start_step = state["step"]
+    run.sampler.load_state(state.get("data", {"position": state["data_position"]}))
     resume_logs(run.logger, state)   # rows a killed run wrote after its checkpoint are redone
     run.saved_step = state["step"]
     run.train_seconds, run.resumed = state["train_seconds"], True
@@ -454,7 +466,8 @@ def checkpoint(run: Run, step: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         save_model(run.ref_model, run.tokenizer, tmp)
         os.replace(tmp, ref_dir)
-    extra = {"data_position": run.sampler.position, "train_seconds": run.train_seconds,
+    extra = {"data_position": run.sampler.position, "data": run.sampler.state(),
+             "train_seconds": run.train_seconds,
              "log_rows": run.logger.line_counts()}
     if run.critic is not None:
         extra["critic_optimizer"] = run.critic.optimizer_state()

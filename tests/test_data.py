@@ -107,3 +107,47 @@ def test_file_task_splits_a_held_out_set_off_the_file(tmp_path):
     held = {p.prompt for p in task.eval_problems}
     train = {task.train_problem(0, i).prompt for i in range(200)}
     assert len(held) == 10 and len(train) == 40 and not held & train
+
+
+def test_unsolved_prompts_are_asked_again_first_up_to_the_retry_limit():
+    from posttrain.data.source import Sampler
+    task = make_task("addition", 2)
+    s = Sampler(task, 0, retries=2, max_waiting=4)
+    stream = [task.train_problem(0, i) for i in range(12)]
+    problems, keys = s.draw(4)
+    assert problems == stream[:4] and keys == [0, 1, 2, 3]
+    s.report([True, False, True, False])
+    problems, keys = s.draw(4)                    # 1 and 3 again (first retry), then fresh 4, 5
+    assert problems == [stream[1], stream[3], stream[4], stream[5]] and keys == [4, 5, 6, 7]
+    assert s.last_retried == 2
+    s.report([False, False, True, False])         # 1 and 3: a second retry; 5 its first
+    problems, _ = s.draw(4)                       # at most half a draw is retries
+    assert problems == [stream[1], stream[3], stream[6], stream[7]] and s.waiting == [(5, 0)]
+    s.report([False, False, False, False])        # 1 and 3 have no retries left
+    assert s.waiting == [(5, 0), (6, 0), (7, 0)]
+    problems, _ = s.draw(4)
+    assert problems == [stream[5], stream[6], stream[8], stream[9]]
+    with pytest.raises(ValueError, match="2 verdicts for 4 prompts"):
+        s.report([False, False])
+
+
+def test_without_retries_a_draw_is_the_stream_and_its_state_round_trips():
+    from posttrain.data.source import Sampler
+    task = make_task("addition", 2)
+    plain, retrying = Sampler(task, 3), Sampler(task, 3, retries=1, max_waiting=2)
+    for _ in range(3):
+        first = plain.position
+        problems, keys = plain.draw(4)
+        assert problems == [task.train_problem(3, i) for i in range(first, first + 4)]
+        assert keys == list(range(first, first + 4))   # the noise keys of before: same samples
+        plain.report([False] * 4)
+        assert plain.waiting == []
+        retrying.draw(4)
+        retrying.report([False, True, False, False])
+    assert retrying.waiting == [(6, 0), (7, 0)]   # 3 unsolved a round, capped at 2: the newest kept
+    copy = Sampler(task, 3, retries=1, max_waiting=2)
+    copy.load_state(retrying.state())
+    assert copy.draw(4) == retrying.draw(4)
+    old = Sampler(task, 3)
+    old.load_state({"position": 8})                    # a checkpoint from before retries existed
+    assert old.draw(2)[1] == [8, 9]

@@ -127,10 +127,11 @@ def test_broken_reward_functions_are_survived(tmp_path, tokenizer, fn, status):
     assert all(r["reward/mean"] <= 0.5 for r in rows)   # fallback -0.5 + at most 1
 
 
-@pytest.mark.parametrize("preset", ["grpo", "ppo"])
-def test_checkpoint_resume_continues_identically(tmp_path, tokenizer, preset):
+@pytest.mark.parametrize("preset,extra", [("grpo", []), ("ppo", []),
+                                          ("grpo", ["--data.retry_unsolved", "2"])])
+def test_checkpoint_resume_continues_identically(tmp_path, tokenizer, preset, extra):
     common = ["--steps", "4", "--checkpoint.every_steps", "2", "--optim.lr", "1e-2",
-              "--algorithm.kl_coef", "0.05", "--preset", preset, "--optim.minibatches", "2"]
+              "--algorithm.kl_coef", "0.05", "--preset", preset, "--optim.minibatches", "2", *extra]
     full = toy_config(tmp_path / "a", *common)
     train(full, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
 

@@ -45,12 +45,60 @@ def build_task(d: DataConfig) -> Task:
 
 
 class Sampler:
-    """Draws training prompts in a fixed order; the position is saved in checkpoints."""
+    """Draws training prompts in a fixed order; its position (and the prompts waiting to be asked
+    again) are saved in checkpoints.
 
-    def __init__(self, task: Task, seed: int, position: int = 0) -> None:
+    With `retries` > 0, a prompt whose group was not all correct is asked again at the next step,
+    up to `retries` times: the simplest form of Kimi k1.5's prioritised sampling (sample a problem
+    in proportion to how often it fails). Late in a run most groups are all correct and teach
+    nothing; the ones that failed are where the signal is. Prompts asked again fill at most half of
+    a draw, so the stream keeps moving, and at most `max_waiting` wait (the oldest are dropped)."""
+
+    def __init__(self, task: Task, seed: int, position: int = 0, retries: int = 0,
+                 max_waiting: int = 0) -> None:
         self.task, self.seed, self.position = task, seed, position
+        self.retries, self.max_waiting = retries, max_waiting
+        self.draws = position                   # prompts drawn so far: each draw's noise key
+        self.waiting: list[tuple[int, int]] = []     # (stream index, times asked again) to ask again
+        self._last: list[tuple[int, int]] = []
+        self.last_retried = 0                   # prompts of the last draw that were asked again
 
     def next(self, n: int) -> list[Problem]:
+        """The next n prompts of the stream (no retries: demonstrations, evaluation sweeps)."""
         problems = [self.task.train_problem(self.seed, self.position + i) for i in range(n)]
         self.position += n
+        self.draws += n
         return problems
+
+    def draw(self, n: int) -> tuple[list[Problem], list[int]]:
+        """n prompts, the ones waiting to be asked again first (at most n // 2), and one noise
+        key per prompt (distinct across every draw of the run: a retry gets fresh samples)."""
+        again, self.waiting = self.waiting[:n // 2], self.waiting[n // 2:]
+        self.last_retried = len(again)
+        fresh = list(range(self.position, self.position + n - len(again)))
+        self.position += len(fresh)
+        self._last = [(i, asked + 1) for i, asked in again] + [(i, 0) for i in fresh]
+        keys = list(range(self.draws, self.draws + n))
+        self.draws += n
+        return [self.task.train_problem(self.seed, i) for i, _ in self._last], keys
+
+    def report(self, solved: list[bool]) -> None:
+        """Whether each prompt of the last `draw` was solved by every answer of its group; the
+        others wait to be asked again (while they have retries left)."""
+        if len(solved) != len(self._last):
+            raise ValueError(f"report() got {len(solved)} verdicts for {len(self._last)} prompts drawn")
+        if self.retries:
+            self.waiting += [(i, asked) for (i, asked), ok in zip(self._last, solved)
+                             if not ok and asked < self.retries]
+            if self.max_waiting:
+                self.waiting = self.waiting[-self.max_waiting:]
+        self._last = []
+
+    def state(self) -> dict:
+        return {"position": self.position, "draws": self.draws,
+                "waiting": [list(w) for w in self.waiting]}
+
+    def load_state(self, state: dict) -> None:
+        self.position = state["position"]
+        self.draws = state.get("draws", self.position)
+        self.waiting = [(int(i), int(a)) for i, a in state.get("waiting", [])]
