@@ -309,6 +309,8 @@ class DataConfig:
     # a prompt not every answer of whose group was correct is asked again at the next step, up
     # to this many times (at most half of a step's prompts; Kimi k1.5's prioritised sampling)
     retry_unsolved: int = 0
+    # which prompts: 'unsolved' (not every answer correct), 'mixed' (some but not all correct)
+    retry_if: Literal["unsolved", "mixed"] = "unsolved"
     train_path: str | None = None       # task 'file': JSONL / CSV / Parquet file or datasets folder
     eval_path: str | None = None        # task 'file': held-out file; None splits eval_size off train
     prompt_field: str = "prompt"        # task 'file': the column holding the question
@@ -550,6 +552,7 @@ class TrainConfig:
         _check_range("steps", self.steps, 0)
         _check_range("data.eval_size", self.data.eval_size, 0)
         _check_range("data.retry_unsolved", self.data.retry_unsolved, 0)
+        _check_choice("data.retry_if", self.data.retry_if, ("unsolved", "mixed"))
         for name, lo in (("eval_every", 0), ("eval_batch_size", 1), ("log_samples", 0)):
             _check_range(name, getattr(self, name), lo)
         if self.max_minutes is not None:

@@ -120,7 +120,7 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
         per_response = [p for p in problems for _ in range(G)]
         result = scorer(per_response, completions)
         rewards, correct = episode_rewards(result, episodes, rollout.response_mask_B_T.device)
-        report_solved(sampler, correct, G, world)
+        report_solved(sampler, correct, G, cfg.data.retry_if, world)
         if algo.overlong == "shape":
             rewards = rewards + overlong_penalty(rollout.lengths_B, r.max_new_tokens,
                                                  algo.overlong_buffer, algo.overlong_penalty)
@@ -173,11 +173,18 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
     return merged.select(torch.arange(mine.start * G, mine.stop * G)), dict(stats)
 
 
-def report_solved(sampler: Sampler, correct_B: Tensor, G: int, world: World) -> None:
-    """Tell the sampler which of the step's prompts every answer solved (all ranks' prompts, in
-    draw order): the others may be asked again (`data.retry_unsolved`)."""
-    solved = correct_B.view(-1, G).all(-1).tolist()
-    sampler.report([ok for share in gather_objects(solved, world) for ok in share])
+def report_solved(sampler: Sampler, correct_B: Tensor, G: int, retry_if: str, world: World) -> None:
+    """Tell the sampler which of the step's prompts to ask again (all ranks' prompts, in draw
+    order): those not solved by every answer ('unsolved'), or solved by some but not all
+    ('mixed': the groups that taught something)."""
+    if not sampler.retries:
+        sampler.report([False] * (len(correct_B) // G * world.size))
+        return
+    correct_P_G = correct_B.view(-1, G)
+    again = ~correct_P_G.all(-1)
+    if retry_if == "mixed":
+        again &= correct_P_G.any(-1)
+    sampler.report([a for share in gather_objects(again.tolist(), world) for a in share])
 
 
 def loss_mask(rollout: Rollout, algo: AlgorithmConfig) -> Tensor:

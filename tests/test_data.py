@@ -116,14 +116,14 @@ def test_unsolved_prompts_are_asked_again_first_up_to_the_retry_limit():
     stream = [task.train_problem(0, i) for i in range(12)]
     problems, keys = s.draw(4)
     assert problems == stream[:4] and keys == [0, 1, 2, 3]
-    s.report([True, False, True, False])
+    s.report([False, True, False, True])
     problems, keys = s.draw(4)                    # 1 and 3 again (first retry), then fresh 4, 5
     assert problems == [stream[1], stream[3], stream[4], stream[5]] and keys == [4, 5, 6, 7]
     assert s.last_retried == 2
-    s.report([False, False, True, False])         # 1 and 3: a second retry; 5 its first
+    s.report([True, True, False, True])         # 1 and 3: a second retry; 5 its first
     problems, _ = s.draw(4)                       # at most half a draw is retries
     assert problems == [stream[1], stream[3], stream[6], stream[7]] and s.waiting == [(5, 0)]
-    s.report([False, False, False, False])        # 1 and 3 have no retries left
+    s.report([True, True, True, True])        # 1 and 3 have no retries left
     assert s.waiting == [(5, 0), (6, 0), (7, 0)]
     problems, _ = s.draw(4)
     assert problems == [stream[5], stream[6], stream[8], stream[9]]
@@ -140,10 +140,10 @@ def test_without_retries_a_draw_is_the_stream_and_its_state_round_trips():
         problems, keys = plain.draw(4)
         assert problems == [task.train_problem(3, i) for i in range(first, first + 4)]
         assert keys == list(range(first, first + 4))   # the noise keys of before: same samples
-        plain.report([False] * 4)
+        plain.report([True] * 4)
         assert plain.waiting == []
         retrying.draw(4)
-        retrying.report([False, True, False, False])
+        retrying.report([True, False, True, True])
     assert retrying.waiting == [(6, 0), (7, 0)]   # 3 unsolved a round, capped at 2: the newest kept
     copy = Sampler(task, 3, retries=1, max_waiting=2)
     copy.load_state(retrying.state())

@@ -10,6 +10,7 @@ from posttrain.config import load_config
 from posttrain.rewards import Scorer
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.batch import equal_reward_groups
+from posttrain.distributed import SINGLE
 from posttrain.trainer import generate_and_score, train
 from posttrain.update import update_policy
 from posttrain.data.source import Sampler, build_task
@@ -210,3 +211,14 @@ def test_a_batch_without_any_signal_still_steps(tmp_path, tokenizer):
                           torch.zeros_like(batch.loss_mask_B_T), cfg, cfg.algo, torch.Generator())
     assert stats["policy/skipped_rows_frac"] == 1.0 and stats["policy/grad_norm"] == 0.0
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # weight decay
+
+
+@pytest.mark.parametrize("retry_if,expected", [("unsolved", [1, 2]), ("mixed", [1])])
+def test_retry_if_picks_the_unsolved_or_the_mixed_groups(retry_if, expected):
+    from posttrain.data.tasks import make_task
+    from posttrain.trainer import report_solved
+    correct = torch.tensor([1, 1, 1, 0, 0, 0], dtype=torch.bool)   # G=2: solved, mixed, all wrong
+    sampler = Sampler(make_task("addition", 2), 0, retries=1)
+    sampler.draw(3)
+    report_solved(sampler, correct, 2, retry_if, SINGLE)
+    assert [i for i, _ in sampler.waiting] == expected

@@ -48,10 +48,10 @@ class Sampler:
     """Draws training prompts in a fixed order; its position (and the prompts waiting to be asked
     again) are saved in checkpoints.
 
-    With `retries` > 0, a prompt whose group was not all correct is asked again at the next step,
-    up to `retries` times: the simplest form of Kimi k1.5's prioritised sampling (sample a problem
-    in proportion to how often it fails). Late in a run most groups are all correct and teach
-    nothing; the ones that failed are where the signal is. Prompts asked again fill at most half of
+    With `retries` > 0, a prompt the trainer reports (its group was not all correct) is asked
+    again at the next step, up to `retries` times: the simplest form of Kimi k1.5's prioritised
+    sampling (sample a problem in proportion to how often it fails). Late in a run most groups are
+    all correct and teach nothing; the ones that failed are where the signal is. Prompts asked again fill at most half of
     a draw, so the stream keeps moving, and at most `max_waiting` wait (the oldest are dropped)."""
 
     def __init__(self, task: Task, seed: int, position: int = 0, retries: int = 0,
@@ -82,14 +82,15 @@ class Sampler:
         self.draws += n
         return [self.task.train_problem(self.seed, i) for i, _ in self._last], keys
 
-    def report(self, solved: list[bool]) -> None:
-        """Whether each prompt of the last `draw` was solved by every answer of its group; the
-        others wait to be asked again (while they have retries left)."""
-        if len(solved) != len(self._last):
-            raise ValueError(f"report() got {len(solved)} verdicts for {len(self._last)} prompts drawn")
+    def report(self, ask_again: list[bool]) -> None:
+        """Which prompts of the last `draw` to ask again (the trainer's `data.retry_if`: not
+        solved by every answer of its group, or solved by some but not all); they wait while
+        they have retries left."""
+        if len(ask_again) != len(self._last):
+            raise ValueError(f"report() got {len(ask_again)} verdicts for {len(self._last)} prompts drawn")
         if self.retries:
-            self.waiting += [(i, asked) for (i, asked), ok in zip(self._last, solved)
-                             if not ok and asked < self.retries]
+            self.waiting += [(i, asked) for (i, asked), again in zip(self._last, ask_again)
+                             if again and asked < self.retries]
             if self.max_waiting:
                 self.waiting = self.waiting[-self.max_waiting:]
         self._last = []
