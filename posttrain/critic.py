@@ -30,6 +30,7 @@ from posttrain.distributed import (SINGLE, World, average_gradients, clip_grad_n
                                    full_state_dict, load_optimizer_state, optimizer_state, wrap)
 from posttrain.forward import group_chunks, response_hidden, sequence_logprobs
 from posttrain.rollout import Rollout
+from posttrain.run import make_adamw
 
 log = logging.getLogger("posttrain")
 
@@ -76,8 +77,7 @@ class Critic:
             self.load(resume_from)
         if self.model is not None:
             self.model = wrap(self.model, world)      # FSDP2: the value model's layers sharded
-        self.optimizer = torch.optim.AdamW(self.parameters(), lr=cfg.lr, weight_decay=0.0,
-                                           foreach=False if world.strategy == "fsdp" else None)
+        self.optimizer = make_adamw(self.parameters(), cfg.lr, sharded=world.strategy == "fsdp")
 
     def parameters(self) -> list[nn.Parameter]:
         return list((self.model or self.head).parameters())

@@ -40,7 +40,7 @@ from posttrain.models import (freeze_lower_layers, load_policy, load_tokenizer, 
                               save_model)
 from posttrain.forward import pack, sequence_logprobs
 from posttrain.prompts import encode_prompts
-from posttrain.run import make_scheduler, seed_everything
+from posttrain.run import make_adamw, make_scheduler, seed_everything
 from posttrain.update import check_nonfinite_streak, step_if_finite
 
 log = logging.getLogger(__name__)
@@ -252,8 +252,8 @@ def _start(cfg: StageConfig, model, tokenizer, fields: list[str],
     if head_ids:
         groups.append({"params": list(head.parameters()), "lr": cfg.head_lr})
     o = cfg.optim
-    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
-                                  foreach=False if world.strategy == "fsdp" else None)
+    optimizer = make_adamw(groups, o.lr, (o.beta1, o.beta2), o.weight_decay,
+                           sharded=world.strategy == "fsdp")
     state = load_trainer_state(ckpt) if ckpt is not None else None
     logger = NullLogger()
     if world.main:

@@ -54,7 +54,7 @@ from posttrain.rollout import (HFRolloutEngine, Rollout, RolloutEngine, Sampling
                                episode_settings, make_engine, vllm_options)
 from posttrain.rollout.episodes import Episodes, run_episodes
 from posttrain.rollout.hf import row_seeds
-from posttrain.run import make_scheduler, seed_everything
+from posttrain.run import make_adamw, make_scheduler, seed_everything
 from posttrain.teachers import Teachers
 from posttrain.critic import Critic
 from posttrain.distributed import (SINGLE, World, barrier,
@@ -110,8 +110,6 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
         t0 = time.perf_counter()
         drawn, keys = sampler.draw(P_global)     # (prompts that failed before come first)
         problems, keys = drawn[world.share(P_global)], keys[world.share(P_global)]
-        if sampler.retries:
-            stats["rollout/retried_prompts"] += sampler.last_retried
         with full_weights_for_generation(getattr(engine, "model", None), world):
             episodes = run_episodes(engine, tokenizer, env, problems, G, params,
                                     episode_settings(cfg), generator, seeds=row_seeds(cfg.seed, keys, G))
@@ -120,7 +118,7 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
         per_response = [p for p in problems for _ in range(G)]
         result = scorer(per_response, completions)
         rewards, correct = episode_rewards(result, episodes, rollout.response_mask_B_T.device)
-        report_solved(sampler, correct, G, cfg.data.retry_if, world)
+        report_solved(sampler, correct, G, cfg.data.retry_if, world, stats)
         if algo.overlong == "shape":
             rewards = rewards + overlong_penalty(rollout.lengths_B, r.max_new_tokens,
                                                  algo.overlong_buffer, algo.overlong_penalty)
@@ -173,13 +171,16 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
     return merged.select(torch.arange(mine.start * G, mine.stop * G)), dict(stats)
 
 
-def report_solved(sampler: Sampler, correct_B: Tensor, G: int, retry_if: str, world: World) -> None:
+def report_solved(sampler: Sampler, correct_B: Tensor, G: int, retry_if: str, world: World,
+                  stats: Counter | None = None) -> None:
     """Tell the sampler which of the step's prompts to ask again (all ranks' prompts, in draw
     order): those not solved by every answer ('unsolved'), or solved by some but not all
-    ('mixed': the groups that taught something)."""
+    ('mixed': the groups that taught something). `stats` counts the draw's retried prompts."""
     if not sampler.retries:
         sampler.report([False] * (len(correct_B) // G * world.size))
         return
+    if stats is not None:
+        stats["rollout/retried_prompts"] += sampler.last_retried
     correct_P_G = correct_B.view(-1, G)
     again = ~correct_P_G.all(-1)
     if retry_if == "mixed":
@@ -383,9 +384,8 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
     engine = make_engine(cfg.rollout.backend, model, tokenizer, cfg.rollout.autocast,
                          cfg.rollout.weights, **vllm_options(cfg, path, model, world))
     o = cfg.optim
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr,
-                                  betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
-                                  foreach=False if world.strategy == "fsdp" else None)
+    optimizer = make_adamw([p for p in model.parameters() if p.requires_grad], o.lr,
+                           (o.beta1, o.beta2), o.weight_decay, sharded=world.strategy == "fsdp")
     scheduler = make_scheduler(optimizer, max(cfg.steps * o.epochs * o.minibatches, 1),
                                o.warmup_steps, o.schedule)
     if world.main:   # only rank 0 writes files; every rank computes and reduces the metrics

@@ -222,3 +222,23 @@ def test_retry_if_picks_the_unsolved_or_the_mixed_groups(retry_if, expected):
     sampler.draw(3)
     report_solved(sampler, correct, 2, retry_if, SINGLE)
     assert [i for i, _ in sampler.waiting] == expected
+
+
+def test_adamw_is_fused_on_cpu_and_takes_the_for_loops_steps():
+    from posttrain.run import make_adamw
+    torch.manual_seed(0)
+    start = [torch.randn(n) for n in (7, 50, 3)]
+    fused_w = [torch.nn.Parameter(p.clone()) for p in start]
+    loop_w = [torch.nn.Parameter(p.clone()) for p in start]
+    fused = make_adamw(fused_w, 1e-2, (0.9, 0.99), 0.01)
+    loop = torch.optim.AdamW(loop_w, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.01, foreach=False)
+    assert fused.defaults["fused"] and not make_adamw(loop_w, 1e-2, sharded=True).defaults["fused"]
+    for _ in range(5):
+        for a, b in zip(fused_w, loop_w):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        fused.step()
+        loop.step()
+    for a, b, p0 in zip(fused_w, loop_w, start):
+        assert (a - p0).abs().min() > 1e-5                          # every weight moved
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
