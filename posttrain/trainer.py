@@ -98,7 +98,7 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
     P informative groups. A single-turn task's episode is one answer (envs/base.py).
 
     Every rank draws the same P prompts and keeps its share; each response is sampled from noise
-    keyed by (seed, prompt index, g), so the batch does not depend on the number of ranks."""
+    keyed by (seed, draw number, g), so the batch does not depend on the number of ranks."""
     env = env or SingleTurn()
     r = cfg.rollout
     P, G = r.prompts_per_step, r.group_size

@@ -50,9 +50,10 @@ class Sampler:
 
     With `retries` > 0, a prompt the trainer reports (its group was not all correct) is asked
     again at the next step, up to `retries` times: the simplest form of Kimi k1.5's prioritised
-    sampling (sample a problem in proportion to how often it fails). Late in a run most groups are
-    all correct and teach nothing; the ones that failed are where the signal is. Prompts asked again fill at most half of
-    a draw, so the stream keeps moving, and at most `max_waiting` wait (the oldest are dropped)."""
+    sampling (sample a problem in proportion to how often it fails). Late in a run most groups
+    are all correct and teach nothing; the ones that failed are where the signal is. Prompts
+    asked again fill at most half of a draw, so the stream keeps moving, and at most
+    `max_waiting` wait (the oldest are dropped)."""
 
     def __init__(self, task: Task, seed: int, position: int = 0, retries: int = 0,
                  max_waiting: int = 0) -> None:
