@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from posttrain.losses import entropy_from_logits, token_logprobs
 from posttrain.models import decoder_and_head
-from posttrain.prompts import left_pad
+from posttrain.prompts import after_shared_prefix, common_prefix_length, left_pad
 from posttrain.rollout import Rollout
 from posttrain.rollout.hf import cache_kwarg
 
@@ -87,7 +87,6 @@ def response_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_i
     # prefix the first pass takes the first column row by row instead, so the number of decoder
     # calls never depends on the data (FSDP2 ranks must make the same calls).
     cache = DynamicCache()
-    cut = L - int(lengths.max()) + k if k else 1        # first column after the first pass
     with _autocast(device_type, autocast):
         if k:
             start = L - int(lengths[0])
@@ -95,19 +94,15 @@ def response_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_i
                             position_ids=torch.arange(k, device=p_ids.device)[None],
                             **{cache_kwarg(decoder): cache})
             cache.batch_repeat_interleave(n)
-            first_mask = torch.ones(n, k, dtype=p_mask.dtype, device=p_mask.device)
-            # a row's columns before `cut` + its prefix hold pad or prefix tokens: masked out here
-            cols = torch.arange(cut, L, device=p_mask.device)
-            rest_mask = p_mask[:, cut:] * (cols[None] >= (L - lengths + k)[:, None])
+            cut, mask = after_shared_prefix(p_ids, p_mask, k)
         else:
-            first_mask, rest_mask = p_mask[:, :1], p_mask[:, 1:]
-            first = decoder(input_ids=p_ids[:, :1], attention_mask=first_mask,
-                            position_ids=torch.zeros_like(first_mask), use_cache=True,
+            cut, mask = 1, p_mask
+            first = decoder(input_ids=p_ids[:, :1], attention_mask=p_mask[:, :1],
+                            position_ids=torch.zeros_like(p_mask[:, :1]), use_cache=True,
                             **{cache_kwarg(decoder): cache})
-        mask = torch.cat([first_mask, rest_mask], dim=1)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         prompt_out = decoder(input_ids=p_ids[:, cut:], attention_mask=mask,
-                             position_ids=pos[:, first_mask.shape[1]:], use_cache=True,
+                             position_ids=pos[:, mask.shape[1] - (L - cut):], use_cache=True,
                              **{cache_kwarg(decoder): cache})
         last_prompt_h = prompt_out.last_hidden_state[:, -1:].repeat_interleave(G, 0)  # (b, 1, H)
         cache.batch_repeat_interleave(G)
@@ -123,19 +118,6 @@ def response_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_i
         row = 0 if k else int(lengths.argmax())
         hidden = hidden + 0.0 * first.last_hidden_state[row, :1, :1].sum()
     return hidden.float() if autocast != "none" else hidden
-
-
-def common_prefix_length(prompt_ids: Tensor, prompt_mask: Tensor) -> int:
-    """How many leading tokens all these left-padded prompts share, keeping at least one token
-    of each prompt outside it (its hidden state predicts the first response token)."""
-    lengths = prompt_mask.sum(-1)
-    shortest = int(lengths.min())
-    if shortest < 2:
-        return 0
-    cols = (prompt_ids.shape[1] - lengths)[:, None] + torch.arange(shortest - 1,
-                                                                   device=prompt_ids.device)
-    aligned = prompt_ids.gather(1, cols)                               # each prompt from its start
-    return int((aligned == aligned[:1]).all(0).long().cumprod(0).sum())
 
 
 def _full_sequence_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,

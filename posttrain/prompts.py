@@ -126,3 +126,29 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
             ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[i, L - len(p):] = 1
     return ids, mask
+
+
+def common_prefix_length(prompt_ids: Tensor, prompt_mask: Tensor) -> int:
+    """How many leading tokens all these left-padded prompts share, keeping at least one token
+    of each prompt outside it (its hidden state predicts the first response token)."""
+    lengths = prompt_mask.sum(-1)
+    shortest = int(lengths.min())
+    if shortest < 2:
+        return 0
+    cols = (prompt_ids.shape[1] - lengths)[:, None] + torch.arange(shortest - 1,
+                                                                   device=prompt_ids.device)
+    aligned = prompt_ids.gather(1, cols)                               # each prompt from its start
+    return int((aligned == aligned[:1]).all(0).long().cumprod(0).sum())
+
+
+def after_shared_prefix(prompt_ids: Tensor, prompt_mask: Tensor, k: int) -> tuple[int, Tensor]:
+    """Layout of left-padded prompts once their k shared leading tokens have run as one row:
+    (cut, mask). The rest of every prompt lies in `prompt_ids[:, cut:]` (the longest prompt's
+    rest starts at `cut`; a shorter one's columns there before its rest hold pad or prefix tokens),
+    and `mask` (P, k + L - cut) is the attention mask over [the k prefix tokens, those columns]."""
+    L, lengths = prompt_ids.shape[1], prompt_mask.sum(-1)
+    cut = L - int(lengths.max()) + k
+    cols = torch.arange(cut, L, device=prompt_mask.device)
+    rest = prompt_mask[:, cut:] * (cols[None] >= (L - lengths + k)[:, None])
+    return cut, torch.cat([torch.ones(len(prompt_ids), k, dtype=prompt_mask.dtype,
+                                      device=prompt_mask.device), rest], dim=1)

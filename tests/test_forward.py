@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from posttrain.config import load_config
-from posttrain.forward import common_prefix_length, response_logits
+from posttrain.forward import response_logits
+from posttrain.prompts import common_prefix_length
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.data.source import build_task
 from posttrain.prompts import encode_prompts

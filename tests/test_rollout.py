@@ -133,3 +133,23 @@ def test_bf16_copy_samples_near_the_policy_and_follows_its_updates(tokenizer):
     assert gap() < 0.1
     for a, b in zip(copy.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b.to(torch.bfloat16))
+
+
+def test_prefill_runs_the_shared_prefix_once(tokenizer, tiny_model):
+    """The system turn every prompt shares enters the model once as one row; each prompt's own
+    tail then runs once for its whole group (the tokens the embedding layer sees, call by call)."""
+    engine = make_engine("hf", tiny_model, tokenizer)
+    ps = prompts(tokenizer, ["What is 1 + 1?", "What is 12 + 34?", "Hi"])
+    k = 0
+    while all(p[k] == ps[0][k] for p in ps):
+        k += 1
+    seen = []
+    hook = tiny_model.get_input_embeddings().register_forward_hook(
+        lambda m, args, out: seen.append(tuple(args[0].shape)))
+    try:
+        engine.generate(ps, 4, SamplingParams(3, greedy=True))
+    finally:
+        hook.remove()
+    longest_tail = max(len(p) for p in ps) - k
+    assert k > 10 and seen[0] == (1, k) and seen[1] == (3, longest_tail)
+    assert all(shape[1] == 1 for shape in seen[2:]) and seen[2][0] == 12

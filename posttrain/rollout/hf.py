@@ -2,7 +2,7 @@
 
 Written as a short loop instead of `model.generate` for three reasons, each measurable on a CPU:
 1. each prompt is prefilled once and its KV cache copied for its G responses (`generate` with
-   `num_return_sequences` prefills every copy);
+   `num_return_sequences` prefills every copy), and the prefix all prompts share runs once;
 2. rows that emitted EOS leave the batch (their cache rows are dropped), so late steps only pay
    for responses still being written;
 3. the log-prob of every sampled token is recorded from the same temperature-scaled distribution
@@ -20,7 +20,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from posttrain.models import decoder_and_head
-from posttrain.prompts import left_pad
+from posttrain.prompts import after_shared_prefix, common_prefix_length, left_pad
 from posttrain.rollout.base import Rollout, SamplingParams
 
 
@@ -248,14 +248,32 @@ class HFRolloutEngine:
 
     def _prefill(self, ids_P_L: Tensor, mask_P_L: Tensor, G: int):
         """The prompts' KV cache, computed once and shared by each group of G responses, and the
-        (B, V) logits, (B, L) attention mask and (B,) next positions of the first sampling step."""
-        pos_P_L = (mask_P_L.cumsum(-1) - 1).clamp(min=0)
+        (B, V) logits, (B, L') attention mask and (B,) next positions of the first sampling step.
+
+        The leading tokens every prompt shares (a chat template's system turn: 27 of the default
+        task's 40 prompt tokens) run once as a single row and their cache is copied to every
+        prompt, as vLLM's prefix caching does: 16 prompts prefill 27 + 16 x 13 tokens instead of
+        16 x 40."""
+        P, L = ids_P_L.shape
+        lengths = mask_P_L.sum(-1)
+        k = common_prefix_length(ids_P_L, mask_P_L)
         cache = DynamicCache()
-        logits = self._last_logits(input_ids=ids_P_L, attention_mask=mask_P_L, position_ids=pos_P_L,
-                                   use_cache=True, **{self.cache_kw: cache})
+        if k:
+            start = L - int(lengths[0])
+            self._last_logits(input_ids=ids_P_L[:1, start:start + k], use_cache=True,
+                              position_ids=torch.arange(k, device=ids_P_L.device)[None],
+                              **{self.cache_kw: cache})
+            cache.batch_repeat_interleave(P)
+            cut, mask = after_shared_prefix(ids_P_L, mask_P_L, k)
+        else:
+            cut, mask = 0, mask_P_L
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self._last_logits(input_ids=ids_P_L[:, cut:], attention_mask=mask,
+                                   position_ids=pos[:, mask.shape[1] - (L - cut):], use_cache=True,
+                                   **{self.cache_kw: cache})
         cache.batch_repeat_interleave(G)
-        return (cache, logits.repeat_interleave(G, 0), mask_P_L.repeat_interleave(G, 0),
-                pos_P_L[:, -1].repeat_interleave(G, 0) + 1)
+        return (cache, logits.repeat_interleave(G, 0), mask.repeat_interleave(G, 0),
+                pos[:, -1].repeat_interleave(G, 0) + 1)
 
 
 # respond(row, the turn's token ids, 'end' (EOS or a stop string) | 'length') -> the environment's tokens, or None
