@@ -317,10 +317,10 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
                 # 5. log and evaluate
                 log_step(run, step, batch, adv, metrics, timings, t_step, bar, show_progress)
                 run.nonfinite_streak = nonfinite_streak(run.nonfinite_streak, metrics, cfg)
-                if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and run.eval_problems:
-                    run_eval(run, step, f"step {step}")
             else:
-                log_empty_step(run, step, metrics, t_step, bar)
+                log_empty_step(run, step, metrics, t_step, bar, show_progress)
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and run.eval_problems:
+                run_eval(run, step, f"step {step}")
 
             # 6. checkpoint (every N steps, every M minutes, on a stop signal)
             save, stop = lifecycle.after_step(step)
@@ -588,12 +588,17 @@ def nonfinite_streak(streak: int, metrics: dict[str, Any], cfg: TrainConfig) -> 
     return streak
 
 
-def log_empty_step(run: Run, step: int, metrics: dict[str, Any], t_step: float, bar) -> None:
+def log_empty_step(run: Run, step: int, metrics: dict[str, Any], t_step: float, bar,
+                   show_progress: bool) -> None:
     """A step whose dynamic sampling kept no group: its sampling time and counts, no update."""
     metrics["perf/step_s"] = time.perf_counter() - t_step
     run.train_seconds += metrics["perf/step_s"]
     run.logger.log(step, metrics)
     bar.update(1)
+    if not show_progress and run.world.main:
+        log.info("step %d/%d | no group with a signal in %d responses: no update | %.1fs", step,
+                 run.cfg.steps, int(metrics.get("rollout/generated_responses", 0)),
+                 metrics["perf/step_s"])
 
 
 def stopped(run: Run, step: int, summary: dict[str, Any], signal_name: str | None) -> dict[str, Any]:

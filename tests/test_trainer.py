@@ -115,6 +115,22 @@ def test_dynamic_sampling_never_trains_on_an_all_equal_group(tmp_path, tokenizer
         assert stats["rollout/equal_groups_frac"] > 0.0   # the odd-operand groups were all-equal
 
 
+def test_steps_that_keep_no_group_still_log_and_evaluate_on_schedule(tmp_path, tokenizer):
+    """Dynamic sampling that finds no group with a signal makes no update, but the step is logged
+    and the evaluation due at it runs (it used to be skipped with the update)."""
+    cfg = load_config(None, [*TOY, "--run_dir", str(tmp_path / "run"), "--preset", "dapo",
+                             "--reward.functions", "tests.toy_rewards:always_one",
+                             "--algorithm.overlong", "none", "--data.eval_size", "4",
+                             "--steps", "3", "--eval_every", "2", "--rollout.prompts_per_step", "2",
+                             "--rollout.group_size", "2"])
+    train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    steps = [r["step"] for r in rows if "perf/step_s" in r]
+    evals = [r["step"] for r in rows if "eval/accuracy" in r]
+    assert steps == [1, 2, 3] and not any("policy/grad_norm" in r for r in rows)
+    assert evals == [0, 2, 3]
+
+
 @pytest.mark.parametrize("fn,status", [("raises", "error"), ("hangs", "timeout"),
                                        ("not_a_number", "nonfinite")])
 def test_broken_reward_functions_are_survived(tmp_path, tokenizer, fn, status):

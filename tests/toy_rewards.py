@@ -90,3 +90,8 @@ def tool_hangs(x: str) -> str:
 def tool_garbage(x: str) -> object:
     """A tool that returns something that is not text."""
     return {"not": "text"}
+
+
+def always_one(prompt: str, completion: str, answer: str) -> float:
+    """Every answer scores the same: every group is all-equal."""
+    return 1.0
