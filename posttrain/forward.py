@@ -82,19 +82,18 @@ def response_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_i
     lengths = p_mask.sum(-1)
     k = common_prefix_length(p_ids, p_mask)
     # Three passes over one growing KV cache, gradients through all of it: the prefix every
-    # prompt shares (a chat template's system turn: 30 of the 40 prompt tokens of the default
+    # prompt shares (a chat template's system turn: 27 of the 40 prompt tokens of the default
     # task) once, each group's rest of the prompt once, then every response. With no shared
     # prefix the first pass takes the first column row by row instead, so the number of decoder
     # calls never depends on the data (FSDP2 ranks must make the same calls).
     cache = DynamicCache()
     with _autocast(device_type, autocast):
         if k:
-            start = L - int(lengths[0])
-            first = decoder(input_ids=p_ids[:1, start:start + k], use_cache=True,
+            prefix, cut, mask = after_shared_prefix(p_ids, p_mask, k)
+            first = decoder(input_ids=prefix, use_cache=True,
                             position_ids=torch.arange(k, device=p_ids.device)[None],
                             **{cache_kwarg(decoder): cache})
             cache.batch_repeat_interleave(n)
-            cut, mask = after_shared_prefix(p_ids, p_mask, k)
         else:
             cut, mask = 1, p_mask
             first = decoder(input_ids=p_ids[:, :1], attention_mask=p_mask[:, :1],

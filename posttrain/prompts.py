@@ -141,14 +141,18 @@ def common_prefix_length(prompt_ids: Tensor, prompt_mask: Tensor) -> int:
     return int((aligned == aligned[:1]).all(0).long().cumprod(0).sum())
 
 
-def after_shared_prefix(prompt_ids: Tensor, prompt_mask: Tensor, k: int) -> tuple[int, Tensor]:
-    """Layout of left-padded prompts once their k shared leading tokens have run as one row:
-    (cut, mask). The rest of every prompt lies in `prompt_ids[:, cut:]` (the longest prompt's
-    rest starts at `cut`; a shorter one's columns there before its rest hold pad or prefix tokens),
-    and `mask` (P, k + L - cut) is the attention mask over [the k prefix tokens, those columns]."""
+def after_shared_prefix(prompt_ids: Tensor, prompt_mask: Tensor,
+                        k: int) -> tuple[Tensor, int, Tensor]:
+    """Layout of left-padded prompts whose k shared leading tokens run once as one row:
+    (prefix (1, k), cut, mask). The rest of every prompt lies in `prompt_ids[:, cut:]` (the
+    longest prompt's rest starts at `cut`; a shorter one's columns there before its rest hold pad
+    or prefix tokens), and `mask` (P, k + L - cut) is the attention mask over [the k prefix tokens,
+    those columns]."""
     L, lengths = prompt_ids.shape[1], prompt_mask.sum(-1)
+    start = L - int(lengths[0])
     cut = L - int(lengths.max()) + k
     cols = torch.arange(cut, L, device=prompt_mask.device)
     rest = prompt_mask[:, cut:] * (cols[None] >= (L - lengths + k)[:, None])
-    return cut, torch.cat([torch.ones(len(prompt_ids), k, dtype=prompt_mask.dtype,
-                                      device=prompt_mask.device), rest], dim=1)
+    mask = torch.cat([torch.ones(len(prompt_ids), k, dtype=prompt_mask.dtype,
+                                 device=prompt_mask.device), rest], dim=1)
+    return prompt_ids[:1, start:start + k], cut, mask

@@ -6,10 +6,9 @@ import torch
 
 from posttrain.config import load_config
 from posttrain.forward import response_logits
-from posttrain.prompts import common_prefix_length
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.data.source import build_task
-from posttrain.prompts import encode_prompts
+from posttrain.prompts import after_shared_prefix, common_prefix_length, encode_prompts
 from tests.conftest import make_tiny_model
 
 
@@ -27,6 +26,16 @@ def test_common_prefix_length_by_hand():
     assert common_prefix_length(*left_padded([[5, 6, 7], [5, 6, 7]])) == 2
     assert common_prefix_length(*left_padded([[5, 6, 7, 8], [5, 6]])) == 1
     assert common_prefix_length(*left_padded([[5], [5, 6]])) == 0
+
+
+def test_after_shared_prefix_by_hand():
+    """Prompts [5 6 7 8 9] and [5 6 10] share k=2: the prefix row is [5 6]; the rest starts at the
+    longest prompt's column 2; the shorter prompt's columns there hold its prefix (masked) then 10."""
+    ids, mask = left_padded([[5, 6, 7, 8, 9], [5, 6, 10]])
+    prefix, cut, rest_mask = after_shared_prefix(ids, mask, 2)
+    assert prefix.tolist() == [[5, 6]] and cut == 2
+    assert ids[:, cut:].tolist() == [[7, 8, 9], [5, 6, 10]]
+    assert rest_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 1]]
 
 
 CASES = {

@@ -255,16 +255,14 @@ class HFRolloutEngine:
         prompt, as vLLM's prefix caching does: 16 prompts prefill 27 + 16 x 13 tokens instead of
         16 x 40."""
         P, L = ids_P_L.shape
-        lengths = mask_P_L.sum(-1)
         k = common_prefix_length(ids_P_L, mask_P_L)
         cache = DynamicCache()
         if k:
-            start = L - int(lengths[0])
-            self._last_logits(input_ids=ids_P_L[:1, start:start + k], use_cache=True,
+            prefix, cut, mask = after_shared_prefix(ids_P_L, mask_P_L, k)
+            self._last_logits(input_ids=prefix, use_cache=True,
                               position_ids=torch.arange(k, device=ids_P_L.device)[None],
                               **{self.cache_kw: cache})
             cache.batch_repeat_interleave(P)
-            cut, mask = after_shared_prefix(ids_P_L, mask_P_L, k)
         else:
             cut, mask = 0, mask_P_L
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
