@@ -247,6 +247,16 @@ def summary(sides: dict[str, list[dict]]) -> None:
               f" | {mean_sd([r['eval_steps'][-1] for r in runs], digits=0)}"
               f" | {pct([r['final']['3digit']['accuracy'] for r in runs])} | {step_s:.1f}"
               f" | {f'{max(rss):.1f} GB' if rss else 'n/a'} |")
+    # each run's own figures, so that seeds measured on other days can be pooled with these
+    print("\nper seed:")
+    for name, runs in sides.items():
+        for r in runs:
+            at = ", ".join(f"{t} min {100 * a:.1f}%" for t in (2, 5)
+                           if (a := at_minutes(r, t)) is not None)
+            step_s = statistics.median(r["step_s"][1:] or r["step_s"])
+            print(f"  {name} seed {r['seed']}: {at}, after training "
+                  f"{100 * r['eval_accuracy'][-1]:.1f}% ({r['eval_steps'][-1]} steps, "
+                  f"{step_s:.1f} s/step), 3-digit {100 * r['final']['3digit']['accuracy']:.1f}%")
 
 
 def report(sides: dict[str, list[dict]], out: Path) -> None:
@@ -349,9 +359,11 @@ def load_out(out: Path) -> dict[str, list[dict]]:
     label = meta.get("label") or out.name
     sides: dict[str, list[dict]] = {}
     for f in sorted(out.glob("posttrain-s*/bench.json")):
-        sides.setdefault(f"posttrain {label}".strip(), []).append(json.loads(f.read_text()))
+        run = {"seed": int(f.parent.name.removeprefix("posttrain-s")), **json.loads(f.read_text())}
+        sides.setdefault(f"posttrain {label}".strip(), []).append(run)
     for f in sorted(out.glob("trl-s*.json")):
-        sides.setdefault("TRL 1.16", []).append(json.loads(f.read_text()))
+        run = {"seed": int(f.stem.removeprefix("trl-s")), **json.loads(f.read_text())}
+        sides.setdefault("TRL 1.16", []).append(run)
     return sides
 
 
