@@ -95,13 +95,22 @@ TRL_SCRIPT = textwrap.dedent('''
 ''')
 
 
+# What the TRL side imports: TRL itself, and from posttrain (put on sys.path, not installed) its
+# task and verifier, whose package imports reach pebble. An existing venv missing one gets it.
+TRL_VENV_PACKAGES = {"trl": "trl==1.16.0", "math_verify": "math-verify", "gguf": "gguf",
+                     "accelerate": "accelerate", "pebble": "pebble"}
+
+
 def ensure_trl_venv(path: Path) -> Path:
     py = path / "bin" / "python"
+    pip = [str(py), "-m", "pip", "install", "--quiet"]
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
-        pip = [str(py), "-m", "pip", "install", "--quiet"]
         subprocess.run([*pip, "torch==2.13.0"], check=True)
-        subprocess.run([*pip, "trl==1.16.0", "math-verify", "gguf", "accelerate"], check=True)
+    missing = [spec for module, spec in TRL_VENV_PACKAGES.items()
+               if subprocess.run([str(py), "-c", f"import {module}"], capture_output=True).returncode]
+    if missing:
+        subprocess.run([*pip, *missing], check=True)
     return py
 
 
