@@ -22,7 +22,8 @@ final models of both sides are scored again by benchmarks/heldout.py, on 2-digit
 addition (never trained). Evaluation time is excluded from the training minutes.
 
 Prints, for each side: a summary row (held-out accuracy at 2 and 5 training minutes and after
-training, 3-digit transfer, steps, s/step, the run's peak resident memory), training reward at
+training, 3-digit transfer, steps, s/step, the run's peak resident memory) and each seed's own
+figures (to pool seeds run on different days), training reward at
 every step (mean and spread over seeds), its mean over all steps, held-out accuracy at equal
 steps and at equal training minutes, entropy and the share of all-equal groups per step; writes
 OUT/learning.png (each run's figures: OUT/posttrain-s<seed>/bench.json, OUT/trl-s<seed>.json).
