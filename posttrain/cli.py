@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from posttrain import __version__
-from posttrain.errors import NonFiniteError
+from posttrain.errors import FailingSourceError, NonFiniteError
 from posttrain.config import (PRESETS, ConfigError, StageConfig, TrainConfig, check_option_names,
                               load_config, load_stage_config)
 
@@ -306,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except NonFiniteError as e:   # a run that went numerically wrong: said in one line
         print(f"posttrain: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    except FailingSourceError as e:   # the message, then the first failure's traceback
+        print(f"posttrain: error: {e}", file=sys.stderr)
         return 1
 
 

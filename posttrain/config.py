@@ -386,11 +386,15 @@ class RewardConfig:
     format_weight: float = 0.0          # extra reward for an answer in the expected format
     functions: tuple[str, ...] = ()     # user rewards as 'module:function' (added, weight 1 each)
     timeout_s: float = 5.0              # a reward call running longer gets the fallback
-    # worker processes that run the `functions` (a hang is killed at timeout_s, a crash is
-    # survived, calls run in parallel); 0: in the trainer's process, where the timeout is a
-    # SIGALRM that the function itself can cancel and a crash ends the run
+    # worker processes that run the verifier and the `functions` on the policy's answers (a hang
+    # is killed at timeout_s, a crash or exit() is survived, calls run in parallel); 0: in the
+    # trainer's process, where the timeout is a SIGALRM that the callee can cancel and a crash
+    # ends the run (unsafe with answers a model wrote: for debugging only)
     workers: int = 2
     fallback: float = 0.0               # reward given when a function raises, hangs or returns NaN
+    # a verifier, reward function, tool or environment that fails on most of its calls for this
+    # many steps in a row stops the run with its first failure's traceback (0: never stop)
+    max_failing_steps: int = 3
     # RLHF (§1): a Bradley-Terry reward model folder (`posttrain reward-model` writes one; any
     # AutoModelForSequenceClassification with one label works), added with weight model_weight.
     # Set correct_reward 0 to train on the model's score alone: accuracy is still measured.
@@ -401,6 +405,7 @@ class RewardConfig:
 
     def validate(self) -> None:
         _check_range("reward.workers", self.workers, 0)
+        _check_range("reward.max_failing_steps", self.max_failing_steps, 0)
         _check_range("reward.timeout_s", self.timeout_s, 0.0, lo_open=True)
         if self.model is not None and not Path(self.model).is_dir():
             raise ConfigError(f"reward.model={self.model!r} is not a folder (train one with "

@@ -3,3 +3,8 @@
 
 class NonFiniteError(RuntimeError):
     """Several optimizer steps in a row had a non-finite loss or gradient: the run stops."""
+
+
+class FailingSourceError(RuntimeError):
+    """A reward function, verifier, tool or environment failed on most of its calls for several
+    steps in a row: the run stops with the first failure's traceback instead of learning nothing."""

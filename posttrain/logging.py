@@ -63,9 +63,10 @@ class MetricsLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self._tb.add_scalar(k, v, step)
+            for k, v in metrics.items():
+                v = v.item() if hasattr(v, "item") else v
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, step)   # (NaN and Inf as TensorBoard shows them)
 
     def close(self) -> None:
         self._file.close()
@@ -125,11 +126,26 @@ def truncate_jsonl(path: Path, step: int) -> None:
 
 
 def _plain(v: Any) -> Any:
+    """A metric as JSON: a non-finite float as the string "nan", "inf" or "-inf" (JSON has no
+    such numbers, and dropping them would hide exactly the step that went wrong); None (no
+    value: e.g. the length of correct answers in a step without one) stays null."""
     if hasattr(v, "item"):
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):
-        return None
+        return str(v)
     return v
+
+
+def number(v: Any) -> float | None:
+    """A logged metric as a float ("nan" / "inf" read back), or None when it has none."""
+    if isinstance(v, bool) or v is None:
+        return None
+    if isinstance(v, (int, float)):
+        return float(v)
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
 
 
 def console_line(step: int, total: int, metrics: dict[str, Any]) -> str:
@@ -158,7 +174,8 @@ def plot_run(run_dir: Path) -> Path:
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
 
     def series(key, rs=train, x="step"):
-        pts = [(r[x], r[key]) for r in rs if r.get(key) is not None and r.get(x) is not None]
+        pts = [(r[x], number(r[key])) for r in rs
+               if number(r.get(key)) is not None and r.get(x) is not None]
         return zip(*pts) if pts else ([], [])
 
     ax = axes[0, 0]

@@ -58,8 +58,9 @@ class ReplyEncoder:
     Found once per role by rendering a two-message conversation with and without the extra
     message and taking the difference of the texts, so it works with any template that renders
     a conversation as the concatenation of its turns (ChatML, Llama 3, Qwen, Hermes, ...). A
-    template that refuses the role (some only accept alternating user/assistant) gets the message
-    as a user turn. Without a chat template a message is its text on its own lines."""
+    template that refuses the role (some only accept alternating user/assistant) is reported
+    with its own error, never replaced by a made-up format. Without a chat template a message
+    is its text on its own lines."""
 
     _MARK = "\u2063ANSWER\u2063"
 
@@ -81,19 +82,19 @@ class ReplyEncoder:
         if role not in self._parts:
             base = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": self._MARK}]
             before = self._render(base, False)
-            shown = role
             try:
                 after = self._render(base + [{"role": role, "content": self._MARK}], True)
-            except Exception:  # noqa: BLE001 - a template that refuses the role (jinja raises)
-                shown = "user"
-                after = self._render(base + [{"role": "user", "content": self._MARK}], True)
+            except Exception as e:  # noqa: BLE001 - jinja raises whatever the template raises
+                raise ValueError(
+                    f"the chat template raised on a {role!r} message after an assistant turn "
+                    f"({type(e).__name__}: {e}); the environment's replies need a template that "
+                    f"renders that role (a tokenizer whose template takes it), or an environment "
+                    f"that replies as 'user'") from None
             if not after.startswith(before):
                 raise ValueError("the chat template does not render a conversation as the "
                                  "concatenation of its turns; multi-turn episodes need one that does")
             closing = before[before.rindex(self._MARK) + len(self._MARK):]
             head, _, tail = after[len(before):].partition(self._MARK)
-            if shown != role:
-                head = head + f"[{role}] "
             self._parts[role] = (closing, head, tail)
         return self._parts[role]
 

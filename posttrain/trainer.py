@@ -38,6 +38,8 @@ from posttrain.advantages import (ADVANTAGES, NEEDS_TEACHER, NEEDS_VALUES, Advan
 from posttrain.checkpoint import (latest_checkpoint, load_trainer_state, restore_rng,
                                   save_checkpoint)
 from posttrain.config import AlgorithmConfig, ConfigError, TrainConfig
+from posttrain.errors import FailingSourceError
+from posttrain.health import FailureWatch, Tally, merge_tallies
 from posttrain.data.source import Sampler, build_task
 from posttrain.data.tasks import Problem
 from posttrain.evaluation import evaluate
@@ -92,8 +94,8 @@ def teacher_view(batch: ScoredBatch, cfg: TrainConfig, tokenizer) -> Rollout:
 
 def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, scorer: Scorer,
                        cfg: TrainConfig, algo: AlgorithmConfig, generator: torch.Generator,
-                       timings: Counter, world: World = SINGLE, env: Environment | None = None
-                       ) -> tuple[ScoredBatch, dict[str, float]]:
+                       timings: Counter, world: World = SINGLE, env: Environment | None = None,
+                       tallies: dict[str, Tally] | None = None) -> tuple[ScoredBatch, dict[str, float]]:
     """Sample a group of episodes per prompt and score them; with dynamic sampling, refill until
     P informative groups. A single-turn task's episode is one answer (envs/base.py).
 
@@ -115,17 +117,13 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
                                     episode_settings(cfg), generator, seeds=row_seeds(cfg.seed, keys, G))
         t1 = time.perf_counter()
         rollout, completions = episodes.rollout, episodes.completions
+        if tallies is not None:   # the environment's and its tools' failures (FailureWatch)
+            tallies.update(merge_tallies(tallies, episodes.tallies()))
         per_response = [p for p in problems for _ in range(G)]
-        result = scorer(per_response, completions)
-        rewards, correct = episode_rewards(result, episodes, rollout.response_mask_B_T.device)
-        report_solved(sampler, correct, G, cfg.data.retry_if, world, stats)
-        if algo.overlong == "shape":
-            rewards = rewards + overlong_penalty(rollout.lengths_B, r.max_new_tokens,
-                                                 algo.overlong_buffer, algo.overlong_penalty)
+        result, rewards, correct = score_round(episodes, per_response, scorer, sampler, cfg,
+                                               algo, world, stats)
         timings["generate"] += t1 - t0
         timings["reward"] += time.perf_counter() - t1
-        for k, v in result.failures.items():
-            stats[f"reward/failures_{k}"] += v
         if env.max_turns > 1 and rounds == 0:    # per episode: turns, tool calls, malformed calls
             stats.update(episodes.metrics())
         batch = ScoredBatch(rollout, per_response, completions, rewards, correct,
@@ -169,6 +167,22 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
     merged = merge(parts, tokenizer.pad_token_id)
     mine = world.share(n_use)
     return merged.select(torch.arange(mine.start * G, mine.stop * G)), dict(stats)
+
+
+def score_round(episodes: Episodes, per_response: list[Problem], scorer: Scorer, sampler: Sampler,
+                cfg: TrainConfig, algo: AlgorithmConfig, world: World, stats: Counter):
+    """A round's rewards (verifier, reward functions, the environment's, DAPO's overlong shaping)
+    and verdicts; the prompts to ask again go to the sampler, failed calls to `stats`."""
+    rollout = episodes.rollout
+    result = scorer(per_response, episodes.completions)
+    rewards, correct = episode_rewards(result, episodes, rollout.response_mask_B_T.device)
+    report_solved(sampler, correct, cfg.rollout.group_size, cfg.data.retry_if, world, stats)
+    if algo.overlong == "shape":
+        rewards = rewards + overlong_penalty(rollout.lengths_B, cfg.rollout.max_new_tokens,
+                                             algo.overlong_buffer, algo.overlong_penalty)
+    for k, v in result.failures.items():
+        stats[f"reward/failures_{k}"] += v
+    return result, rewards, correct
 
 
 def report_solved(sampler: Sampler, correct_B: Tensor, G: int, retry_if: str, world: World,
@@ -257,6 +271,7 @@ class Run:
     train_seconds: float = 0.0
     resumed: bool = False
     nonfinite_streak: int = 0           # trainer steps in a row whose every optimizer step was skipped
+    watch: FailureWatch | None = None   # sources failing on most calls, step after step
     saved_step: int = -1                # the step of the last checkpoint written
 
     @property
@@ -296,8 +311,11 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
             timings: Counter = Counter()
 
             # 1. sample a group per prompt and score it (pi_old = the current policy)
+            tallies: dict[str, Tally] = {}
             batch, metrics = generate_and_score(run.engine, run.tokenizer, run.sampler, run.scorer,
-                                                cfg, algo, run.generator, timings, world, run.env)
+                                                cfg, algo, run.generator, timings, world, run.env,
+                                                tallies)
+            check_health(run, step, tallies)      # a source failing step after step stops the run
             if len(batch.rewards_B) > 0:   # (dynamic sampling may find nothing informative)
                 # 2. frozen log-probs: the trainer's pi_old (another engine sampled), pi_ref, the teacher
                 batch = frozen_passes(run, batch, metrics, timings)
@@ -397,10 +415,20 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
                       max_waiting=cfg.rollout.prompts_per_step)
     run = Run(cfg, world, run_dir, model, tokenizer, engine, optimizer, scheduler, sampler,
               scorer, generator, logger, task.eval_problems, teachers, ref_model, uses_ref, critic,
-              env=env)
+              env=env, watch=FailureWatch(cfg.reward.max_failing_steps))
     if ckpt is not None:
         restore(run, ckpt)
     return run
+
+
+def check_health(run: Run, step: int, tallies: dict[str, Tally]) -> None:
+    """Stop the run (every rank) when a verifier, reward function, tool or environment has failed
+    on most of its calls for `reward.max_failing_steps` steps in a row."""
+    problem = run.watch.check(step, merge_tallies(tallies, run.scorer.take_tallies()))
+    if global_max(float(problem is not None), run.world) > 0:
+        run.scorer.close()
+        raise FailingSourceError(problem or "a verifier, reward function, tool or environment kept "
+                                 "failing on another rank (its log has the traceback)")
 
 
 def teacher_paths(t) -> list[tuple[str, str]]:

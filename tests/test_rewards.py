@@ -132,7 +132,7 @@ def test_timeout_outside_the_main_thread():
         "r", call_with_limits(hang, {"prompt": "", "completion": "", "answer": ""}, 0.2)))
     worker.start()
     worker.join(5)
-    assert out["r"] == (None, "timeout")
+    assert out["r"] == (None, "timeout", None)
 
 
 @pytest.mark.parametrize("spec,msg", [("nocolon", "module:function"),

@@ -10,6 +10,7 @@ question of the held-out set removed, so the two are disjoint. Answers are score
 
 from __future__ import annotations
 
+import ast
 import functools
 import re
 from typing import Any
@@ -75,11 +76,38 @@ def candidates(text: str) -> list[str]:
     return list(dict.fromkeys(c for c in out if c))
 
 
+# Tasks whose `score_answer` hands the answer to Python's `eval` (reasoning-gym 0.1.x: a
+# "python list" answer format). An answer reaches them only when it is a plain literal.
+EVAL_SCORERS = frozenset({"spiral_matrix", "string_insertion", "binary_matrix", "n_queens"})
+_LITERAL_NODES = (ast.Expression, ast.Constant, ast.List, ast.Tuple, ast.Set, ast.Dict, ast.Load,
+                  ast.UnaryOp, ast.USub, ast.UAdd, ast.Name)
+MAX_EVAL_ANSWER = 20_000   # characters: a literal this long is no answer to these tasks
+
+
+def safe_for_eval(text: str) -> bool:
+    """Is `eval(text)` harmless? True for text that is not Python at all (eval raises
+    SyntaxError) and for literals (numbers, strings, lists, tuples, sets, dicts, signs) and bare
+    names (a look-up, which calls nothing; "ABBA" is an answer to string_insertion): no calls,
+    attributes, subscripts, operators (`9**9**9**9` hangs) or comprehensions."""
+    if len(text) > MAX_EVAL_ANSWER:
+        return False
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return True
+    return all(isinstance(node, _LITERAL_NODES) for node in ast.walk(tree))
+
+
 def gym_correct(completion: str, problem: Problem) -> bool:
-    """The task's own `score_answer` gives one of the response's candidate answers full marks."""
-    score = _scorer(problem.meta["reasoning_gym"])
+    """The task's own `score_answer` gives one of the response's candidate answers full marks.
+    For the tasks that `eval` the answer, only candidates that are plain literals are scored.
+    (Called in a reward worker process, with a timeout: rewards/pool.py.)"""
+    name = problem.meta["reasoning_gym"]
+    score = _scorer(name)
     entry = problem.meta["entry"]
     for c in candidates(completion):
+        if name in EVAL_SCORERS and not safe_for_eval(c):
+            continue
         try:
             if float(score(answer=c, entry=entry)) >= 1.0:
                 return True

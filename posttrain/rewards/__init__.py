@@ -12,7 +12,8 @@ from torch import Tensor
 
 from posttrain.config import RewardConfig
 from posttrain.data.tasks import Problem
-from posttrain.rewards.pool import RewardPool
+from posttrain.health import Tally
+from posttrain.rewards.pool import Outcome, RewardPool
 from posttrain.rewards.safe import call_with_limits, load_function
 from posttrain.rewards.verifiers import VERIFIERS, is_bare_answer, overlong_penalty
 
@@ -74,13 +75,14 @@ class Scorer:
                  system_prompt: str | None = None, autocast: str = "none") -> None:
         self.cfg = cfg
         name = task_verifier if cfg.verifier == "math" and task_verifier != "math" else cfg.verifier
-        self.verify = None if name == "none" else VERIFIERS[name]
+        self.verifier = None if name == "none" else name
         self.per_problem = cfg.verifier == "math"   # a task mixture names each problem's verifier
         # Loaded now, so a wrong 'module:function' fails before any model is loaded.
         self.functions = [(spec, load_function(spec)) for spec in cfg.functions]
+        self._by_spec = dict(self.functions)
         self.styles = {spec: call_style(fn) for spec, fn in self.functions}
-        self.pool = (RewardPool(tuple(cfg.functions), cfg.workers, cfg.timeout_s)
-                     if cfg.functions and cfg.workers else None)
+        self.pool = RewardPool(tuple(cfg.functions), cfg.workers, cfg.timeout_s) if cfg.workers else None
+        self.tallies: dict[str, Tally] = {}
         self.system_prompt, self.autocast = system_prompt, autocast
         self._reward_model = None
 
@@ -109,29 +111,57 @@ class Scorer:
         return result
 
     def verify_and_functions(self, problems: list[Problem], completions: list[str]) -> RewardResult:
-        rewards, correct, failures = [], [], Counter()
-        for problem, text in zip(problems, completions, strict=True):
-            verify = self.verify
-            if self.per_problem and "verifier" in problem.meta:
-                verify = VERIFIERS[problem.meta["verifier"]]
-            ok = bool(verify(text, problem)) if verify else False
-            r = self.cfg.correct_reward * ok
-            if self.cfg.format_weight:
-                r += self.cfg.format_weight * is_bare_answer(text)
-            rewards.append(r)
-            correct.append(ok)
-        calls = [(spec, reward_kwargs(self.styles[spec], p, text))
-                 for p, text in zip(problems, completions) for spec, _ in self.functions]
+        """The verifier's verdict and the user functions' rewards for each response; every call
+        runs in the worker pool (reward.workers 0: in this process), where an answer that makes a
+        scorer raise, exit or hang is a failed call, not the trainer's problem."""
+        calls, owners = self._calls(problems, completions)
         if self.pool is not None:
             outcomes = self.pool.map(calls)
         else:
-            fns = dict(self.functions)
-            outcomes = [call_with_limits(fns[spec], kw, self.cfg.timeout_s) for spec, kw in calls]
-        per = len(self.functions)
-        for i, (value, status) in enumerate(outcomes):
-            if status != "ok":
-                failures[status] += 1
-                value = self.cfg.fallback
-            rewards[i // per] += value
+            outcomes = [self._in_process(kind, target, kw) for kind, target, kw in calls]
+        rewards = [0.0] * len(completions)
+        correct = [False] * len(completions)
+        failures: Counter = Counter()
+        for (kind, target, _), i, out in zip(calls, owners, outcomes):
+            source = f"verifier {target!r}" if kind == "verify" else f"reward function {target!r}"
+            self.tallies.setdefault(source, Tally()).add(out.status != "ok", out.error)
+            if out.status != "ok":
+                failures[out.status if kind == "function" else f"verifier_{out.status}"] += 1
+            if kind == "verify":
+                correct[i] = out.status == "ok" and out.value == 1.0
+                rewards[i] += self.cfg.correct_reward * correct[i]
+            else:
+                rewards[i] += out.value if out.status == "ok" else self.cfg.fallback
+        if self.cfg.format_weight:
+            for i, text in enumerate(completions):
+                rewards[i] += self.cfg.format_weight * is_bare_answer(text)
         return RewardResult(torch.tensor(rewards, dtype=torch.float32),
                             torch.tensor(correct, dtype=torch.bool), failures)
+
+    def _calls(self, problems: list[Problem], completions: list[str]):
+        """(kind, target, kwargs) of every call, and the response each belongs to."""
+        calls, owners = [], []
+        for i, (problem, text) in enumerate(zip(problems, completions, strict=True)):
+            name = self.verifier
+            if self.per_problem and "verifier" in problem.meta:
+                name = problem.meta["verifier"]
+            if name is not None:
+                calls.append(("verify", name, {"completion": text, "problem": problem}))
+                owners.append(i)
+            for spec, _ in self.functions:
+                calls.append(("function", spec, reward_kwargs(self.styles[spec], problem, text)))
+                owners.append(i)
+        return calls, owners
+
+    def _in_process(self, kind: str, target: str, kwargs: dict[str, Any]) -> Outcome:
+        """reward.workers 0: the call in this process (a SIGALRM timeout the callee can cancel)."""
+        fn = VERIFIERS[target] if kind == "verify" else self._by_spec[target]
+        value, status, error = call_with_limits(fn, kwargs, self.cfg.timeout_s)
+        if kind == "verify" and status == "ok":
+            value = float(bool(value))
+        return Outcome(value, status, error)
+
+    def take_tallies(self) -> dict[str, Tally]:
+        """Calls and failures per verifier and function since the last take (FailureWatch)."""
+        out, self.tallies = self.tallies, {}
+        return out

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -34,20 +35,25 @@ def load_function(spec: str) -> Callable[..., Any]:
 
 
 def call_with_limits(fn: Callable[..., Any], kwargs: dict[str, Any], timeout_s: float
-                     ) -> tuple[float | None, str]:
-    """Run fn(**kwargs) -> (value, status); status is 'ok', 'error', 'timeout' or 'nonfinite'.
+                     ) -> tuple[float | None, str, str | None]:
+    """Run fn(**kwargs) in this process -> (value, status, traceback of a failure); status is
+    'ok', 'error', 'timeout' or 'nonfinite'. Used only with reward.workers 0 (rewards/pool.py
+    is the safe path).
 
     In the main thread a SIGALRM timer interrupts a hang in Python code (the common case: a loop
     or a regex). Elsewhere, or on platforms without SIGALRM, the call runs in a daemon thread that
-    is abandoned on timeout: the result is discarded, but that thread cannot be killed.
+    is abandoned on timeout: the result is discarded, but that thread cannot be killed. SystemExit
+    is a failed call; KeyboardInterrupt (the user's second Ctrl-C) still stops the run.
     """
     try:
         value = call_with_timeout(fn, kwargs, timeout_s)
     except RewardTimeout:
-        return None, "timeout"
-    except Exception:  # noqa: BLE001 - any failure of user code becomes the fallback reward
-        return None, "error"
-    return as_reward(value)
+        return None, "timeout", None
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001 - any failure of user code becomes the fallback reward
+        return None, "error", traceback.format_exc()[-4000:]
+    return (*as_reward(value), None)
 
 
 def call_with_timeout(fn: Callable[..., Any], kwargs: dict[str, Any], timeout_s: float) -> Any:

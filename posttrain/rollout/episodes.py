@@ -14,8 +14,9 @@ exactly as before episodes existed.
 from __future__ import annotations
 
 import inspect
+import traceback
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from posttrain.data.tasks import Problem
 from posttrain.envs.base import Environment, Reply
+from posttrain.health import Tally
 from posttrain.prompts import ReplyEncoder, encode_prompts, left_pad
 from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams
 
@@ -44,6 +46,16 @@ class Episodes:
     env_rewards_B: Tensor               # the environment's rewards, summed over the episode
     env_correct: list[bool | None]      # the environment's verdict (None: the verifier decides)
     counts: Counter                     # turns, tool_calls, malformed_calls, ... over the batch
+    errors: dict[str, str] = field(default_factory=dict)   # 'environment' / 'tools': the first failure
+
+    def tallies(self) -> dict[str, Tally]:
+        """Calls and failures of the environment and its tools in this batch (FailureWatch)."""
+        c, out = self.counts, {}
+        if c.get("turns"):
+            out["environment"] = Tally(c["turns"], c.get("env_errors", 0), self.errors.get("environment"))
+        if c.get("tool_calls"):
+            out["tools"] = Tally(c["tool_calls"], c.get("tool_failures", 0), self.errors.get("tools"))
+        return out
 
     def verdicts(self, verified_B: Tensor) -> Tensor:
         """(B,) bool: the environment's verdict where it gave one, else the verifier's."""
@@ -105,6 +117,7 @@ class _Book:
         self.rewards = [0.0] * len(problems)
         self.correct: list[bool | None] = [None] * len(problems)
         self.counts: Counter = Counter()
+        self.errors: dict[str, str] = {}
         self.encoder = ReplyEncoder(tokenizer, settings.chat_template, settings.template_kwargs)
         self.eos_id = tokenizer.eos_token_id
 
@@ -117,7 +130,10 @@ class _Book:
             reply = self.env.step(self.states[r], text, self.turns[r])
         except Exception:  # noqa: BLE001 - an environment's bug ends its episode, not the run
             self.counts["env_errors"] += 1
+            self.errors.setdefault("environment", traceback.format_exc()[-4000:])
             return None
+        if reply.counts.get("tool_failures") and reply.message is not None:
+            self.errors.setdefault("tools", str(reply.message.get("content", ""))[:4000])
         self.rewards[r] += float(reply.reward)
         if reply.correct is not None:
             self.correct[r] = bool(reply.correct)
@@ -138,7 +154,7 @@ class _Book:
     def episodes(self, rollout: Rollout, completions: list[str], transcripts: list[str]) -> Episodes:
         return Episodes(rollout, list(completions), list(transcripts),
                         torch.tensor(self.rewards, dtype=torch.float32), list(self.correct),
-                        self.counts)
+                        self.counts, dict(self.errors))
 
 
 def generate_by_turns(engine: RolloutEngine, prompts: list[list[int]], group_size: int,
