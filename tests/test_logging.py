@@ -16,7 +16,8 @@ def test_jsonl_console_and_plot(tmp_path):
     logger.log(2, {"eval/accuracy": 0.7, "perf/train_minutes": 1.0})
     logger.close()
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert rows[1]["reward/mean"] == 1.0 and rows[0]["loss/policy"] is None   # NaN -> null
+    assert rows[1]["reward/mean"] == 1.0 and rows[0]["loss/policy"] == "nan"   # said, not dropped
+    assert rows[0]["rollout/length_incorrect"] is None                         # no value: null
     assert console_line(3, 10, {"reward/mean": 0.25, "perf/step_s": 2.0}) == \
         "step 3/10 | reward 0.250 | 2.0s"
     assert plot_run(tmp_path).stat().st_size > 10_000
