@@ -67,3 +67,14 @@ def never_returns(prompt: str, completion: str, answer: str) -> float:
 
 def writes_pid(prompt: str, completion: str, answer: str) -> float:
     return float(os.getpid())
+
+
+def forks_then_hangs(prompt: str, completion: str, answer: str) -> float:
+    """A child that would outlive the call, then a hang: the worker is killed at the timeout."""
+    if os.fork() == 0:
+        try:
+            os.execvp("sleep", ["sleep", "61.5"])
+        finally:
+            os._exit(0)
+    while True:
+        time.sleep(1)
