@@ -3,6 +3,7 @@ same final weights, optimizer state and metrics as an uninterrupted run, bit for
 
     .venv/bin/python benchmarks/crash_resume.py --kills 20          # the README's figure
     .venv/bin/python benchmarks/crash_resume.py --kills 3 --seed 1  # the test suite's version
+    .venv/bin/python benchmarks/crash_resume.py --kills 8 --truncate   # and a damaged newest checkpoint
 
 A tiny random model (the real SmolLM2 tokenizer) trains with `posttrain train` in a subprocess:
 GRPO on a toy reward, 24 steps, a checkpoint every step, a held-out evaluation every 3 steps, one
@@ -116,10 +117,25 @@ def _steps_done(run_dir: Path) -> int:
     return int(ckpt.name.split("_")[1]) if ckpt is not None else 0
 
 
-def crash_and_resume(out: Path, kills: int, seed: int = 0, steps: int = 24) -> dict:
+def truncate_newest(run_dir: Path) -> int:
+    """Cut the largest file of the newest complete checkpoint to half its size (a disk that lost
+    the end of a file), when an older complete one exists to fall back to. Returns 1 if it did."""
+    from posttrain.checkpoint import is_complete, step_folders
+    complete = [p for p in step_folders(run_dir) if is_complete(p)]
+    if len(complete) < 2:
+        return 0
+    biggest = max((f for f in complete[-1].rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    with open(biggest, "r+b") as f:
+        f.truncate(biggest.stat().st_size // 2)
+    return 1
+
+
+def crash_and_resume(out: Path, kills: int, seed: int = 0, steps: int = 24,
+                     truncate: bool = False) -> dict:
     """Kill the run `kills` times (fewer if it finishes first), each at a moment drawn uniformly
     from the time it still needs (start-up included), every 4th inside a checkpoint write,
-    resuming after each."""
+    resuming after each; with `truncate`, after each kill the newest checkpoint also loses the
+    second half of its largest file, and the resume must fall back to the one before it."""
     out.mkdir(parents=True, exist_ok=True)
     model = make_model_folder(out)
     whole, cut = out / f"whole-{steps}", out / f"cut-{steps}-{kills}-{seed}"
@@ -129,7 +145,7 @@ def crash_and_resume(out: Path, kills: int, seed: int = 0, steps: int = 24) -> d
     span = float((whole / "span.txt").read_text())
     startup = 6.0   # about what importing torch and transformers and loading take here
     rng = random.Random(seed)
-    killed = half_written = 0
+    killed = half_written = truncated = 0
     while True:
         left = startup + (span - startup) * (1 - _steps_done(cut) / steps)
         at = rng.uniform(0.5, left) if killed < kills else None
@@ -140,8 +156,36 @@ def crash_and_resume(out: Path, kills: int, seed: int = 0, steps: int = 24) -> d
             break
         killed += 1
         half_written += bool(set((cut / "checkpoints").glob(".step_*.tmp")) - before)
-    return {"kills": killed, "kills_in_checkpoint_writing": half_written, "steps": steps,
+        truncated += truncate_newest(cut) if truncate else 0
+    return {"kills": killed, "kills_in_checkpoint_writing": half_written,
+            "newest_checkpoint_truncated": truncated, "steps": steps,
             "span_s": round(span, 1), **compare(whole, cut)}
+
+
+def kill_truncate_resume(out: Path, steps: int = 6, at_checkpoint: int = 3) -> dict:
+    """Deterministic version of the damaged-disk case: SIGKILL the run as soon as its checkpoint
+    of step `at_checkpoint` is complete, truncate a file of that checkpoint, resume (it must
+    fall back to the checkpoint before) and compare with the uninterrupted run."""
+    from posttrain.checkpoint import latest_checkpoint
+    out.mkdir(parents=True, exist_ok=True)
+    model = make_model_folder(out)
+    whole, cut = out / f"whole-{steps}", out / f"cut-{steps}-truncate"
+    if not (whole / "span.txt").is_file():
+        _, span = _run(command(model, whole, steps), None)
+        (whole / "span.txt").write_text(str(span))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(command(model, cut, steps), cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while proc.poll() is None and _steps_done(cut) < at_checkpoint:
+        time.sleep(0.005)
+    proc.kill()
+    proc.wait()
+    newest = latest_checkpoint(cut)
+    truncated = truncate_newest(cut)
+    fell_back_to = latest_checkpoint(cut)
+    code, _ = _run(command(model, cut, steps), None)
+    return {"killed_after": newest.name, "newest_checkpoint_truncated": truncated,
+            "fell_back_to": fell_back_to.name, "exit": code, **compare(whole, cut)}
 
 
 def main() -> None:
@@ -150,8 +194,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "crash_resume")
+    ap.add_argument("--truncate", action="store_true",
+                    help="after each kill, truncate a file of the newest checkpoint")
     args = ap.parse_args()
-    result = crash_and_resume(args.out, args.kills, args.seed, args.steps)
+    result = crash_and_resume(args.out, args.kills, args.seed, args.steps, args.truncate)
     print(json.dumps(result, indent=2))
     ok = result["weights"] == result["optimizer"] == result["metrics_rows"] == 0
     print("identical to the uninterrupted run" if ok else "DIFFERENT from the uninterrupted run")

@@ -1,13 +1,22 @@
-"""Checkpoints that never lose data and resume exactly.
+"""Checkpoints that never lose data, resume exactly, and cannot run code.
 
 A checkpoint folder holds the model (Hugging Face format), the optimizer and scheduler state, every
-RNG state, the data position and the resolved config. It is written under a temporary name and
-renamed into place, so an interrupted save leaves the previous checkpoint intact.
+RNG state, the data position and the resolved config. It is written under a temporary name, every
+file and folder fsynced, a COMPLETE marker listing each file's size written last, and only then
+renamed into place and the parent folder fsynced; older checkpoints are deleted after that. So a
+crash or a power loss at any moment leaves the previous checkpoint intact.
+
+`trainer_state.pt` is loaded with `torch.load(weights_only=True)`: tensors and plain containers
+only (RNG states are stored as lists and tensors), so a tampered file is refused instead of
+running its pickle. Resuming takes the newest checkpoint that is complete (marker present, every
+file its recorded size) and loads; one that does not is named in a warning and the previous one
+is used.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -17,19 +26,79 @@ from typing import Any
 import numpy as np
 import torch
 
+log = logging.getLogger(__name__)
+
 _STATE = "trainer_state.pt"
+_COMPLETE = "COMPLETE"
 
 
 def rng_state(generator: torch.Generator) -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
+    """Every RNG's state as lists, numbers and tensors (what weights_only loading accepts)."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss],
+            "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
+                      float(cached)],
             "torch": torch.get_rng_state(), "sampler": generator.get_state()}
 
 
 def restore_rng(state: dict[str, Any], generator: torch.Generator) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss,
+                         cached))
     torch.set_rng_state(state["torch"])
     generator.set_state(state["sampler"])
+
+
+# -- durable writes ------------------------------------------------------------------------------
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a folder's entry to the disk (a folder: its list of names)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def seal(folder: Path, step: int) -> None:
+    """Make a written folder durable: fsync every file and subfolder, then write the COMPLETE
+    marker (each file's size) and fsync it and the folder."""
+    sizes = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            sizes[str(path.relative_to(folder))] = path.stat().st_size
+        fsync_path(path)
+    marker = folder / _COMPLETE
+    marker.write_text(json.dumps({"step": step, "files": sizes}, indent=1))
+    fsync_path(marker)
+    fsync_path(folder)
+
+
+def is_complete(folder: Path) -> bool:
+    """The COMPLETE marker is there and every file it lists has its recorded size (a truncated
+    or missing file fails this; a checkpoint never sealed has no marker)."""
+    try:
+        files = json.loads((folder / _COMPLETE).read_text())["files"]
+        return all((folder / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def step_of(folder: Path) -> int:
+    """step_000012 -> 12 (numeric, so step_1000000 comes after step_999999)."""
+    try:
+        return int(folder.name.removeprefix("step_"))
+    except ValueError:
+        return -1
+
+
+def step_folders(run_dir: Path) -> list[Path]:
+    """The checkpoint folders of a run, oldest first, in numeric step order."""
+    return sorted((p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir() and step_of(p) >= 0),
+                  key=step_of)
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler,
@@ -69,19 +138,89 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, sched
                 "scheduler": scheduler.state_dict(), "rng": rng_state(generator), **extra},
                tmp / _STATE)
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in sorted(ckpt_root.glob("step_*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    seal(tmp, step)
+    put_in_place(tmp, final)
+    prune(ckpt_root.parent, keep)
     barrier(world)
     return final
 
 
+def put_in_place(tmp: Path, final: Path) -> None:
+    """Rename a sealed folder to its final name and fsync the parent. A folder already there
+    (the same step saved again) is moved aside first and deleted only once the new one is in."""
+    aside = final.with_name(f".{final.name}.old")
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    fsync_path(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints (and incomplete ones older than
+    them); the newest ones are never touched."""
+    folders = step_folders(run_dir)
+    complete = [p for p in folders if is_complete(p)]
+    if len(complete) <= keep:
+        return
+    oldest_kept = step_of(complete[-keep])
+    for old in folders:
+        if step_of(old) < oldest_kept:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    done = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / _STATE).is_file())
+    """The newest complete checkpoint folder of a run (None: none)."""
+    done = [p for p in step_folders(run_dir) if is_complete(p)]
     return done[-1] if done else None
 
 
 def load_trainer_state(ckpt: Path) -> dict[str, Any]:
-    return torch.load(ckpt / _STATE, weights_only=False)
+    """A checkpoint's trainer state, tensors and plain containers only: a pickle that would
+    build any other object (run code) is refused by torch's weights_only unpickler."""
+    try:
+        return torch.load(ckpt / _STATE, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - UnpicklingError, a truncated zip, an OS error
+        raise CheckpointError(f"{ckpt / _STATE}: cannot be loaded safely ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:300]})") from None
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is incomplete, corrupt or refused (not plain tensors and containers)."""
+
+
+def check_weights(ckpt: Path) -> None:
+    """Read the header of every safetensors file of a checkpoint (cheap): a corrupt one raises."""
+    from safetensors import safe_open
+    for path in sorted(ckpt.rglob("*.safetensors")):
+        try:
+            with safe_open(str(path), "pt") as f:
+                f.keys()
+        except Exception as e:  # noqa: BLE001 - whatever a corrupt header makes it raise
+            raise CheckpointError(f"{path}: {type(e).__name__}: {e}") from None
+
+
+def resume_point(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that is complete and loads, with its trainer state; each newer one
+    that does not is named in a warning (a resume falls back rather than crash). None: none
+    was ever written. Raises CheckpointError when some exist but none loads."""
+    refused = []
+    for ckpt in reversed(step_folders(run_dir)):
+        if not is_complete(ckpt):
+            refused.append(f"{ckpt.name}: incomplete (no COMPLETE marker, or a file of another size)")
+            continue
+        try:
+            check_weights(ckpt)
+            state = load_trainer_state(ckpt)
+        except CheckpointError as e:
+            refused.append(f"{ckpt.name}: {e}")
+            continue
+        for reason in refused:
+            log.warning("checkpoint %s not used: %s; resuming from %s", reason.split(":")[0],
+                        reason, ckpt.name)
+        return ckpt, state
+    if refused:
+        raise CheckpointError(f"no checkpoint under {run_dir / 'checkpoints'} loads: "
+                              + "; ".join(refused))
+    return None

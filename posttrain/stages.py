@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from posttrain.checkpoint import latest_checkpoint, load_trainer_state, restore_rng, save_checkpoint
+from posttrain.checkpoint import restore_rng, resume_point, save_checkpoint
 from posttrain.config import StageConfig
 from posttrain.data import read_rows
 from posttrain.data.files import chat_messages
@@ -217,9 +217,10 @@ def _start(cfg: StageConfig, model, tokenizer, fields: list[str],
     cfg.validate()   # (a StageConfig built in code has not been checked yet)
     load = load or _load_lm
     run_dir = Path(resume or cfg.run_dir)
-    ckpt = latest_checkpoint(run_dir) if resume else None
-    if resume and ckpt is None:
+    point = resume_point(run_dir) if resume else None   # the newest checkpoint that loads
+    if resume and point is None:
         raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir}/checkpoints")
+    ckpt, state = point if point is not None else (None, None)
     if rows is None:
         rows = read_rows(cfg.data.train_path)
         _check_rows(cfg.data.train_path, rows, fields)
@@ -254,7 +255,6 @@ def _start(cfg: StageConfig, model, tokenizer, fields: list[str],
     o = cfg.optim
     optimizer = make_adamw(groups, o.lr, (o.beta1, o.beta2), o.weight_decay,
                            sharded=world.strategy == "fsdp")
-    state = load_trainer_state(ckpt) if ckpt is not None else None
     logger = NullLogger()
     if world.main:
         logger = MetricsLogger(run_dir, tensorboard=False, resume=ckpt is not None)

@@ -35,8 +35,7 @@ from tqdm.auto import tqdm
 
 from posttrain.advantages import (ADVANTAGES, NEEDS_TEACHER, NEEDS_VALUES, AdvantageInputs,
                                   AdvantageParams, whiten)
-from posttrain.checkpoint import (latest_checkpoint, load_trainer_state, restore_rng,
-                                  save_checkpoint)
+from posttrain.checkpoint import fsync_path, restore_rng, resume_point, save_checkpoint, seal
 from posttrain.config import AlgorithmConfig, ConfigError, TrainConfig
 from posttrain.errors import FailingSourceError
 from posttrain.health import FailureWatch, Tally, merge_tallies
@@ -370,9 +369,10 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
     scorer = Scorer(cfg.reward, task.verifier, cfg.data.system_prompt, cfg.model.autocast)
     run_dir = Path(resume) if resume else Path(
         cfg.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-    ckpt = latest_checkpoint(run_dir) if resume else None
-    if resume and ckpt is None:
+    point = resume_point(run_dir) if resume else None   # the newest checkpoint that loads
+    if resume and point is None:
         raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir}/checkpoints")
+    ckpt, state = point if point is not None else (None, None)
     model, tokenizer, teachers, path = load_models(cfg, ckpt, model, tokenizer, teacher)
     env = for_tokenizer(env, tokenizer)               # e.g. the template's tool-call format
     if world.main:   # created once the inputs have loaded: a refused run leaves no empty folder
@@ -417,7 +417,7 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
               scorer, generator, logger, task.eval_problems, teachers, ref_model, uses_ref, critic,
               env=env, watch=FailureWatch(cfg.reward.max_failing_steps))
     if ckpt is not None:
-        restore(run, ckpt)
+        restore(run, state)
     return run
 
 
@@ -473,10 +473,9 @@ def reference_model(cfg: TrainConfig, model, run_dir: Path, ckpt: Path | None):
     return ref_model
 
 
-def restore(run: Run, ckpt: Path) -> None:
-    """Optimizer, scheduler, RNG, data position and clock of a checkpoint: the run continues as
-    if it had never stopped."""
-    state = load_trainer_state(ckpt)
+def restore(run: Run, state: dict[str, Any]) -> None:
+    """Optimizer, scheduler, RNG, data position and clock of a checkpoint's trainer state: the
+    run continues as if it had never stopped."""
     load_optimizer_state(run.model, run.optimizer, state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     restore_rng(state["rng"], run.generator)
@@ -500,7 +499,9 @@ def checkpoint(run: Run, step: int) -> None:
         tmp = run.run_dir / ".reference_model.tmp"   # renamed into place: never half-written
         shutil.rmtree(tmp, ignore_errors=True)
         save_model(run.ref_model, run.tokenizer, tmp)
+        seal(tmp, 0)                                  # durable before the checkpoints rely on it
         os.replace(tmp, ref_dir)
+        fsync_path(run.run_dir)
     extra = {"data_position": run.sampler.position, "data": run.sampler.state(),
              "train_seconds": run.train_seconds,
              "log_rows": run.logger.line_counts()}

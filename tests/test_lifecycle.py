@@ -126,9 +126,11 @@ def test_max_minutes_ends_with_a_checkpoint_and_only_the_newest_k_are_kept(tmp_p
 
 
 def _fake_run(folder, config, with_checkpoint=True):
+    from posttrain.checkpoint import seal
     (folder / "checkpoints" / "step_000001").mkdir(parents=True)
-    if with_checkpoint:
-        (folder / "checkpoints" / "step_000001" / "trainer_state.pt").write_bytes(b"x")
+    (folder / "checkpoints" / "step_000001" / "trainer_state.pt").write_bytes(b"x")
+    if with_checkpoint:   # (one without its COMPLETE marker was never finished)
+        seal(folder / "checkpoints" / "step_000001", 1)
     (folder / "config.json").write_text(json.dumps(config))
 
 
