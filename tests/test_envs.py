@@ -56,7 +56,7 @@ def test_tool_calls_are_parsed_in_both_formats():
 def test_tools_that_raise_hang_or_return_garbage_become_error_messages():
     names = ("tests.toy_rewards:tool_raises", "tests.toy_rewards:tool_hangs",
              "tests.toy_rewards:tool_garbage", "calculator")
-    env = ToolEnv(tuple(make_tools(names)), format="tag", timeout_s=0.3)
+    env = ToolEnv(tuple(make_tools(names)), format="tag", timeout_s=0.3, calls_per_turn=5)
     text = ("<tool_raises>a</tool_raises> <tool_hangs>b</tool_hangs> <tool_garbage>c</tool_garbage>"
             " <calculator>1/0</calculator> <calculator>2+3</calculator>")
     reply = env.step(None, text, 1)
@@ -64,7 +64,8 @@ def test_tools_that_raise_hang_or_return_garbage_become_error_messages():
     assert reply.message["role"] == "tool" and len(lines) == 5
     assert all(line.startswith("error:") for line in lines[:4]) and lines[4] == "5"
     assert "timed out" in lines[1] and "RuntimeError" in lines[0] and "ZeroDivisionError" in lines[3]
-    assert reply.counts == {"tool_calls": 5, "malformed_calls": 0, "tool_failures": 4}
+    assert reply.counts == {"tool_calls": 5, "malformed_calls": 0, "tool_failures": 4,
+                            "capped_calls": 0}
     final = env.step(None, "It is 5.", 2)               # no call: the final answer
     assert final.message is None and final.reward == 0 and sum(final.counts.values()) == 0
 

@@ -18,7 +18,7 @@ PACKAGE = ROOT / "posttrain"
 # The pipeline, lowest layer first. A module may import from its own layer and the ones below,
 # never from a layer above (and never in a cycle, even within a layer).
 LAYERS = [
-    ["registry", "perf", "data.tasks", "recipes", "errors", "envs.base", "health"],              # plain Python
+    ["registry", "perf", "data.tasks", "recipes", "errors", "envs.base", "envs.sandbox", "health"],              # plain Python
     ["losses", "advantages", "data", "data.files", "data.preferences", "data.gym", "rollout.base",
      "batch"],                                                               # math, data
     ["config"],                                                              # typed configs

@@ -20,7 +20,10 @@ ENVIRONMENTS: Registry[Callable[[EnvConfig], Any]] = Registry("environment")
 ENVIRONMENTS.register("single_turn")(lambda cfg: SingleTurn())
 ENVIRONMENTS.register("tools")(
     lambda cfg: ToolEnv(tuple(make_tools(cfg.tools or ("calculator",), cfg)), cfg.max_turns,
-                        cfg.tool_format, cfg.tool_timeout_s))
+                        cfg.tool_format, cfg.tool_timeout_s,
+                        calls_per_turn=cfg.max_tool_calls_per_turn,
+                        calls_per_episode=cfg.max_tool_calls_per_episode,
+                        seconds_per_episode=cfg.tool_seconds_per_episode))
 ENVIRONMENTS.register("guess_number")(lambda cfg: GuessNumber(cfg.max_turns))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,6 +24,9 @@ class ToolEnv:
     format: str = "tag"                 # 'tag' or 'json' (envs/tools.py); 'auto' until bound
     timeout_s: float = 5.0
     name: str = "tools"
+    calls_per_turn: int = 4             # calls past these caps are answered with an error, not run
+    calls_per_episode: int = 16
+    seconds_per_episode: float = 30.0   # tool time an episode may use in all
 
     @property
     def by_name(self) -> dict[str, Tool]:
@@ -57,7 +61,8 @@ class ToolEnv:
         return f"{base}\n\n{text}" if base else text
 
     def reset(self, problem: Problem) -> Any:
-        return None
+        """An episode's tool budget: calls made and seconds spent so far."""
+        return {"calls": 0, "seconds": 0.0}
 
     def demonstration(self, problem: Problem) -> list[dict[str, str]]:
         """An expert's episode for an arithmetic prompt ('What is 37 * 48?'): one calculator
@@ -76,16 +81,37 @@ class ToolEnv:
     def step(self, state: Any, text: str, turn: int) -> Reply:
         calls, errors = parse_calls(text, self.by_name, self.format)
         if not calls and not errors:                # a final answer (0s: the rates are per episode)
-            return Reply(counts={"tool_calls": 0, "malformed_calls": 0, "tool_failures": 0})
-        results, failures = [], 0
-        for call in calls:
-            out, ok = run_call(call, self.by_name, self.timeout_s)
+            return Reply(counts={"tool_calls": 0, "malformed_calls": 0, "tool_failures": 0,
+                                 "capped_calls": 0})
+        budget = state if state is not None else self.reset(None)
+        results, failures, capped = [], 0, 0
+        for i, call in enumerate(calls):
+            refusal = self._over_budget(budget, i)
+            if refusal:
+                results.append(refusal)
+                capped += 1
+                continue
+            t0 = time.monotonic()
+            timeout = min(self.timeout_s, self.seconds_per_episode - budget["seconds"])
+            out, ok = run_call(call, self.by_name, timeout)
+            budget["calls"] += 1
+            budget["seconds"] += time.monotonic() - t0
             results.append(out)
             failures += not ok
         content = "\n".join(results + [f"error: {e}" for e in errors])
         return Reply({"role": "tool", "content": content},
-                     counts={"tool_calls": len(calls), "malformed_calls": len(errors),
-                             "tool_failures": failures})
+                     counts={"tool_calls": len(calls) - capped, "malformed_calls": len(errors),
+                             "tool_failures": failures, "capped_calls": capped})
+
+    def _over_budget(self, budget: dict[str, Any], i: int) -> str | None:
+        """Why the i-th call of a turn may not run (a cap is reached), or None."""
+        if i >= self.calls_per_turn:
+            return f"error: at most {self.calls_per_turn} tool calls per turn; this one was not run"
+        if budget["calls"] >= self.calls_per_episode:
+            return f"error: at most {self.calls_per_episode} tool calls per episode; not run"
+        if budget["seconds"] >= self.seconds_per_episode:
+            return f"error: the episode's {self.seconds_per_episode:g} s of tool time are used up"
+        return None
 
 
 def _example(tool: Tool) -> str:

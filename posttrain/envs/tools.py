@@ -8,8 +8,9 @@ Two call formats:
 
 Every call runs under a time limit and any exception, hang or non-text result becomes an error
 message to the model (counted), never a crash. Built in: `calculator` (an arithmetic evaluator on
-Python's `ast`, no `eval`) and `python` (a subprocess with a time and memory limit; off unless
-named in `env.tools`).
+Python's `ast`, no `eval`) and `python` (the model's program in a sandbox, envs/sandbox.py:
+bubblewrap where it runs, no network, no view of the trainer or the run folder; off unless named
+in `env.tools`). Calls per turn, per episode and tool seconds per episode are capped (ToolEnv).
 """
 
 from __future__ import annotations
@@ -21,14 +22,11 @@ import math
 import operator
 import os
 import re
-import signal
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from posttrain.envs.sandbox import Limits, run_python_code, sandbox_mode
 from posttrain.registry import Registry
 from posttrain.rewards.safe import RewardTimeout, call_with_timeout, load_function
 
@@ -112,38 +110,34 @@ def calculator_tool(cfg: Any = None) -> Tool:
 # python sandbox
 # ---------------------------------------------------------------------------------------------
 
-def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 256, max_output: int = 2000) -> str:
-    """Run `code` in a fresh, isolated interpreter (`python -I`) in an empty temporary folder,
-    with an address-space limit of `memory_mb` and a CPU-time limit; return what it printed
-    (stdout, then stderr), cut to `max_output` characters. A sandbox against mistakes and
-    runaway loops, not against a hostile program: it can still read files the user can."""
-    def limits() -> None:   # in the child, before it runs the code
-        import resource
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-        cpu = max(1, math.ceil(timeout_s))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    with tempfile.TemporaryDirectory() as cwd:
-        try:
-            out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
-                                 timeout=timeout_s, cwd=cwd, preexec_fn=limits,
-                                 env={"PATH": os.environ.get("PATH", "")})
-        except subprocess.TimeoutExpired:
-            return f"error: timed out after {timeout_s:g} s"
-    if out.returncode == -signal.SIGXCPU:      # the CPU-time limit struck before the wall clock
+def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_output: int = 2000,
+               mode: str | None = None, max_procs: int = 32, tmp_mb: int = 64) -> str:
+    """Run `code` with `python -I` in the sandbox (envs/sandbox.py: bubblewrap, or the fallback
+    where it cannot run) and return what it printed (stdout, then stderr when it failed), cut
+    to `max_output` characters; a hang, a flood of output or a crash comes back as an error."""
+    limits = Limits(timeout_s=timeout_s, memory_mb=memory_mb, max_procs=max_procs,
+                    tmp_mb=tmp_mb, max_output=max_output)
+    res = run_python_code(code, limits, mode)
+    if res.status == "timeout":
         return f"error: timed out after {timeout_s:g} s"
-    text = out.stdout + (out.stderr[-max_output:] if out.returncode else "")
-    if out.returncode and not out.stderr.strip():
-        text += f"error: exit status {out.returncode}"
+    if res.status == "output_limit":
+        return (res.stdout + res.stderr)[:max_output] + f"\nerror: output cut at {max_output} bytes"
+    text = res.stdout + (res.stderr[-max_output:] if res.returncode else "")
+    if res.returncode and not res.stderr.strip():
+        text += f"error: exit status {res.returncode}"
     return text[:max_output] if text else "(no output)"
 
 
 @TOOLS.register("python")
 def python_tool(cfg: Any = None) -> Tool:
     timeout = getattr(cfg, "tool_timeout_s", 5.0)
-    memory = getattr(cfg, "python_memory_mb", 256)
+    memory = getattr(cfg, "python_memory_mb", 512)
+    output = getattr(cfg, "tool_max_output", 2000)
+    procs = getattr(cfg, "python_max_procs", 32)
+    mode = sandbox_mode(getattr(cfg, "sandbox", "auto"))   # decided once, before training
     return Tool("python", "Run a Python program and return what it prints.",
                 {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
-                lambda code: run_python(code, timeout, memory))
+                lambda code: run_python(code, timeout, memory, output, mode, procs))
 
 
 def make_tools(names: tuple[str, ...], cfg: Any = None) -> list[Tool]:
