@@ -65,7 +65,7 @@ def test_tools_that_raise_hang_or_return_garbage_become_error_messages():
     assert all(line.startswith("error:") for line in lines[:4]) and lines[4] == "5"
     assert "timed out" in lines[1] and "RuntimeError" in lines[0] and "ZeroDivisionError" in lines[3]
     assert reply.counts == {"tool_calls": 5, "malformed_calls": 0, "tool_failures": 4,
-                            "capped_calls": 0}
+                            "tools_broken": 3, "capped_calls": 0}   # (1/0: the model's arguments)
     final = env.step(None, "It is 5.", 2)               # no call: the final answer
     assert final.message is None and final.reward == 0 and sum(final.counts.values()) == 0
 

@@ -243,3 +243,23 @@ def test_a_chat_template_that_raises_is_reported(tokenizer):
                             "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
     with pytest.raises(ValueError, match="raised on a 'tool' message.*roles must be user/assistant"):
         ReplyEncoder(strict).encode({"role": "tool", "content": "42"}, policy_wrote_eos=True)
+
+
+@pytest.mark.parametrize("tool,text,stops", [
+    ("tests.toy_rewards:tool_raises", "<tool_raises>a</tool_raises>", True),   # a broken tool
+    ("calculator", "<calculator>2+</calculator>", False)])                     # the model's bad input
+def test_a_broken_tool_stops_the_run_and_bad_arguments_do_not(tmp_path, tokenizer, monkeypatch,
+                                                              tool, text, stops):
+    import posttrain.trainer as trainer
+    model = make_tiny_model(tokenizer)
+    monkeypatch.setattr(trainer, "make_engine", lambda *a, **k: HostileWriter(model, tokenizer, [text]))
+    cfg = load_config(None, [*TINY, "--run_dir", str(tmp_path / "run"), "--steps", "4",
+                             "--env.tools", tool, "--env.max_turns", "2"])
+    if stops:
+        with pytest.raises(FailingSourceError, match="(?s)tools failed on 16 of 16 calls.*broken tool"):
+            train(cfg, model=model, tokenizer=tokenizer, show_progress=False)
+    else:
+        assert train(cfg, model=model, tokenizer=tokenizer, show_progress=False)["steps"] == 4
+        rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+        assert all(r["env/tool_failures"] == r["env/tool_calls"] > 0 and r["env/tools_broken"] == 0.0
+                   for r in rows if "env/tool_failures" in r)

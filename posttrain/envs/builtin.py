@@ -82,9 +82,9 @@ class ToolEnv:
         calls, errors = parse_calls(text, self.by_name, self.format)
         if not calls and not errors:                # a final answer (0s: the rates are per episode)
             return Reply(counts={"tool_calls": 0, "malformed_calls": 0, "tool_failures": 0,
-                                 "capped_calls": 0})
+                                 "tools_broken": 0, "capped_calls": 0})
         budget = state if state is not None else self.reset(None)
-        results, failures, capped = [], 0, 0
+        results, failures, broken, capped = [], 0, 0, 0
         for i, call in enumerate(calls):
             refusal = self._over_budget(budget, i)
             if refusal:
@@ -93,15 +93,17 @@ class ToolEnv:
                 continue
             t0 = time.monotonic()
             timeout = min(self.timeout_s, self.seconds_per_episode - budget["seconds"])
-            out, ok = run_call(call, self.by_name, timeout)
+            out, status = run_call(call, self.by_name, timeout)
             budget["calls"] += 1
             budget["seconds"] += time.monotonic() - t0
             results.append(out)
-            failures += not ok
+            failures += status != "ok"
+            broken += status == "failed"
         content = "\n".join(results + [f"error: {e}" for e in errors])
         return Reply({"role": "tool", "content": content},
                      counts={"tool_calls": len(calls) - capped, "malformed_calls": len(errors),
-                             "tool_failures": failures, "capped_calls": capped})
+                             "tool_failures": failures, "tools_broken": broken,
+                             "capped_calls": capped})
 
     def _over_budget(self, budget: dict[str, Any], i: int) -> str | None:
         """Why the i-th call of a turn may not run (a cap is reached), or None."""

@@ -225,17 +225,25 @@ def parse_calls(text: str, tools: dict[str, Tool], fmt: str) -> tuple[list[Call]
     return calls, errors
 
 
-def run_call(call: Call, tools: dict[str, Tool], timeout_s: float) -> tuple[str, bool]:
-    """(the result as text, whether it succeeded). Exceptions, hangs and results that are not
-    text or numbers come back as 'error: ...'."""
+# what a tool raises on arguments the model got wrong ("2+", a missing field, 1/0): the model's
+# feedback, not a broken tool (FailureWatch counts only the broken ones, posttrain/health.py)
+ARGUMENT_ERRORS = (ValueError, TypeError, KeyError, ArithmeticError, SyntaxError)
+
+
+def run_call(call: Call, tools: dict[str, Tool], timeout_s: float) -> tuple[str, str]:
+    """(the result as text, status): 'ok'; 'bad_arguments' (the tool refused the model's
+    arguments); 'failed' (it raised anything else, hung, or returned something that is not text
+    or a number). Every failure comes back to the model as 'error: ...'."""
     try:
         value = call_with_timeout(tools[call.name].fn, call.arguments, timeout_s)
     except RewardTimeout:
-        return f"error: {call.name} timed out after {timeout_s:g} s", False
+        return f"error: {call.name} timed out after {timeout_s:g} s", "failed"
+    except ARGUMENT_ERRORS as e:
+        return f"error: {type(e).__name__}: {str(e)[:200]}", "bad_arguments"
     except Exception as e:  # noqa: BLE001 - a tool's failure is the model's feedback
-        return f"error: {type(e).__name__}: {str(e)[:200]}", False
+        return f"error: {type(e).__name__}: {str(e)[:200]}", "failed"
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        return f"error: {call.name} returned {type(value).__name__}, not text", False
+        return f"error: {call.name} returned {type(value).__name__}, not text", "failed"
     if isinstance(value, float) and not math.isfinite(value):
-        return f"error: {call.name} returned {value}", False
-    return str(value), True
+        return f"error: {call.name} returned {value}", "failed"
+    return str(value), "ok"

@@ -53,8 +53,8 @@ class Episodes:
         c, out = self.counts, {}
         if c.get("turns"):
             out["environment"] = Tally(c["turns"], c.get("env_errors", 0), self.errors.get("environment"))
-        if c.get("tool_calls"):
-            out["tools"] = Tally(c["tool_calls"], c.get("tool_failures", 0), self.errors.get("tools"))
+        if c.get("tool_calls"):   # (a tool refusing the model's arguments is not broken)
+            out["tools"] = Tally(c["tool_calls"], c.get("tools_broken", 0), self.errors.get("tools"))
         return out
 
     def verdicts(self, verified_B: Tensor) -> Tensor:
@@ -132,7 +132,7 @@ class _Book:
             self.counts["env_errors"] += 1
             self.errors.setdefault("environment", traceback.format_exc()[-4000:])
             return None
-        if reply.counts.get("tool_failures") and reply.message is not None:
+        if reply.counts.get("tools_broken") and reply.message is not None:
             self.errors.setdefault("tools", str(reply.message.get("content", ""))[:4000])
         self.rewards[r] += float(reply.reward)
         if reply.correct is not None:
