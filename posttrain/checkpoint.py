@@ -43,6 +43,8 @@ def rng_state(generator: torch.Generator) -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any], generator: torch.Generator) -> None:
+    """Put back every RNG `rng_state` recorded (numpy's keys return to uint32: the values are
+    the same, so its stream continues exactly)."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
@@ -121,7 +123,9 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, sched
     final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f".step_{step:06d}.tmp"
     if world.main:
-        ckpt_root.mkdir(parents=True, exist_ok=True)
+        if not ckpt_root.is_dir():
+            ckpt_root.mkdir(parents=True)
+            fsync_path(run_dir)   # the first checkpoint's folder must survive a power loss too
         if tmp.exists():
             shutil.rmtree(tmp)
     for name, save in (extra_models or {}).items():
@@ -140,27 +144,36 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, sched
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
     seal(tmp, step)
     put_in_place(tmp, final)
-    prune(ckpt_root.parent, keep)
+    prune(ckpt_root.parent, keep, newest=step)
     barrier(world)
     return final
 
 
 def put_in_place(tmp: Path, final: Path) -> None:
     """Rename a sealed folder to its final name and fsync the parent. A folder already there
-    (the same step saved again) is moved aside first and deleted only once the new one is in."""
+    (the same step saved again) is moved aside first and deleted only once the new one is in.
+    A crash between the two renames loses only that folder: a run saves a step again only when
+    it resumed from an older checkpoint (the newer one was refused), and that one is still there."""
     aside = final.with_name(f".{final.name}.old")
     if final.exists():
         shutil.rmtree(aside, ignore_errors=True)
         os.replace(final, aside)
-    os.replace(tmp, final)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if aside.exists():   # the rename failed (a full or failing disk): the old one goes back
+            os.replace(aside, final)
+        raise
     fsync_path(final.parent)
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def prune(run_dir: Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints (and incomplete ones older than
-    them); the newest ones are never touched."""
-    folders = step_folders(run_dir)
+def prune(run_dir: Path, keep: int, newest: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints up to step `newest` (the one just
+    written), and incomplete ones older than them. Folders after `newest` are left alone: a
+    resume fell back past them, and the run replaces each when it reaches its step (counting
+    them could delete the checkpoint just written)."""
+    folders = [p for p in step_folders(run_dir) if step_of(p) <= newest]
     complete = [p for p in folders if is_complete(p)]
     if len(complete) <= keep:
         return
@@ -182,23 +195,36 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
     try:
         return torch.load(ckpt / _STATE, weights_only=True)
     except Exception as e:  # noqa: BLE001 - UnpicklingError, a truncated zip, an OS error
-        raise CheckpointError(f"{ckpt / _STATE}: cannot be loaded safely ({type(e).__name__}: "
-                              f"{' '.join(str(e).split())[:300]})") from None
+        raise CheckpointError(f"{ckpt / _STATE}: cannot be loaded safely ({_why(e)})") from None
+
+
+def _why(e: Exception) -> str:
+    """A load error in one short line: torch's weights_only refusal is a page of advice (with
+    terminal colour codes) whose one useful sentence names what the pickle tried to build."""
+    text = " ".join(str(e).split())
+    if "WeightsUnpickler error: " in text:
+        text = text.split("WeightsUnpickler error: ", 1)[1].split(". ")[0]
+    return f"{type(e).__name__}: {text[:200]}"
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is incomplete, corrupt or refused (not plain tensors and containers)."""
 
 
-def check_weights(ckpt: Path) -> None:
-    """Read the header of every safetensors file of a checkpoint (cheap): a corrupt one raises."""
+def check_files(ckpt: Path) -> None:
+    """Read the header of every safetensors file and parse every JSON file of a checkpoint
+    (cheap): what would make loading the model fail (a corrupt file of the right size) raises
+    here, before any model loads, so the resume can still fall back."""
     from safetensors import safe_open
-    for path in sorted(ckpt.rglob("*.safetensors")):
+    for path in sorted(ckpt.rglob("*")):
         try:
-            with safe_open(str(path), "pt") as f:
-                f.keys()
-        except Exception as e:  # noqa: BLE001 - whatever a corrupt header makes it raise
-            raise CheckpointError(f"{path}: {type(e).__name__}: {e}") from None
+            if path.suffix == ".safetensors":
+                with safe_open(str(path), "pt") as f:
+                    f.keys()
+            elif path.suffix == ".json":
+                json.loads(path.read_bytes())
+        except Exception as e:  # noqa: BLE001 - whatever a corrupt file makes it raise
+            raise CheckpointError(f"{path}: {_why(e)}") from None
 
 
 def resume_point(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
@@ -208,17 +234,16 @@ def resume_point(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
     refused = []
     for ckpt in reversed(step_folders(run_dir)):
         if not is_complete(ckpt):
-            refused.append(f"{ckpt.name}: incomplete (no COMPLETE marker, or a file of another size)")
+            refused.append(f"{ckpt}: incomplete (no COMPLETE marker, or a file of another size)")
             continue
         try:
-            check_weights(ckpt)
+            check_files(ckpt)
             state = load_trainer_state(ckpt)
         except CheckpointError as e:
-            refused.append(f"{ckpt.name}: {e}")
+            refused.append(str(e))
             continue
         for reason in refused:
-            log.warning("checkpoint %s not used: %s; resuming from %s", reason.split(":")[0],
-                        reason, ckpt.name)
+            log.warning("checkpoint not used, resuming from %s instead: %s", ckpt.name, reason)
         return ckpt, state
     if refused:
         raise CheckpointError(f"no checkpoint under {run_dir / 'checkpoints'} loads: "

@@ -335,8 +335,8 @@ class EnvConfig:
     max_tokens: int = 256               # the whole episode's tokens (policy + environment)
     max_reply_tokens: int = 64          # an environment message is cut to this many tokens
     tool_timeout_s: float = 5.0         # a tool call running longer is answered with an error
-    max_tool_calls_per_turn: int = 4    # calls past a cap are answered with an error, not run
-    max_tool_calls_per_episode: int = 16
+    max_tool_calls_per_turn: int = 4    # tool calls one reply may make; calls past a cap get an error, not run
+    max_tool_calls_per_episode: int = 16   # tool calls one episode may make in all
     tool_seconds_per_episode: float = 30.0   # tool time one episode may use in all
     tool_max_output: int = 2000         # characters of a python tool call's output kept
     # where the python tool runs the model's code (docs/safety.md): 'bwrap' (bubblewrap: own

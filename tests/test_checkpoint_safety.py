@@ -25,13 +25,13 @@ TINY = ["--data.eval_size", "0", "--data.system_prompt", "null", "--tensorboard"
 
 
 class Evil:
-    """A pickle that creates a file when it is loaded."""
+    """A pickle that creates a file when it is loaded (any callable would run the same way)."""
 
     def __init__(self, path):
         self.path = path
 
     def __reduce__(self):
-        return (os.system, (f"touch {self.path}",))
+        return (Path.touch, (Path(self.path),))
 
 
 def _run(tmp_path, tokenizer, steps, resume=None):
@@ -88,6 +88,13 @@ def test_steps_sort_as_numbers_and_only_complete_checkpoints_count(tmp_path):
     assert ckpt.latest_checkpoint(tmp_path).name == "step_999999"
 
 
+def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
+    for step in (2, 3, 5):   # 5: a complete but unreadable one a resume fell back past
+        _fake_checkpoint(tmp_path, step)
+    ckpt.prune(tmp_path, keep=1, newest=3)
+    assert [p.name for p in ckpt.step_folders(tmp_path)] == ["step_000003", "step_000005"]
+
+
 def test_the_old_checkpoint_stays_until_the_new_one_is_in_place(tmp_path, tokenizer, monkeypatch):
     _run(tmp_path, tokenizer, 2)
     run = tmp_path / "run"
@@ -95,7 +102,7 @@ def test_the_old_checkpoint_stays_until_the_new_one_is_in_place(tmp_path, tokeni
     real = os.replace
 
     def power_cut(src, dst):
-        if ".step_" in str(src):
+        if str(src).endswith(".tmp"):   # the new checkpoint cannot be renamed into place
             raise OSError(5, "Input/output error")
         return real(src, dst)
     monkeypatch.setattr(ckpt.os, "replace", power_cut)
@@ -103,19 +110,21 @@ def test_the_old_checkpoint_stays_until_the_new_one_is_in_place(tmp_path, tokeni
     model = make_tiny_model(tokenizer)
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    with pytest.raises(OSError):
-        save_checkpoint(run, 3, model, tokenizer, opt, sched, torch.Generator(), {}, {}, keep=1)
-    assert [p.name for p in ckpt.step_folders(run)] == ["step_000001", "step_000002"]
-    assert all(ckpt.is_complete(p) for p in ckpt.step_folders(run))
+    for step in (3, 2):   # a new step, and the same step saved again (the old code deleted it first)
+        with pytest.raises(OSError):
+            save_checkpoint(run, step, model, tokenizer, opt, sched, torch.Generator(), {}, {}, keep=1)
+        assert [p.name for p in ckpt.step_folders(run)] == ["step_000001", "step_000002"]
+        assert all(ckpt.is_complete(p) for p in ckpt.step_folders(run))
     marker = json.loads((run / "checkpoints" / "step_000002" / "COMPLETE").read_text())
     assert marker["step"] == 2 and marker["files"]["trainer_state.pt"] > 0
 
 
-def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, tokenizer, caplog):
+@pytest.mark.parametrize("name", ["trainer_state.pt", "model/model.safetensors", "model/config.json"])
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, tokenizer, caplog, name):
     _run(tmp_path, tokenizer, 2)
     run = tmp_path / "run"
-    newest = run / "checkpoints" / "step_000002" / "trainer_state.pt"
-    newest.write_bytes(b"\0" * newest.stat().st_size)        # same size, unreadable
+    newest = run / "checkpoints" / "step_000002" / name
+    newest.write_bytes(b"\0" * newest.stat().st_size)        # same size (the marker agrees), unreadable
     point = ckpt.resume_point(run)
     assert point[0].name == "step_000001" and point[1]["step"] == 1
     assert "step_000002" in caplog.text and "resuming from step_000001" in caplog.text
