@@ -249,3 +249,63 @@ def test_tool_time_per_episode_is_capped():
     third = env.step(state, "<nap>0.1</nap>", 3)
     assert first.message["content"] == "woke" and "timed out" in second.message["content"]
     assert "tool time are used up" in third.message["content"] and third.counts["capped_calls"] == 1
+
+
+# --- end to end: a 2-step run whose policy writes hostile programs for the python tool -----------
+
+def hostile_programs(pid: int, run: Path, outside: Path, port: int) -> list[str]:
+    """What a policy may hand to the python tool, one program per reply, each trying one way out."""
+    return [
+        f"import os\nprint(open('/proc/{pid}/environ').read(), os.environ)",     # the trainer's secrets
+        f"print(open({str(run / 'config.json')!r}).read())",                      # the run folder
+        f"open({str(outside)!r}, 'w').write('x')",                                # write outside
+        f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)",   # network
+        "import os, time\nwhile True:\n    try: os.fork()\n    except OSError: time.sleep(0.01)",
+        "import os\nif os.fork() == 0:\n    os.setsid()\n    os.execvp('sleep', ['sleep', '61.9'])",
+        "while True: print('x' * 100000)",                                        # unbounded output
+        f"import os, signal\nos.kill({pid}, signal.SIGSTOP)\nos.killpg(os.getpgid({pid}), 9)",
+        "f = open('/tmp/fill', 'wb')\nwhile True: f.write(b'x' * (1 << 20))",     # disk fill
+        "print(1)\n" + "</python><python>print(2)" * 19,                          # 20 calls in a turn
+    ]
+
+
+def test_a_training_run_whose_policy_writes_hostile_python_finishes(bwrap, secret_env, tmp_path,
+                                                                    tokenizer, monkeypatch):
+    """Every program above runs (and is cut short) while a 2-step run trains; afterwards the
+    trainer is running, nothing outside was written, no connection was made, no process is
+    left, the trainer's memory did not take the output flood, and the transcripts hold none of
+    the secrets."""
+    import json
+
+    import posttrain.trainer as trainer
+    from posttrain import load_config, train
+    from tests.conftest import make_tiny_model
+    from tests.test_redteam import TINY, HostileWriter
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(60)
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(_accept(server)), daemon=True).start()
+    run, outside = tmp_path / "run", tmp_path / "PWNED"
+    texts = [f"<python>{p}</python>" for p in
+             hostile_programs(os.getpid(), run, outside, server.getsockname()[1])]
+    model = make_tiny_model(tokenizer)
+    monkeypatch.setattr(trainer, "make_engine", lambda *a, **k: HostileWriter(model, tokenizer, texts))
+    cfg = load_config(None, [*TINY, "--run_dir", str(run), "--steps", "2", "--rollout.prompts_per_step",
+                             "3", "--log_samples", "12", "--env.tools", "python", "--env.max_turns",
+                             "2", "--env.tool_timeout_s", "2", "--env.sandbox", "bwrap",
+                             "--env.max_tokens", "1024"])
+    before = rss_kb()
+    summary = train(cfg, model=model, tokenizer=tokenizer, show_progress=False)
+    server.close()
+    time.sleep(0.3)
+    assert summary["steps"] == 2 and not outside.exists() and accepted in ([], [None])
+    assert not sleeping("61.9") and rss_kb() - before < 200_000
+    samples = [s for line in open(run / "samples.jsonl") for s in json.loads(line)["samples"]]
+    text = "\n".join(s["completion"] for s in samples)
+    assert len(samples) == 24 and SECRET not in text and '"run_dir"' not in text
+    assert "timed out after 2 s" in text and "File too large" in text
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert all(r["env/capped_calls"] > 0 for r in rows)    # the 20 calls in one turn ran 4
+    assert all(r["env/tools_broken"] == 0 for r in rows)   # the model's loops are not the tool's fault

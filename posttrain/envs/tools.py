@@ -37,6 +37,10 @@ class Tool:
     description: str
     parameters: dict[str, Any]          # JSON schema of the arguments (an object)
     fn: Callable[..., Any] = field(repr=False)
+    # True: fn takes a `timeout_s=` keyword and enforces it itself, out of the trainer's process
+    # (the python tool): a call running into it is the model's doing (its loop), not a broken
+    # tool, and the trainer's own timer waits a few seconds longer only as a backstop
+    bounded: bool = False
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -130,14 +134,14 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_outp
 
 @TOOLS.register("python")
 def python_tool(cfg: Any = None) -> Tool:
-    timeout = getattr(cfg, "tool_timeout_s", 5.0)
     memory = getattr(cfg, "python_memory_mb", 512)
     output = getattr(cfg, "tool_max_output", 2000)
     procs = getattr(cfg, "python_max_procs", 32)
     mode = sandbox_mode(getattr(cfg, "sandbox", "auto"))   # decided once, before training
     return Tool("python", "Run a Python program and return what it prints.",
                 {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
-                lambda code: run_python(code, timeout, memory, output, mode, procs))
+                lambda code, timeout_s: run_python(code, timeout_s, memory, output, mode, procs),
+                bounded=True)
 
 
 def make_tools(names: tuple[str, ...], cfg: Any = None) -> list[Tool]:
@@ -230,12 +234,17 @@ def parse_calls(text: str, tools: dict[str, Tool], fmt: str) -> tuple[list[Call]
 ARGUMENT_ERRORS = (ValueError, TypeError, KeyError, ArithmeticError, SyntaxError)
 
 
+BACKSTOP_S = 5.0   # a bounded tool's grace past its own timeout (sandbox start and teardown)
+
+
 def run_call(call: Call, tools: dict[str, Tool], timeout_s: float) -> tuple[str, str]:
     """(the result as text, status): 'ok'; 'bad_arguments' (the tool refused the model's
     arguments); 'failed' (it raised anything else, hung, or returned something that is not text
     or a number). Every failure comes back to the model as 'error: ...'."""
+    tool = tools[call.name]
+    args = {**call.arguments, "timeout_s": timeout_s} if tool.bounded else call.arguments
     try:
-        value = call_with_timeout(tools[call.name].fn, call.arguments, timeout_s)
+        value = call_with_timeout(tool.fn, args, timeout_s + BACKSTOP_S * tool.bounded)
     except RewardTimeout:
         return f"error: {call.name} timed out after {timeout_s:g} s", "failed"
     except ARGUMENT_ERRORS as e:
