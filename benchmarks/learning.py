@@ -59,6 +59,14 @@ PRESET_ARGS = {
     "dr_grpo": ["--preset", "dr_grpo", "--algorithm.aggregation", "seq_mean_token_sum_norm"],
     "ppo": ["--config", "posttrain/recipes/addition_ppo.yaml", "--optim.schedule", "cosine",
             "--optim.beta2", "0.999", "--model.attention", "eager"],
+    # the field's current objectives (docs/algorithms.md §11) differ from the policy gradient only
+    # once the policy has moved from pi_old: 4 minibatches per batch (4 optimizer steps)
+    "gspo": ["--preset", "gspo", "--optim.minibatches", "4", "--algorithm.aggregation",
+             "seq_mean_token_mean"],
+    "cispo": ["--preset", "cispo", "--optim.minibatches", "4"],
+    "sapo": ["--preset", "sapo", "--optim.minibatches", "4"],
+    "gmpo": ["--preset", "gmpo", "--optim.minibatches", "4", "--algorithm.aggregation",
+             "seq_mean_token_mean"],
 }
 
 

@@ -30,7 +30,8 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from posttrain.advantages import ADVANTAGES, NEEDS_GROUP, NEEDS_TEACHER, NEEDS_VALUES
-from posttrain.losses import AGGREGATIONS, DISTILL_LOSSES, KL_ESTIMATORS, POLICY_LOSSES
+from posttrain.losses import (AGGREGATIONS, DISTILL_LOSSES, KL_ESTIMATORS, OFF_POLICY_CORRECTIONS,
+                              POLICY_LOSSES, ObjectiveParams)
 
 
 class ConfigError(ValueError):
@@ -132,10 +133,19 @@ class AlgorithmConfig:
     advantage: str = "group"            # key of advantages.ADVANTAGES
     scale_by_std: bool = True           # GRPO divides by the group std; Dr. GRPO does not (§7)
     eps: float = 1e-6                   # added to the std in the GRPO advantage
-    policy_loss: str = "clipped"        # key of losses.POLICY_LOSSES
-    clip_low: float = 0.2               # ratio may fall to 1 - clip_low
+    # key of losses.POLICY_LOSSES: clipped (PPO/GRPO/DAPO), vanilla, importance_sampled, gspo,
+    # gspo_token, cispo, sapo, gmpo, clip_cov, kl_cov (docs/algorithms.md §11)
+    policy_loss: str = "clipped"
+    clip_low: float = 0.2               # ratio may fall to 1 - clip_low (gmpo: log-ratio to -clip_low)
     clip_high: float = 0.2              # ratio may rise to 1 + clip_high (> clip_low: Clip-Higher)
     dual_clip: float | None = None      # bound on the loss of negative-advantage tokens (c > 1)
+    sapo_tau_pos: float = 1.0           # sapo: gate temperature for positive advantages
+    sapo_tau_neg: float = 1.05          # sapo: gate temperature for negative advantages
+    cov_frac: float = 2e-4              # clip_cov / kl_cov: share of tokens picked by covariance
+    cov_low: float = 1.0                # clip_cov: covariance band the detached tokens come from
+    cov_high: float = 5.0               # clip_cov: upper end of that band
+    kl_cov_coef: float = 1.0            # kl_cov: weight of |log pi - log pi_old| on the picked tokens
+    entropy_coef: float = 0.0           # entropy bonus: minus coef x the entropy at each token
     aggregation: str = "seq_mean_token_mean"  # key of losses.AGGREGATIONS
     kl_in: Literal["loss", "reward", "none"] = "loss"  # where the KL to pi_ref goes (§5 vs §6)
     kl_estimator: str = "k3"            # key of losses.KL_ESTIMATORS
@@ -157,6 +167,13 @@ class AlgorithmConfig:
     # docs/distillation.md: no faster than 'exact' there)
     distill_loss: str = "sampled"       # key of losses.DISTILL_LOSSES
 
+    def objective_params(self) -> ObjectiveParams:
+        """The hyper-parameters the policy objectives read (losses.ObjectiveParams)."""
+        return ObjectiveParams(
+            clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
+            sapo_tau_pos=self.sapo_tau_pos, sapo_tau_neg=self.sapo_tau_neg, cov_frac=self.cov_frac,
+            cov_low=self.cov_low, cov_high=self.cov_high, kl_cov_coef=self.kl_cov_coef)
+
     def validate(self, group_size: int) -> None:
         _check_choice("algorithm.advantage", self.advantage, ADVANTAGES.names())
         _check_choice("algorithm.policy_loss", self.policy_loss, POLICY_LOSSES.names())
@@ -168,6 +185,15 @@ class AlgorithmConfig:
         _check_range("algorithm.clip_low", self.clip_low, 0.0, 1.0)
         _check_range("algorithm.clip_high", self.clip_high, 0.0)
         _check_range("algorithm.kl_coef", self.kl_coef, 0.0)
+        _check_range("algorithm.entropy_coef", self.entropy_coef, 0.0)
+        _check_range("algorithm.cov_frac", self.cov_frac, 0.0, 1.0, lo_open=True)
+        for name in ("sapo_tau_pos", "sapo_tau_neg"):
+            _check_range(f"algorithm.{name}", getattr(self, name), 0.0, lo_open=True)
+        if self.kl_in == "loss" and self.kl_estimator == "k1" and self.kl_coef > 0:
+            raise ConfigError("algorithm.kl_estimator='k1' with kl_in='loss': k1's gradient in the "
+                              "loss is grad log pi, zero in expectation on-policy, so the penalty "
+                              "would pull nowhere; use k2 or k3_st (gradient of KL(pi || pi_ref)), "
+                              "k3 (GRPO's), or kl_in='reward'")
         _check_range("algorithm.eps", self.eps, 0.0)
         _check_range("algorithm.gamma", self.gamma, 0.0, 1.0)
         _check_range("algorithm.lam", self.lam, 0.0, 1.0)
@@ -212,6 +238,16 @@ PRESETS: dict[str, AlgorithmConfig] = {
                    aggregation="token_mean", gamma=1.0, lam=0.95, whiten_advantages=True),
     "opd": replace(GRPO, advantage="reverse_kl", aggregation="token_mean", kl_in="none",
                    kl_coef=0.0),
+    # The field's current objectives (docs/algorithms.md §11), on GRPO's group advantage, no KL.
+    # GSPO (Zheng et al. 2025): sequence-level length-normalised ratio, clipped per sequence.
+    "gspo": replace(GRPO, policy_loss="gspo", clip_low=3e-4, clip_high=4e-4, kl_in="none", kl_coef=0.0),
+    # CISPO (MiniMax-M1 2025): the clipped IS weight as a constant on every token's log-prob.
+    "cispo": replace(GRPO, policy_loss="cispo", clip_low=1.0, clip_high=4.0, aggregation="token_mean",
+                     kl_in="none", kl_coef=0.0),
+    # SAPO (Gao et al. 2025): a soft sigmoid gate instead of the hard clip.
+    "sapo": replace(GRPO, policy_loss="sapo", aggregation="token_mean", kl_in="none", kl_coef=0.0),
+    # GMPO (Zhao et al. 2025): geometric mean of token ratios, log-ratio clip +-0.4.
+    "gmpo": replace(GRPO, policy_loss="gmpo", clip_low=0.4, clip_high=0.4, kl_in="none", kl_coef=0.0),
 }
 
 
@@ -381,14 +417,40 @@ class RolloutConfig:
     # correction; the mismatch is logged either way). Used when the sampler is not the trained
     # weights themselves (backend 'vllm', or weights 'bfloat16').
     tis_cap: float | None = 2.0
+    # how another engine's samples are corrected (losses.OFF_POLICY_CORRECTIONS, docs §3):
+    # token_tis (min(rho_t, tis_cap)), seq_tis (min(prod_t rho_t, tis_cap) per response),
+    # token_mis / seq_mis (rho where it lies in is_band, else 0), icepop (1 inside is_band, 0 out)
+    correction: str = "token_tis"
+    is_band: tuple[float, float] = (0.5, 2.0)   # token_mis, seq_mis, icepop: ratios kept
     vllm_gpu_memory_utilization: float = 0.3   # share of the GPU vLLM may take (colocated)
     vllm_sleep: bool = True             # free vLLM's weights and KV cache while the trainer updates
     vllm_server: str | None = None      # 'http://host:port' of a `vllm serve`; None: colocated
 
+    def validate(self) -> None:
+        r = self
+        for name in ("prompts_per_step", "group_size", "max_new_tokens"):
+            _check_range(f"rollout.{name}", getattr(r, name), 1)
+        _check_range("rollout.temperature", r.temperature, 0.0, lo_open=True)
+        _check_range("rollout.top_p", r.top_p, 0.0, 1.0, lo_open=True)
+        _check_range("rollout.vllm_gpu_memory_utilization", r.vllm_gpu_memory_utilization, 0.0,
+                     1.0, lo_open=True)
+        if r.tis_cap is not None:
+            _check_range("rollout.tis_cap", r.tis_cap, 1.0)
+        _check_choice("rollout.correction", r.correction, OFF_POLICY_CORRECTIONS.names())
+        if not 0.0 <= r.is_band[0] <= 1.0 <= r.is_band[1]:
+            raise ConfigError(f"rollout.is_band={list(r.is_band)} must be [lo, hi] with "
+                              "0 <= lo <= 1 <= hi (ratios inside are kept)")
+        if r.vllm_server is not None and not r.vllm_server.startswith(("http://", "https://")):
+            raise ConfigError(f"rollout.vllm_server={r.vllm_server!r} must be a URL such as "
+                              "http://host:8000")
+
     @property
     def off_trainer(self) -> bool:
-        """The sampler is not the trained weights themselves: its log-probs are not pi_old."""
-        return self.backend != "hf" or self.weights != "shared"
+        """The sampler is not the trained weights in float32 themselves (another engine, a bf16
+        copy, bf16 autocast while sampling, or a nucleus cut by top_p): its log-probs are not
+        pi_old."""
+        return (self.backend != "hf" or self.weights != "shared" or self.autocast != "none"
+                or self.top_p < 1.0)
 
 
 @dataclass(frozen=True)
@@ -529,17 +591,7 @@ class TrainConfig:
             _coerce(f"algorithm.{f.name}", getattr(algo, f.name), _hint(AlgorithmConfig, f.name))
         algo.validate(self.rollout.group_size)
         r, o = self.rollout, self.optim
-        for name in ("prompts_per_step", "group_size", "max_new_tokens"):
-            _check_range(f"rollout.{name}", getattr(r, name), 1)
-        _check_range("rollout.temperature", r.temperature, 0.0, lo_open=True)
-        _check_range("rollout.top_p", r.top_p, 0.0, 1.0, lo_open=True)
-        _check_range("rollout.vllm_gpu_memory_utilization", r.vllm_gpu_memory_utilization, 0.0,
-                     1.0, lo_open=True)
-        if r.tis_cap is not None:
-            _check_range("rollout.tis_cap", r.tis_cap, 1.0)
-        if r.vllm_server is not None and not r.vllm_server.startswith(("http://", "https://")):
-            raise ConfigError(f"rollout.vllm_server={r.vllm_server!r} must be a URL such as "
-                              "http://host:8000")
+        r.validate()
         if r.weights != "shared" and (r.backend != "hf" or r.autocast != "none"
                                       or self.parallel.strategy == "fsdp"):
             raise ConfigError(f"rollout.weights={r.weights!r} is a bf16 copy for the in-process "

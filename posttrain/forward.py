@@ -145,17 +145,17 @@ def response_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, response_ids
 
 class PolicyForward(NamedTuple):
     logp: Tensor                    # (b, T) log pi(y_t | x, y_<t) at the sampling temperature
-    entropy: Tensor | None          # (b, T) entropy of each position's distribution (no grad)
+    entropy: Tensor | None          # (b, T) entropy of each position's distribution
     logits: Tensor | None           # (b, T, V), when asked for (exact distillation)
     hidden: Tensor | None           # (b, T, H), when asked for (a value head on the policy body)
 
 
 def sequence_logprobs(model, rollout: Rollout, rows: Tensor, temperature: float,
                       with_entropy: bool = False, autocast: str = "none", keep_logits: bool = False,
-                      keep_hidden: bool = False) -> PolicyForward:
+                      keep_hidden: bool = False, entropy_grad: bool = False) -> PolicyForward:
     """log pi(y_t | x, y_<t) for the response tokens of `rows` (whole groups), at the sampling
-    temperature; optionally the entropy of each position's distribution, the logits and the
-    hidden states."""
+    temperature; optionally the entropy of each position's distribution (with its gradient when
+    `entropy_grad`: an entropy bonus in the loss), the logits and the hidden states."""
     decoder, head = decoder_and_head(model)
     hidden = response_hidden(decoder, rollout.prompt_ids_B_L[rows], rollout.prompt_mask_B_L[rows],
                              rollout.response_ids_B_T[rows], rollout.response_mask_B_T[rows],
@@ -164,7 +164,9 @@ def sequence_logprobs(model, rollout: Rollout, rows: Tensor, temperature: float,
         logits = head(hidden)
     logp = token_logprobs(logits, rollout.response_ids_B_T[rows], temperature)
     entropy = None
-    if with_entropy:
+    if with_entropy and entropy_grad:
+        entropy = entropy_from_logits(logits, temperature)
+    elif with_entropy:
         with torch.no_grad():
             entropy = entropy_from_logits(logits.detach(), temperature)
     return PolicyForward(logp, entropy, logits if keep_logits else None,

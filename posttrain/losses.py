@@ -9,6 +9,7 @@ Sections refer to docs/algorithms.md (`§N`), which states each formula and name
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -94,30 +95,63 @@ def sequence_logprob(logp_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Policy losses (§2, §3, §5); one signature so the trainer dispatches with one lookup
+# Policy objectives (§2, §3, §5, §11): one inputs object in, a per-token loss and its metrics out
 # ---------------------------------------------------------------------------------------------
 
-PolicyLossFn = Callable[..., Tensor]
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+@dataclass(frozen=True)
+class PolicyInputs:
+    """What a policy objective may read for one micro-batch (rows = whole groups), (b, T) each.
+
+    A sequence-level objective (GSPO, GMPO) computes one loss per row and writes it on each of the
+    row's tokens; with the `seq_mean_token_mean` aggregation (weights 1 / (B |o_i|)) the sum over
+    tokens is then exactly the mean over sequences, in value and gradient."""
+
+    logp_B_T: Tensor                    # log pi_theta(y_t), with gradient
+    old_logp_B_T: Tensor                # log pi_old(y_t): the trainer's, before this step's update
+    adv_B_T: Tensor                     # advantages (one value per row for outcome rewards)
+    mask_B_T: Tensor                    # 1 on tokens the policy wrote, 0 on padding / environment
+    group_size: int                     # rows i*G .. i*G+G-1 answer the same prompt
+    generator: torch.Generator | None = None   # randomness an objective may use (Clip-Cov)
 
 
-@POLICY_LOSSES.register("vanilla")
-def vanilla_pg_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, *,
-                    clip_low: float = 0.2, clip_high: float = 0.2,
-                    dual_clip: float | None = None) -> Tensor:
+@dataclass(frozen=True)
+class ObjectiveParams:
+    """The hyper-parameters objectives read (AlgorithmConfig.objective_params())."""
+
+    clip_low: float = 0.2               # ratio may fall to 1 - clip_low (GMPO: log-ratio to -clip_low)
+    clip_high: float = 0.2              # ratio may rise to 1 + clip_high (GMPO: log-ratio to +clip_high)
+    dual_clip: float | None = None
+    sapo_tau_pos: float = 1.0           # SAPO gate temperature for A > 0
+    sapo_tau_neg: float = 1.05          # ... for A < 0
+    cov_frac: float = 2e-4              # Clip-Cov: share of tokens detached; KL-Cov: 2e-3 typical
+    cov_low: float = 1.0                # Clip-Cov: covariance band the detached tokens come from
+    cov_high: float = 5.0
+    kl_cov_coef: float = 1.0            # KL-Cov: coefficient of |log pi - log pi_old| on its tokens
+
+
+@dataclass(frozen=True)
+class PolicyTerm:
+    """An objective's per-token loss (b, T) and its own metrics (per-row means, tensors)."""
+
+    loss_B_T: Tensor
+    metrics: dict[str, Tensor]
+
+
+PolicyObjective = Callable[[PolicyInputs, ObjectiveParams], PolicyTerm]
+POLICY_LOSSES: Registry[PolicyObjective] = Registry("policy loss")
+
+
+def vanilla_pg_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor) -> Tensor:
     """REINFORCE / vanilla policy gradient, per token.  §2.
 
         L_t = -A_t * logp_t        (grad L = -A grad log pi: "reward-weighted SFT")
 
-    Needs on-policy samples; `old_logp` and the clip arguments are ignored.
+    Needs on-policy samples; `old_logp` is ignored.
     """
     return -adv_B_T * logp_B_T
 
 
-@POLICY_LOSSES.register("importance_sampled")
-def importance_sampled_pg_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, *,
-                               clip_low: float = 0.2, clip_high: float = 0.2,
-                               dual_clip: float | None = None) -> Tensor:
+def importance_sampled_pg_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor) -> Tensor:
     """Importance-sampled policy gradient, per token.  §3.
 
         L_t = -rho_t * A_t,   rho_t = exp(logp_t - old_logp_t)
@@ -127,7 +161,6 @@ def importance_sampled_pg_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: 
     return -torch.exp(logp_B_T - old_logp_B_T) * adv_B_T
 
 
-@POLICY_LOSSES.register("clipped")
 def clipped_surrogate_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, *,
                            clip_low: float = 0.2, clip_high: float = 0.2,
                            dual_clip: float | None = None) -> Tensor:
@@ -148,36 +181,251 @@ def clipped_surrogate_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tens
     return loss
 
 
+def clip_fractions(ratio_B_T: Tensor, adv_B_T: Tensor, mask_B_T: Tensor, low: float,
+                   high: float) -> dict[str, Tensor]:
+    """Shares of tokens whose gradient a clip removed: the low side when A < 0 and the ratio is
+    below `low`, the high side when A > 0 and it is above `high`.  §5."""
+    with torch.no_grad():
+        m = mask_B_T.float()
+        return {"policy/clip_frac_low": masked_mean(((ratio_B_T < low) & (adv_B_T < 0)).float(), m),
+                "policy/clip_frac_high": masked_mean(((ratio_B_T > high) & (adv_B_T > 0)).float(), m)}
+
+
+def _ratio(x: PolicyInputs) -> Tensor:
+    return torch.exp((x.logp_B_T - x.old_logp_B_T).detach())
+
+
+@POLICY_LOSSES.register("vanilla")
+def vanilla_objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
+    """REINFORCE (`vanilla_pg_loss`).  §2."""
+    return PolicyTerm(vanilla_pg_loss(x.logp_B_T, x.old_logp_B_T, x.adv_B_T), {})
+
+
+@POLICY_LOSSES.register("importance_sampled")
+def importance_sampled_objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
+    """Unclipped importance sampling (`importance_sampled_pg_loss`).  §3."""
+    return PolicyTerm(importance_sampled_pg_loss(x.logp_B_T, x.old_logp_B_T, x.adv_B_T), {})
+
+
+@POLICY_LOSSES.register("clipped")
+def clipped_objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
+    """PPO / GRPO / DAPO clipped surrogate (`clipped_surrogate_loss`).  §5-§7."""
+    loss = clipped_surrogate_loss(x.logp_B_T, x.old_logp_B_T, x.adv_B_T, clip_low=p.clip_low,
+                                  clip_high=p.clip_high, dual_clip=p.dual_clip)
+    return PolicyTerm(loss, clip_fractions(_ratio(x), x.adv_B_T, x.mask_B_T, 1 - p.clip_low,
+                                           1 + p.clip_high))
+
+
+def sequence_mean(x_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
+    """(B,) mean of x over each row's masked tokens; 0 for a row with none."""
+    return (x_B_T * mask_B_T).sum(-1) / mask_B_T.sum(-1).clamp(min=1)
+
+
+def gspo_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, mask_B_T: Tensor, *,
+              clip_low: float, clip_high: float, token_level: bool = False) -> Tensor:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", Qwen3), per token.  §11.
+
+        s_i = (pi_theta(y_i|x) / pi_old(y_i|x))^(1/|y_i|) = exp( 1/|y_i| sum_t log rho_it )
+        L_i = -min( s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i )
+
+    A length-normalised sequence ratio, clipped per sequence (the paper's eps are ~3e-4 / 4e-4):
+    one token's noisy ratio cannot clip or blow up its own gradient. L_i is written on each of
+    row i's tokens (A_i = the row's mean advantage). GSPO-token (`token_level=True`) keeps
+    per-token advantages with s_it = sg[s_i] * pi_theta(y_t) / sg[pi_theta(y_t)] (value s_i,
+    gradient s_i grad log pi(y_t)):  L_it = -min(s_it A_it, clip(s_it) A_it); with one advantage
+    per row it equals GSPO in value and gradient.
+    """
+    log_s = sequence_mean(logp_B_T - old_logp_B_T, mask_B_T)[:, None]
+    if token_level:
+        s, adv = torch.exp(log_s.detach() + logp_B_T - logp_B_T.detach()), adv_B_T
+    else:
+        s, adv = torch.exp(log_s).expand_as(logp_B_T), sequence_mean(adv_B_T, mask_B_T)[:, None]
+    return torch.maximum(-s * adv, -s.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
+
+
+def _gspo(token_level: bool) -> PolicyObjective:
+    def objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
+        loss = gspo_loss(x.logp_B_T, x.old_logp_B_T, x.adv_B_T, x.mask_B_T, clip_low=p.clip_low,
+                         clip_high=p.clip_high, token_level=token_level)
+        s = torch.exp(sequence_mean((x.logp_B_T - x.old_logp_B_T).detach(), x.mask_B_T))[:, None]
+        return PolicyTerm(loss, clip_fractions(s.expand_as(x.logp_B_T), x.adv_B_T, x.mask_B_T,
+                                               1 - p.clip_low, 1 + p.clip_high))
+    objective.__doc__ = f"GSPO{'-token' if token_level else ''} (`gspo_loss`).  §11."
+    return objective
+
+
+POLICY_LOSSES.register("gspo")(_gspo(token_level=False))
+POLICY_LOSSES.register("gspo_token")(_gspo(token_level=True))
+
+
+def cispo_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, *, clip_low: float,
+               clip_high: float) -> Tensor:
+    """CISPO (MiniMax-M1, Chen et al. 2025), per token.  §11.
+
+        L_t = -sg[ clip(rho_t, 1 - eps_low, 1 + eps_high) ] * A_t * log pi_theta(y_t)
+
+    The clipped importance weight is a constant: every token keeps a gradient (PPO's clip drops
+    the gradient of the rare tokens whose ratio moved most, often the "forks" of a reasoning
+    chain); only its weight is bounded. The paper sets no lower bound (eps_low = 1: the weight
+    never falls below 0) and a large eps_high.
+    """
+    w = torch.exp(logp_B_T - old_logp_B_T).detach().clamp(1.0 - clip_low, 1.0 + clip_high)
+    return -w * adv_B_T * logp_B_T
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
+    """CISPO (`cispo_loss`); the metrics count weights held at a bound.  §11."""
+    loss = cispo_loss(x.logp_B_T, x.old_logp_B_T, x.adv_B_T, clip_low=p.clip_low, clip_high=p.clip_high)
+    r, m = _ratio(x), x.mask_B_T.float()
+    return PolicyTerm(loss, {"policy/is_weight_capped_frac": masked_mean((r > 1 + p.clip_high).float(), m)})
+
+
+def sapo_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, *, tau_pos: float,
+              tau_neg: float) -> Tensor:
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization", Qwen), per token.  §11.
+
+        f(rho) = 4 / tau * sigmoid( tau (rho - 1) ),   L_t = -f(rho_t) A_t,
+        tau = tau_pos where A_t > 0, tau_neg where A_t < 0
+
+    A soft gate instead of a hard clip: f'(rho) = 4 s (1 - s) rho-weighted, which is 1 at rho = 1
+    (the plain policy gradient on-policy) and decays smoothly as rho leaves 1, faster for negative
+    advantages (tau_neg > tau_pos), instead of dropping to zero at a clip edge.
+    """
+    ratio = torch.exp(logp_B_T - old_logp_B_T)
+    tau = torch.where(adv_B_T > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * adv_B_T
+
+
+@POLICY_LOSSES.register("sapo")
+def sapo_objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
+    """SAPO (`sapo_loss`).  §11."""
+    return PolicyTerm(sapo_loss(x.logp_B_T, x.old_logp_B_T, x.adv_B_T, tau_pos=p.sapo_tau_pos,
+                                tau_neg=p.sapo_tau_neg), {})
+
+
+def gmpo_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, mask_B_T: Tensor, *,
+              clip_low: float, clip_high: float) -> Tensor:
+    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization"), per token.  §11.
+
+        L_i = -A_i * exp( 1/|y_i| sum_t  sgn(A_i) min( sgn(A_i) log rho_it,
+                                                    sgn(A_i) clip(log rho_it, -eps_low, eps_high) ) )
+
+    The geometric mean of the token ratios instead of their arithmetic mean (GRPO): an outlier
+    ratio moves it less. The clip acts on each token's log-ratio, pessimistically (the smaller
+    objective for A > 0, the larger ratio for A < 0), so a clipped token has no gradient; the
+    paper's range is eps = 0.4. L_i is written on each of row i's tokens (A_i = its mean advantage).
+    """
+    adv_B = sequence_mean(adv_B_T, mask_B_T)[:, None]
+    sign = torch.sign(adv_B)
+    log_ratio = logp_B_T - old_logp_B_T
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * log_ratio.clamp(-clip_low, clip_high))
+    return -adv_B * torch.exp(sequence_mean(pessimistic, mask_B_T))[:, None].expand_as(logp_B_T)
+
+
+@POLICY_LOSSES.register("gmpo")
+def gmpo_objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
+    """GMPO (`gmpo_loss`); clip fractions on the token log-ratios.  §11."""
+    loss = gmpo_loss(x.logp_B_T, x.old_logp_B_T, x.adv_B_T, x.mask_B_T, clip_low=p.clip_low,
+                     clip_high=p.clip_high)
+    return PolicyTerm(loss, clip_fractions(_ratio(x), x.adv_B_T, x.mask_B_T, math.exp(-p.clip_low),
+                                           math.exp(p.clip_high)))
+
+
+def centred_covariance(logp_B_T: Tensor, adv_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
+    """Per-token (log pi(y_t) - mean log pi) (A_t - mean A) over the masked tokens (no gradient):
+    the token's share of Cov(log pi, A), whose sum drives the entropy change of a policy-gradient
+    step (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs").  §11."""
+    with torch.no_grad():
+        m = mask_B_T.float()
+        lp, a = logp_B_T.detach().float(), adv_B_T.float()
+        return (lp - masked_mean(lp, m)) * (a - masked_mean(a, m)) * m
+
+
+def clip_cov_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, mask_B_T: Tensor,
+                  generator: torch.Generator | None, *, clip_low: float, clip_high: float,
+                  frac: float, cov_low: float, cov_high: float) -> Tensor:
+    """Clip-Cov (Cui et al. 2025), per token.  §11.
+
+        C = { tokens with cov_low < cov_t < cov_high that PPO's clip left alone },
+        pick max(1, floor(frac * n_tokens)) of C at random;   L_t = clipped_t * (t not picked)
+
+    The picked tokens' gradients are removed: a few high-covariance tokens (confident and
+    rewarded) drive the entropy collapse, and detaching them keeps entropy up at almost no cost.
+    """
+    clipped = clipped_surrogate_loss(logp_B_T, old_logp_B_T, adv_B_T, clip_low=clip_low,
+                                     clip_high=clip_high)
+    with torch.no_grad():
+        unclipped = -torch.exp(logp_B_T - old_logp_B_T) * adv_B_T
+        cov = centred_covariance(logp_B_T, adv_B_T, mask_B_T)
+        band = (cov > cov_low) & (cov < cov_high) & (mask_B_T > 0) & (clipped <= unclipped)
+        idx = band.flatten().nonzero().squeeze(-1)
+        n = max(1, int(frac * float(mask_B_T.sum())))
+        pick = idx[torch.randperm(len(idx), generator=generator)[:n]]
+        keep = torch.ones(mask_B_T.numel(), dtype=clipped.dtype, device=clipped.device)
+        keep[pick] = 0.0
+    return clipped * keep.view_as(clipped)
+
+
+@POLICY_LOSSES.register("clip_cov")
+def clip_cov_objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
+    """Clip-Cov (`clip_cov_loss`) on the clipped surrogate.  §11."""
+    loss = clip_cov_loss(x.logp_B_T, x.old_logp_B_T, x.adv_B_T, x.mask_B_T, x.generator,
+                         clip_low=p.clip_low, clip_high=p.clip_high, frac=p.cov_frac,
+                         cov_low=p.cov_low, cov_high=p.cov_high)
+    return PolicyTerm(loss, clip_fractions(_ratio(x), x.adv_B_T, x.mask_B_T, 1 - p.clip_low,
+                                           1 + p.clip_high))
+
+
+def kl_cov_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, mask_B_T: Tensor, *,
+                frac: float, coef: float) -> Tensor:
+    """KL-Cov (Cui et al. 2025), per token.  §11.
+
+        K = the max(1, floor(frac * n_tokens)) tokens of largest cov_t,
+        L_t = -rho_t A_t + coef * |log pi_theta(y_t) - log pi_old(y_t)| * (t in K)
+
+    No clip; instead the few tokens of largest covariance are held near pi_old by a KL-like
+    penalty (the paper's frac is 2e-3, coef 1).
+    """
+    log_ratio = logp_B_T - old_logp_B_T
+    loss = -torch.exp(log_ratio) * adv_B_T
+    with torch.no_grad():
+        cov = centred_covariance(logp_B_T, adv_B_T, mask_B_T).masked_fill(mask_B_T <= 0, -math.inf)
+        n = min(max(1, int(frac * float(mask_B_T.sum()))), int((mask_B_T > 0).sum()))
+        top = torch.zeros(cov.numel(), dtype=loss.dtype, device=loss.device)
+        top[cov.flatten().topk(n).indices] = 1.0
+    return loss + coef * log_ratio.abs() * top.view_as(loss)
+
+
+@POLICY_LOSSES.register("kl_cov")
+def kl_cov_objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
+    """KL-Cov (`kl_cov_loss`).  §11."""
+    return PolicyTerm(kl_cov_loss(x.logp_B_T, x.old_logp_B_T, x.adv_B_T, x.mask_B_T,
+                                  frac=p.cov_frac, coef=p.kl_cov_coef), {})
+
+
 @dataclass(frozen=True)
 class RatioStats:
-    """Diagnostics of the update against `pi_old` (tensors; the trainer syncs them)."""
+    """Drift of the update from `pi_old` (tensors; the trainer syncs them)."""
 
-    clip_frac_low: Tensor    # share of tokens whose gradient the low side of the clip removed
-    clip_frac_high: Tensor   # ... the high side
     approx_kl_old: Tensor    # k3 estimate of KL(pi_old || pi_theta)
     ratio_mean: Tensor
     ratio_max: Tensor
     ratio_min: Tensor
 
 
-def ratio_stats(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, mask_B_T: Tensor,
-                clip_low: float, clip_high: float) -> RatioStats:
-    """Clip fractions and drift from `pi_old`.  §5.
+def ratio_stats(logp_B_T: Tensor, old_logp_B_T: Tensor, mask_B_T: Tensor) -> RatioStats:
+    """Drift from `pi_old`, whatever the objective.  §5.
 
-    A token is clipped on the low side when A < 0 and rho < 1 - eps_low (its gradient is then
-    zero), on the high side when A > 0 and rho > 1 + eps_high. approx_kl = mean(rho - 1 - log rho),
-    the k3 estimator of KL(pi_old || pi_theta) from samples of pi_old.
+    approx_kl = mean(rho - 1 - log rho), the k3 estimator of KL(pi_old || pi_theta) from samples
+    of pi_old; the ratio's mean, max and min over the masked tokens.
     """
     with torch.no_grad():
         log_ratio = (logp_B_T - old_logp_B_T).float()
         ratio = log_ratio.exp()
         mask = mask_B_T.float()
-        low = ((ratio < 1.0 - clip_low) & (adv_B_T < 0)).float()
-        high = ((ratio > 1.0 + clip_high) & (adv_B_T > 0)).float()
         big = torch.finfo(ratio.dtype).max
         return RatioStats(
-            clip_frac_low=masked_mean(low, mask),
-            clip_frac_high=masked_mean(high, mask),
             approx_kl_old=masked_mean(ratio - 1.0 - log_ratio, mask),
             ratio_mean=masked_mean(ratio, mask),
             ratio_max=torch.where(mask > 0, ratio, -big).max(),
@@ -200,6 +448,63 @@ def truncated_is_weights(trainer_logp_B_T: Tensor, engine_logp_B_T: Tensor,
     return log_ratio.clamp(max=_MAX_LOG_RATIO).exp().clamp(max=cap)
 
 
+def sequence_is_weights(trainer_logp_B_T: Tensor, engine_logp_B_T: Tensor, mask_B_T: Tensor,
+                        cap: float) -> Tensor:
+    """Sequence-level truncated IS: one weight per response, on each of its tokens.  §3.
+
+        w_i = min( prod_t pi_trainer(y_t) / pi_engine(y_t), C )      (no gradient)
+
+    The correction for the whole sequence's probability, not each token's: unbiased for the
+    sequence-level gradient before the cap, with more variance than the token form."""
+    log_ratio = ((trainer_logp_B_T - engine_logp_B_T).detach().float() * mask_B_T).sum(-1, keepdim=True)
+    return log_ratio.clamp(max=_MAX_LOG_RATIO).exp().clamp(max=cap).expand_as(trainer_logp_B_T)
+
+
+def _in_band(ratio: Tensor, band: tuple[float, float]) -> Tensor:
+    return ((ratio >= band[0]) & (ratio <= band[1])).to(ratio.dtype)
+
+
+def masked_is_weights(trainer_logp_B_T: Tensor, engine_logp_B_T: Tensor, mask_B_T: Tensor,
+                      band: tuple[float, float], sequence: bool = False) -> Tensor:
+    """Masked IS: the importance ratio where it lies inside `band`, 0 outside.  §3.
+
+        w_t = rho_t * 1[lo <= rho_t <= hi],   rho_t = pi_trainer(y_t) / pi_engine(y_t)
+        (sequence=True: rho_i = prod_t rho_t, on each token of row i)
+
+    Instead of capping a far-off token (or sequence), drop it: its sample says little about the
+    trainer's policy (a sampler bug, a precision cliff)."""
+    log_ratio = (trainer_logp_B_T - engine_logp_B_T).detach().float()
+    if sequence:
+        log_ratio = (log_ratio * mask_B_T).sum(-1, keepdim=True).expand_as(trainer_logp_B_T)
+    ratio = log_ratio.clamp(max=_MAX_LOG_RATIO).exp()
+    return ratio * _in_band(ratio, band)
+
+
+def icepop_weights(trainer_logp_B_T: Tensor, engine_logp_B_T: Tensor, band: tuple[float, float]) -> Tensor:
+    """IcePop (Ling Team 2025, Ring-1T), per token.  §3.
+
+        w_t = 1[lo <= rho_t <= hi],   rho_t = pi_trainer(y_t) / pi_engine(y_t)
+
+    Tokens where the two engines disagree by more than the band (the paper: [0.5, 5]) lose their
+    gradient; the others are trained as they are, unweighted."""
+    ratio = (trainer_logp_B_T - engine_logp_B_T).detach().float().clamp(max=_MAX_LOG_RATIO).exp()
+    return _in_band(ratio, band)
+
+
+CorrectionFn = Callable[[Tensor, Tensor, Tensor, float, tuple[float, float]], Tensor]
+OFF_POLICY_CORRECTIONS: Registry[CorrectionFn] = Registry("off-policy correction")
+OFF_POLICY_CORRECTIONS.register("token_tis")(
+    lambda trainer, engine, mask, cap, band: truncated_is_weights(trainer, engine, cap))
+OFF_POLICY_CORRECTIONS.register("seq_tis")(
+    lambda trainer, engine, mask, cap, band: sequence_is_weights(trainer, engine, mask, cap))
+OFF_POLICY_CORRECTIONS.register("token_mis")(
+    lambda trainer, engine, mask, cap, band: masked_is_weights(trainer, engine, mask, band))
+OFF_POLICY_CORRECTIONS.register("seq_mis")(
+    lambda trainer, engine, mask, cap, band: masked_is_weights(trainer, engine, mask, band, True))
+OFF_POLICY_CORRECTIONS.register("icepop")(
+    lambda trainer, engine, mask, cap, band: icepop_weights(trainer, engine, band))
+
+
 # ---------------------------------------------------------------------------------------------
 # Loss aggregation (§6, §7): per-token weights, so the length bias is visible in one tensor
 # ---------------------------------------------------------------------------------------------
@@ -213,10 +518,12 @@ def seq_mean_token_mean_weights(mask_B_T: Tensor, max_len: float) -> Tensor:
     """GRPO: 1/G sum_i 1/|o_i| sum_t.  §6.  Weight of a token of response i: 1 / (B |o_i|).
 
     A token of a long response weighs less than one of a short response: the length bias of §7.
-    An empty response (|o_i| = 0) has no tokens and gets no weight.
+    An empty response (|o_i| = 0) has no tokens, gets no weight and is not counted in B (the
+    mean is over the responses that have a token), so the weights always sum to 1.
     """
-    lengths_B = mask_B_T.sum(-1, keepdim=True).clamp(min=1)
-    return mask_B_T / lengths_B / mask_B_T.shape[0]
+    lengths_B = mask_B_T.sum(-1, keepdim=True)
+    rows = (lengths_B > 0).sum().clamp(min=1)
+    return mask_B_T / lengths_B.clamp(min=1) / rows
 
 
 @AGGREGATIONS.register("token_mean")
@@ -260,14 +567,20 @@ K3_CAP = 10.0   # the k3 estimator's per-token cap (see kl_k3)
 
 @KL_ESTIMATORS.register("k1")
 def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """k1 = log(pi / pi_ref).  §6.  Unbiased for KL(pi || pi_ref) under y ~ pi; can be negative."""
+    """k1 = log(pi / pi_ref).  §6.  Unbiased for KL(pi || pi_ref) under y ~ pi; can be negative.
+
+    As a reward (PPO's kl_in='reward') it is the right penalty. In the loss its gradient is
+    grad log pi, whose expectation under y ~ pi is 0: it pulls nowhere, so kl_in='loss' refuses it
+    (Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL")."""
     return logp - ref_logp
 
 
 @KL_ESTIMATORS.register("k2")
 def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """k2 = 0.5 (log(pi / pi_ref))^2.  §6.  Biased, >= 0, low variance; its gradient is that of
-    the true KL to first order."""
+    """k2 = 0.5 (log(pi / pi_ref))^2.  §6.  Biased as a value, >= 0, low variance.
+
+    In the loss its gradient is log(pi / pi_ref) grad log pi, whose expectation under y ~ pi is
+    exactly grad KL(pi || pi_ref): the reverse KL the penalty is meant to be."""
     return 0.5 * (logp - ref_logp) ** 2
 
 
@@ -281,10 +594,40 @@ def kl_k3(logp: Tensor, ref_logp: Tensor, cap: float | None = K3_CAP) -> Tensor:
     otherwise carry the whole KL term of a step; past the cap that token's KL gradient is 0, and
     the estimate is biased low there (unbiased wherever every value is below the cap; `cap=None`
     is the plain estimator). The log-ratio is also clamped at +-20 before exp() (float32
-    overflows near 88)."""
+    overflows near 88).
+
+    In the loss (GRPO) its gradient is (1 - pi_ref/pi) grad log pi, whose expectation under
+    y ~ pi is grad KL(pi_ref || pi): the *forward* KL, not the reverse KL its value estimates
+    (Tang & Munos 2025). `k3_st` keeps k3's value with the reverse KL's gradient."""
     log_r = (ref_logp - logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     k3 = torch.exp(log_r) - log_r - 1.0
     return k3 if cap is None else k3.clamp(max=cap)
+
+
+@KL_ESTIMATORS.register("k3_st")
+def kl_k3_straight_through(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """Straight-through k3: the value of k3 (unbiased for KL(pi || pi_ref), >= 0, capped), the
+    gradient of k2, so the penalty in the loss follows grad KL(pi || pi_ref).  §6.
+
+        value k3,   gradient log(pi / pi_ref) grad log pi
+    """
+    k2 = kl_k2(logp, ref_logp)
+    return kl_k3(logp, ref_logp).detach() + k2 - k2.detach()
+
+
+# where each estimator's gradient in the loss points (docs/algorithms.md §6); None: nowhere
+KL_GRADIENT_OF = {"k1": None, "k2": "KL(pi || pi_ref)", "k3": "KL(pi_ref || pi)",
+                  "k3_st": "KL(pi || pi_ref)"}
+
+
+def entropy_bonus_loss(entropy_B_T: Tensor, coef: float) -> Tensor:
+    """Entropy regularisation, per token.  §11.
+
+        L_t = -coef * H(pi_theta(. | x, y_<t))
+
+    With the entropy's own gradient (the full distribution at each position): coef > 0 pushes
+    the policy to keep its options open, the classic remedy for entropy collapse."""
+    return -coef * entropy_B_T
 
 
 def exact_kl_from_logits(p_logits_N_V: Tensor, q_logits_N_V: Tensor,

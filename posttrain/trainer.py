@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -177,7 +178,8 @@ def score_round(episodes: Episodes, per_response: list[Problem], scorer: Scorer,
     rewards, correct = episode_rewards(result, episodes, rollout.response_mask_B_T.device)
     report_solved(sampler, correct, cfg.rollout.group_size, cfg.data.retry_if, world, stats)
     if algo.overlong == "shape":
-        rewards = rewards + overlong_penalty(rollout.lengths_B, cfg.rollout.max_new_tokens,
+        # (an episode: its longest turn, the part max_new_tokens cuts; never the environment's tokens)
+        rewards = rewards + overlong_penalty(rollout.longest_turn_B, cfg.rollout.max_new_tokens,
                                              algo.overlong_buffer, algo.overlong_penalty)
     for k, v in result.failures.items():
         stats[f"reward/failures_{k}"] += v
@@ -619,7 +621,15 @@ def nonfinite_streak(streak: int, metrics: dict[str, Any], cfg: TrainConfig) -> 
 
 def log_empty_step(run: Run, step: int, metrics: dict[str, Any], t_step: float, bar,
                    show_progress: bool) -> None:
-    """A step whose dynamic sampling kept no group: its sampling time and counts, no update."""
+    """A step whose dynamic sampling kept no group: its sampling time and counts, no update.
+    The learning-rate schedule still advances by the step's optimizer steps, so it reaches its
+    end at the last step as planned (a cosine schedule would otherwise never decay to 0)."""
+    o = run.cfg.optim
+    with warnings.catch_warnings():   # (torch warns when a schedule steps before any optimizer step)
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(o.epochs * o.minibatches):
+            run.scheduler.step()
+    metrics["optim/lr"] = run.scheduler.get_last_lr()[0]
     metrics["perf/step_s"] = time.perf_counter() - t_step
     run.train_seconds += metrics["perf/step_s"]
     run.logger.log(step, metrics)

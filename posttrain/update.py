@@ -7,9 +7,10 @@ of whole groups, each minibatch in micro-batches whose losses sum to the minibat
             for each micro-batch:                 policy_terms + value_terms, backward
             optimizer_step                         average over ranks, clip, Adam, lr schedule
 
-The terms a step uses (policy loss, truncated IS weights, KL to the reference, an exact
-distillation loss, the critic's value loss) are chosen once per update in `UpdateTerms`, from
-registries. Metrics stay on the device as tensors (`Metrics`) and reach the host in one transfer
+The terms a step uses are chosen once per update in `UpdateTerms`, from registries, and summed
+per token: the policy objective (POLICY_LOSSES: one `PolicyInputs` in, a per-token loss and its
+own metrics out), the off-policy correction (OFF_POLICY_CORRECTIONS), an exact distillation loss,
+the KL to the reference (KL_ESTIMATORS), the entropy bonus, and the critic's value loss. Metrics stay on the device as tensors (`Metrics`) and reach the host in one transfer
 at the end of the update, so a GPU step is not stalled by a sync per micro-batch.
 """
 
@@ -28,10 +29,11 @@ from posttrain.critic import Critic
 from posttrain.distributed import (SINGLE, World, average_gradients, clip_grad_norm,
                                    global_aggregation_weights, global_max)
 from posttrain.errors import NonFiniteError
-from posttrain.forward import group_chunks, sequence_logprobs
-from posttrain.losses import (AGGREGATIONS, DISTILL_LOSSES, KL_ESTIMATORS, POLICY_LOSSES,
-                              DistillLoss, aggregate, kl_penalty_in_loss, masked_mean, ratio_stats,
-                              truncated_is_weights, value_loss)
+from posttrain.forward import PolicyForward, group_chunks, sequence_logprobs
+from posttrain.losses import (AGGREGATIONS, DISTILL_LOSSES, KL_ESTIMATORS, OFF_POLICY_CORRECTIONS,
+                              POLICY_LOSSES, CorrectionFn, DistillLoss, ObjectiveParams,
+                              PolicyInputs, PolicyObjective, aggregate, entropy_bonus_loss,
+                              kl_penalty_in_loss, masked_mean, ratio_stats, value_loss)
 from posttrain.teachers import Teachers
 
 log = logging.getLogger("posttrain")
@@ -95,18 +97,25 @@ class Metrics:
 @dataclass(frozen=True)
 class UpdateTerms:
     """The loss terms of one step's update, chosen once from the registries."""
-    policy_loss: Callable[..., Tensor]        # POLICY_LOSSES[algo.policy_loss]
+    objective: PolicyObjective                # POLICY_LOSSES[algo.policy_loss]
+    params: ObjectiveParams                   # its hyper-parameters
     old_logp_B_T: Tensor                      # the trainer's pi_old
     single_update: bool                       # one epoch, one minibatch: pi_old = pi_theta exactly
-    tis_cap: float | None                     # another engine sampled: truncated IS weights (§3)
+    correction: CorrectionFn | None           # another engine sampled: OFF_POLICY_CORRECTIONS (§3)
+    tis_cap: float                            # the correction's cap (token_tis, seq_tis)
+    is_band: tuple[float, float]              # the ratios it keeps (token_mis, seq_mis, icepop)
     kl_fn: Callable[[Tensor, Tensor], Tensor] | None   # KL_ESTIMATORS[...] when a reference ran
     kl_in_loss: bool
+    kl_coef: float
+    entropy_coef: float                       # > 0: an entropy bonus in the loss
     distill: DistillLoss | None               # an exact (full-vocabulary) teacher loss, per token
     domains: list[str]
+    group_size: int
+    generator: torch.Generator | None         # for objectives that draw (Clip-Cov)
 
 
 def update_terms(batch: ScoredBatch, cfg: TrainConfig, algo: AlgorithmConfig,
-                 teachers: Teachers | None) -> UpdateTerms:
+                 teachers: Teachers | None, generator: torch.Generator | None = None) -> UpdateTerms:
     o = cfg.optim
     # With a single update the policy cannot have moved since sampling: pi_old = pi_theta exactly,
     # the ratio is 1 and the recorded log-probs are not needed (§3).
@@ -121,12 +130,27 @@ def update_terms(batch: ScoredBatch, cfg: TrainConfig, algo: AlgorithmConfig,
                          "log-probs (batch.trainer_old_logp_B_T)")
     kl_fn = KL_ESTIMATORS[algo.kl_estimator] if batch.ref_logp_B_T is not None else None
     distill = DISTILL_LOSSES[algo.distill_loss] if teachers is not None else None
+    # tis_cap None: no correction (the mismatch is still logged)
+    correct = foreign and cfg.rollout.tis_cap is not None
     return UpdateTerms(
-        policy_loss=POLICY_LOSSES[algo.policy_loss], old_logp_B_T=batch.old_logp_B_T,
-        single_update=single_update, tis_cap=cfg.rollout.tis_cap if foreign else None,
-        kl_fn=kl_fn, kl_in_loss=kl_fn is not None and algo.kl_in == "loss",
+        objective=POLICY_LOSSES[algo.policy_loss], params=algo.objective_params(),
+        old_logp_B_T=batch.old_logp_B_T, single_update=single_update,
+        correction=OFF_POLICY_CORRECTIONS[cfg.rollout.correction] if correct else None,
+        tis_cap=cfg.rollout.tis_cap or 1.0, is_band=tuple(cfg.rollout.is_band),
+        kl_fn=kl_fn, kl_in_loss=kl_fn is not None and algo.kl_in == "loss", kl_coef=algo.kl_coef,
+        entropy_coef=algo.entropy_coef,
         distill=distill if distill is not None and distill.token_loss is not None else None,
-        domains=[p.domain for p in batch.problems])
+        domains=[p.domain for p in batch.problems], group_size=batch.rollout.group_size,
+        generator=generator)
+
+
+def response_budget(cfg: TrainConfig, batch: ScoredBatch) -> float:
+    """The most tokens the policy can write in one response: Dr. GRPO's constant normaliser
+    L_max (§7). A single turn: max_new_tokens. An episode: its policy tokens over all turns,
+    bounded by the turns and by the episode's token budget (environment tokens included)."""
+    if batch.rollout.policy_mask_B_T is None:
+        return float(cfg.rollout.max_new_tokens)
+    return float(min(cfg.env.max_turns * cfg.rollout.max_new_tokens, cfg.env.max_tokens))
 
 
 def rows_with_signal(adv_B_T: Tensor, group_size: int, terms: UpdateTerms, critic: Critic | None,
@@ -140,7 +164,8 @@ def rows_with_signal(adv_B_T: Tensor, group_size: int, terms: UpdateTerms, criti
     run most groups are all-correct. (FSDP2: every rank runs the same forwards, whose layers
     gather weights collectively, so nothing is skipped.)"""
     B = adv_B_T.shape[0]
-    if terms.kl_in_loss or terms.distill is not None or critic is not None or world.strategy == "fsdp":
+    if (terms.kl_in_loss or terms.distill is not None or terms.entropy_coef > 0 or critic is not None
+            or world.strategy == "fsdp"):
         return torch.ones(B, dtype=torch.bool)
     return (adv_B_T.abs().sum(-1).reshape(-1, group_size) > 0).any(-1).repeat_interleave(group_size).cpu()
 
@@ -161,53 +186,81 @@ def minibatch_rows(n_groups: int, group_size: int, cfg: TrainConfig, generator: 
 # One micro-batch
 # ---------------------------------------------------------------------------------------------
 
-def policy_terms(batch: ScoredBatch, rows: Tensor, logp: Tensor, entropy: Tensor,
-                 logits: Tensor | None, adv_B_T: Tensor, w_micro: Tensor, terms: UpdateTerms,
-                 cfg: TrainConfig, algo: AlgorithmConfig, teachers: Teachers | None,
+def policy_terms(batch: ScoredBatch, rows: Tensor, fwd: PolicyForward, adv_B_T: Tensor, w_micro: Tensor,
+                 terms: UpdateTerms, cfg: TrainConfig, teachers: Teachers | None,
                  metrics: Metrics, first_update: bool) -> Tensor:
-    """The policy's share of one micro-batch's loss (§5-§8), its metrics added to `metrics`."""
-    rollout, m, n = batch.rollout, batch.loss_mask_B_T[rows], len(rows)
-    temperature = cfg.rollout.temperature
-    old = logp.detach() if terms.single_update else terms.old_logp_B_T[rows]
-    loss_t = terms.policy_loss(logp, old, adv_B_T[rows], clip_low=algo.clip_low,
-                               clip_high=algo.clip_high, dual_clip=algo.dual_clip)
-    if terms.tis_cap is not None:
-        w = truncated_is_weights(old, rollout.logp_B_T[rows], terms.tis_cap)
-        loss_t = loss_t * w
-        metrics.rows("rollout/tis_weight_mean", masked_mean(w, m), n)
-        metrics.rows("rollout/tis_capped_frac", masked_mean((w >= terms.tis_cap).float(), m), n)
+    """The policy's share of one micro-batch's loss (§5-§8, §11): the sum of its per-token terms,
+    aggregated; each term's metrics added to `metrics`."""
+    m, n = batch.loss_mask_B_T[rows], len(rows)
+    old = fwd.logp.detach() if terms.single_update else terms.old_logp_B_T[rows]
+    x = PolicyInputs(fwd.logp, old, adv_B_T[rows], m, terms.group_size, terms.generator)
+    term = terms.objective(x, terms.params)
+    for name, value in term.metrics.items():
+        metrics.rows(name, value, n)
+    loss_t = term.loss_B_T
+    if terms.correction is not None:
+        loss_t = loss_t * correction_weights(batch, rows, old, terms, metrics)
     if terms.distill is not None:   # §8: the full-vocabulary reverse KL is itself the loss
-        with torch.no_grad():
-            t_logits = teachers.response_logits(batch.teacher_view or rollout, rows, terms.domains,
-                                                cfg.model.autocast)
-            if cfg.teacher.temperature:   # a sharpened (or flattened) teacher
-                t_logits = t_logits * (temperature / cfg.teacher.temperature)
-        distill_t, kl_exact = terms.distill.token_loss(logits, t_logits, temperature)
-        loss_t = loss_t + distill_t
-        metrics.rows("distill/reverse_kl_exact", masked_mean(kl_exact, m), n)
-        row_domains = [terms.domains[int(r)] for r in rows]
-        for d in set(row_domains) if len(set(terms.domains)) > 1 else ():
-            k = torch.tensor([rd == d for rd in row_domains])
-            metrics.update(f"_kl@{d}", (kl_exact[k] * m[k]).sum())
-            metrics.update(f"_tokens@{d}", m[k].sum())
+        loss_t = loss_t + distill_term(batch, rows, fwd.logits, terms, cfg, teachers, metrics)
     if terms.kl_fn is not None:
-        kl_t = terms.kl_fn(logp, batch.ref_logp_B_T[rows])
+        kl_t = terms.kl_fn(fwd.logp, batch.ref_logp_B_T[rows])
         if terms.kl_in_loss:
-            loss_t = kl_penalty_in_loss(loss_t, kl_t, algo.kl_coef)
+            loss_t = kl_penalty_in_loss(loss_t, kl_t, terms.kl_coef)
         metrics.rows("policy/kl_ref", masked_mean(kl_t.detach(), m), n)
+    if terms.entropy_coef > 0:
+        loss_t = loss_t + entropy_bonus_loss(fwd.entropy, terms.entropy_coef)
     loss = aggregate(loss_t, w_micro)
     metrics.update("loss/policy", loss)
+    drift_metrics(batch, rows, fwd, old, metrics, first_update)
+    return loss
+
+
+def correction_weights(batch: ScoredBatch, rows: Tensor, old: Tensor, terms: UpdateTerms,
+                       metrics: Metrics) -> Tensor:
+    """Per-token weights correcting for another engine's samples (§3), with their metrics."""
+    m, n = batch.loss_mask_B_T[rows], len(rows)
+    w = terms.correction(old, batch.rollout.logp_B_T[rows], m, terms.tis_cap, terms.is_band)
+    metrics.rows("rollout/tis_weight_mean", masked_mean(w, m), n)
+    metrics.rows("rollout/tis_capped_frac", masked_mean((w >= terms.tis_cap).float(), m), n)
+    metrics.rows("rollout/is_masked_frac", masked_mean((w == 0).float(), m), n)
+    return w
+
+
+def distill_term(batch: ScoredBatch, rows: Tensor, logits: Tensor, terms: UpdateTerms,
+                 cfg: TrainConfig, teachers: Teachers, metrics: Metrics) -> Tensor:
+    """The exact (full-vocabulary) distillation loss per token (§8), its KL per teacher domain."""
+    m, n = batch.loss_mask_B_T[rows], len(rows)
+    temperature = cfg.rollout.temperature
+    with torch.no_grad():
+        t_logits = teachers.response_logits(batch.teacher_view or batch.rollout, rows, terms.domains,
+                                            cfg.model.autocast)
+        if cfg.teacher.temperature:   # a sharpened (or flattened) teacher
+            t_logits = t_logits * (temperature / cfg.teacher.temperature)
+    distill_t, kl_exact = terms.distill.token_loss(logits, t_logits, temperature)
+    metrics.rows("distill/reverse_kl_exact", masked_mean(kl_exact, m), n)
+    row_domains = [terms.domains[int(r)] for r in rows]
+    for d in set(row_domains) if len(set(terms.domains)) > 1 else ():
+        k = torch.tensor([rd == d for rd in row_domains])
+        metrics.update(f"_kl@{d}", (kl_exact[k] * m[k]).sum())
+        metrics.update(f"_tokens@{d}", m[k].sum())
+    return distill_t
+
+
+def drift_metrics(batch: ScoredBatch, rows: Tensor, fwd: PolicyForward, old: Tensor, metrics: Metrics,
+                  first_update: bool) -> None:
+    """Whatever the objective: the drift from pi_old, the entropy, and (first update) the
+    sampler's numerics against the trainer's."""
+    m, n = batch.loss_mask_B_T[rows], len(rows)
     if first_update:   # the policy has not moved yet: sampler vs trainer numerics only
-        diff = logp.detach() - rollout.logp_B_T[rows]
+        diff = fwd.logp.detach() - batch.rollout.logp_B_T[rows]
         metrics.rows("_mismatch", masked_mean(diff.abs(), m), n)
         big = torch.where(m > 0, diff, torch.full_like(diff, -1e9)).max()
         metrics.max("rollout/is_ratio_max", metrics.widen(big).clamp(max=50.0).exp())
-    st = ratio_stats(logp, old, adv_B_T[rows], m, algo.clip_low, algo.clip_high)
-    for name in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio_mean"):
+    st = ratio_stats(fwd.logp, old, m)
+    for name in ("approx_kl_old", "ratio_mean"):
         metrics.rows(f"policy/{name}", getattr(st, name), n)
     metrics.max("policy/ratio_max", st.ratio_max)
-    metrics.rows("policy/entropy", masked_mean(entropy, m), n)
-    return loss
+    metrics.rows("policy/entropy", masked_mean(fwd.entropy.detach(), m), n)
 
 
 def value_terms(critic: Critic, batch: ScoredBatch, rows: Tensor, hidden: Tensor | None,
@@ -283,7 +336,7 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
     read from the device once."""
     G, mask = batch.rollout.group_size, batch.loss_mask_B_T
     n_groups = len(batch.rewards_B) // G
-    terms = update_terms(batch, cfg, algo, teachers)
+    terms = update_terms(batch, cfg, algo, teachers, generator)
     signal = rows_with_signal(adv_B_T, G, terms, critic, world)
     # the policy forward is needed for its loss, or for the hidden states a shared value head reads
     policy_forward = train_policy or (critic is not None and critic.shared)
@@ -295,7 +348,7 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
         # aggregation weights over the whole minibatch, so micro-batches sum to its loss
         # (several ranks: normalised over the global minibatch, see global_aggregation_weights)
         weights = global_aggregation_weights(AGGREGATIONS[algo.aggregation], mask[rows_mb],
-                                             float(cfg.rollout.max_new_tokens), world)
+                                             response_budget(cfg, batch), world)
         value_weights = (global_aggregation_weights(AGGREGATIONS["token_mean"], mask[rows_mb], 1.0,
                                                     world) if critic is not None else None)
         kept = signal[rows_mb].nonzero().squeeze(-1)
@@ -311,14 +364,16 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
             into = Metrics() if padding else metrics
             loss, hidden = torch.zeros(()), None
             if policy_forward:
-                logp, entropy, logits, hidden = sequence_logprobs(
+                fwd = sequence_logprobs(
                     model, batch.rollout, rows, cfg.rollout.temperature, with_entropy=True,
                     autocast=cfg.model.autocast, keep_logits=terms.distill is not None,
-                    keep_hidden=critic is not None and critic.shared)
+                    keep_hidden=critic is not None and critic.shared,
+                    entropy_grad=terms.entropy_coef > 0)
+                hidden = fwd.hidden
             if train_policy:
                 w_micro = torch.zeros_like(mask[rows]) if padding else weights[kept[micro]]
-                loss = policy_terms(batch, rows, logp, entropy, logits, adv_B_T, w_micro, terms,
-                                    cfg, algo, teachers, into, first_update=n_updates == 0)
+                loss = policy_terms(batch, rows, fwd, adv_B_T, w_micro, terms, cfg, teachers, into,
+                                    first_update=n_updates == 0)
             if critic is not None:
                 vw_micro = torch.zeros_like(mask[rows]) if padding else value_weights[kept[micro]]
                 loss = loss + value_terms(critic, batch, rows, hidden, targets, vw_micro, cfg, into)

@@ -27,7 +27,7 @@ def test_yaml_then_overrides(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,msg", [
-    (["--preset", "ppo2"], "preset='ppo2' is not valid; accepted: \\['dapo'"),
+    (["--preset", "ppo2"], "preset='ppo2' is not valid; accepted: \\['cispo', 'dapo'"),
     (["--optim.lrr", "1"], "optim.lrr is not a config field; known: .*'lr'"),
     (["--optim.lr", "fast"], "optim.lr='fast' must be a number"),
     (["--rollout.group_size", "1"], "rollout.group_size=1 must be >= 2"),
@@ -135,3 +135,27 @@ def test_memory_estimate_counts_what_the_run_holds(tmp_path):
     assert copy.parts["KV cache (generation)"] * 2 == base.parts["KV cache (generation)"]
     assert {k: v for k, v in copy.parts.items() if k not in ("bf16 sampler copy", "KV cache (generation)")} \
         == {k: v for k, v in base.parts.items() if k != "KV cache (generation)"}
+
+
+def test_sampling_that_is_not_the_trainers_float32_policy_is_off_the_trainer():
+    """bf16 autocast while sampling, or a top-p nucleus: the recorded log-probs are not pi_old,
+    so the trainer recomputes pi_old and corrects (truncated IS) as for vLLM."""
+    from posttrain.config import RolloutConfig
+    assert not RolloutConfig().off_trainer
+    assert RolloutConfig(autocast="bfloat16").off_trainer
+    assert RolloutConfig(top_p=0.9).off_trainer
+    assert RolloutConfig(weights="bfloat16").off_trainer
+
+
+def test_k1_in_the_loss_is_refused_with_its_reason():
+    with pytest.raises(ConfigError, match="k1.*zero in expectation"):
+        load_config(None, ["--algorithm.kl_estimator", "k1", "--algorithm.kl_in", "loss",
+                           "--algorithm.kl_coef", "0.1"])
+    load_config(None, ["--algorithm.kl_estimator", "k3_st", "--algorithm.kl_coef", "0.1"])
+    load_config(None, ["--preset", "ppo"])        # k1 folded into the reward stays allowed
+
+
+@pytest.mark.parametrize("preset", ["gspo", "cispo", "sapo", "gmpo"])
+def test_the_new_presets_load_and_name_their_objective(preset):
+    cfg = load_config(None, ["--preset", preset])
+    assert cfg.algo.policy_loss == preset and cfg.algo.kl_coef == 0.0

@@ -191,6 +191,28 @@ def test_turn_by_turn_engines_build_the_same_kind_of_episode(tokenizer):
     assert ep.counts["turns"] == 18
 
 
+def test_an_episode_cut_by_its_budget_is_graded_on_the_cut_turn_by_both_engines(tokenizer):
+    """The budget ends two tokens into the second turn: the in-process engine and a turn-by-turn
+    engine (vLLM's path) both hand that cut turn to the environment, and grade it."""
+    model = make_tiny_model(tokenizer).double()
+    task = make_task("addition", 2)
+    task.build_eval(2, 0)
+    reply = ReplyEncoder(tokenizer).encode({"role": "user", "content": "turn 1 done"}, False)
+    settings = EpisodeSettings(max_tokens=4 + len(reply) + 2)
+    params = SamplingParams(4, greedy=True)
+    last = {}
+    for name, engine in (("hf", make_engine("hf", model, tokenizer)),
+                         ("turns", TurnByTurn(make_engine("hf", model, tokenizer)))):
+        ep = run_episodes(engine, tokenizer, Echo(), task.eval_problems, 1, params, settings)
+        r = ep.rollout
+        assert [int(x) for x in r.policy_tokens_B_T.sum(-1)] == [6, 6] and r.truncated_B.all()
+        second = [tokenizer.decode(row[4 + len(reply):4 + len(reply) + 2], skip_special_tokens=True)
+                  for row in r.response_ids_B_T.tolist()]
+        assert ep.completions == second, name
+        last[name] = ep.completions
+    assert last["hf"] == last["turns"]
+
+
 def test_single_turn_episodes_are_exactly_one_generate_call(tokenizer, tiny_model):
     engine = make_engine("hf", tiny_model, tokenizer)
     task = make_task("addition", 2)
@@ -226,10 +248,11 @@ def test_environment_tokens_get_zero_gradient_and_zero_kl(tokenizer):
         batch = ScoredBatch(r, problems, ep.completions, torch.zeros(6), torch.zeros(6, dtype=torch.bool),
                             m.clone(), ref_logp_B_T=ref_B_T)
         rows = torch.arange(6)
-        logp = sequence_logprobs(model, r, rows, 1.0).logp
+        fwd = sequence_logprobs(model, r, rows, 1.0, with_entropy=True)
+        logp = fwd.logp
         w = AGGREGATIONS["token_mean"](batch.loss_mask_B_T, 24.0)
-        loss = policy_terms(batch, rows, logp, torch.zeros_like(logp), None, adv_B_T, w,
-                            update_terms(batch, cfg, algo, None), cfg, algo, None, Metrics(), False)
+        loss = policy_terms(batch, rows, fwd, adv_B_T, w, update_terms(batch, cfg, algo, None),
+                            cfg, None, Metrics(), False)
         return loss, torch.autograd.grad(loss, logp)[0], logp.detach(), batch.ref_logp_B_T
 
     loss, grad, logp, ref_clean = loss_and_grad(adv * m, ref)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from posttrain.losses import (AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate,
-                              bradley_terry_loss, clipped_surrogate_loss, distillation_advantage,
+                              bradley_terry_loss, clip_fractions, clipped_surrogate_loss, distillation_advantage,
                               dpo_loss, entropy_from_logits, exact_kl_from_logits,
                               explained_variance, forward_kl_from_logits,
                               importance_sampled_pg_loss, kl_penalized_rewards,
@@ -108,9 +108,10 @@ def test_ratio_stats_counts_clipped_tokens_and_kl():
     logp = t([0.5, 1.0, 1.5, 1.0]).log()
     adv = t([-1.0, 1.0, 1.0, 1.0])
     mask = t([1.0, 1.0, 1.0, 0.0])
-    s = ratio_stats(logp, old, adv, mask, 0.2, 0.2)
-    close(s.clip_frac_low, torch.tensor(1 / 3))
-    close(s.clip_frac_high, torch.tensor(1 / 3))
+    s = ratio_stats(logp, old, mask)
+    fr = clip_fractions(torch.exp(logp - old), adv, mask, 0.8, 1.2)
+    close(fr["policy/clip_frac_low"], torch.tensor(1 / 3))
+    close(fr["policy/clip_frac_high"], torch.tensor(1 / 3))
     close(s.approx_kl_old, torch.tensor(((0.5 - 1 - math.log(0.5)) + (1.5 - 1 - math.log(1.5))) / 3))
     close(s.ratio_max, torch.tensor(1.5))
     close(s.ratio_min, torch.tensor(0.5))
@@ -120,8 +121,8 @@ def test_one_update_clipped_equals_vanilla_gradient_at_ratio_one():
     torch.manual_seed(0)
     logp = torch.randn(3, 4, requires_grad=True)
     adv = torch.randn(3, 4)
-    g1, = torch.autograd.grad(POLICY_LOSSES["clipped"](logp, logp.detach(), adv).sum(), logp)
-    g2, = torch.autograd.grad(POLICY_LOSSES["vanilla"](logp, logp.detach(), adv).sum(), logp)
+    g1, = torch.autograd.grad(clipped_surrogate_loss(logp, logp.detach(), adv).sum(), logp)
+    g2, = torch.autograd.grad(vanilla_pg_loss(logp, logp.detach(), adv).sum(), logp)
     close(g1, g2)
 
 
@@ -307,3 +308,12 @@ def test_distillation_losses_are_a_registry_of_how_the_teacher_enters():
     assert loss.requires_grad and not logged.requires_grad
     with pytest.raises(KeyError, match="unknown distillation loss 'kl'; known: \\['exact'"):
         DISTILL_LOSSES["kl"]
+
+
+def test_seq_mean_token_mean_counts_only_responses_with_a_token():
+    """An empty response (an all-zero mask row) is not a response of the mean: the weights of
+    the other two sum to 1, not 2/3."""
+    mask = t([1, 1, 0], [1, 0, 0], [0, 0, 0])
+    w = AGGREGATIONS["seq_mean_token_mean"](mask, 3.0)
+    close(w, t([1 / 4, 1 / 4, 0], [1 / 2, 0, 0], [0, 0, 0]))
+    close(w.sum(), torch.tensor(1.0))

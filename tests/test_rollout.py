@@ -58,7 +58,9 @@ def test_top_p_keeps_only_the_nucleus():
     draws = {int(sample_next(logits, SamplingParams(top_p=0.7), g)[0]) for _ in range(200)}
     assert draws == {0, 1}
     tok, logp = sample_next(logits, SamplingParams(top_p=0.7), g)
-    torch.testing.assert_close(logp, torch.log(torch.tensor([0.5, 0.3]))[tok])   # untruncated logp
+    # the log-prob under the distribution drawn from: the nucleus renormalised (0.5, 0.3) / 0.8,
+    # as vLLM records it
+    torch.testing.assert_close(logp, torch.log(torch.tensor([0.625, 0.375]))[tok])
 
 
 def test_left_pad():
@@ -153,3 +155,37 @@ def test_prefill_runs_the_shared_prefix_once(tokenizer, tiny_model):
     longest_tail = max(len(p) for p in ps) - k
     assert k > 10 and seen[0] == (1, k) and seen[1] == (3, longest_tail)
     assert all(shape[1] == 1 for shape in seen[2:]) and seen[2][0] == 12
+
+
+def test_a_stop_string_longer_than_four_tokens_ends_the_response(tokenizer, tiny_model, monkeypatch):
+    """The policy writes 'Answer: 42 END_OF_THE_ANSWER_HERE more': the stop string spans more
+    than 4 tokens and must end the response right after its last token."""
+    import posttrain.rollout.hf as hf
+    text, stop = " Answer: 42 END_OF_THE_ANSWER_HERE more words follow", "END_OF_THE_ANSWER_HERE"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    end = len(tokenizer(" Answer: 42 END_OF_THE_ANSWER_HERE", add_special_tokens=False)["input_ids"])
+    assert len(tokenizer(" " + stop, add_special_tokens=False)["input_ids"]) > 4
+
+    def scripted(logits, params, generator, seeds=None, t=0):
+        tok = torch.full((logits.shape[0],), ids[t])
+        return tok, torch.zeros(logits.shape[0])
+    monkeypatch.setattr(hf, "sample_next", scripted)
+    out = make_engine("hf", tiny_model, tokenizer).generate(
+        prompts(tokenizer, ["x"]), 1, SamplingParams(len(ids), stop=(stop,)))
+    assert int(out.lengths_B[0]) == end and not out.truncated_B[0]
+
+
+def test_overlong_shaping_looks_at_an_episodes_longest_turn():
+    """DAPO's overlong penalty is about the turn max_new_tokens cuts: a 3-turn, 40-token episode
+    whose turns are short gets none; one whose turn ran to the limit gets the full penalty."""
+    from posttrain.rewards import overlong_penalty
+    from posttrain.rollout import Rollout
+    policy = torch.zeros(2, 40)
+    policy[0, 0:6] = policy[0, 14:20] = policy[0, 30:36] = 1.0     # three 6-token turns
+    policy[1, 0:16] = 1.0                                           # a turn cut at 16
+    r = Rollout(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), torch.zeros(2, 40, dtype=torch.long),
+                torch.ones(2, 40), torch.zeros(2, 40), torch.zeros(2, dtype=torch.bool), 2,
+                policy_mask_B_T=policy)
+    assert r.longest_turn_B.tolist() == [6.0, 16.0]
+    assert overlong_penalty(r.longest_turn_B, 16, 8, 1.0).tolist() == [0.0, -1.0]
+    assert overlong_penalty(r.lengths_B, 16, 8, 1.0).tolist() == [-1.0, -1.0]   # (the old reading)

@@ -273,8 +273,7 @@ def test_a_training_run_whose_policy_writes_hostile_python_finishes(bwrap, secre
                                                                     tokenizer, monkeypatch):
     """Every program above runs (and is cut short) while a 2-step run trains; afterwards the
     trainer is running, nothing outside was written, no connection was made, no process is
-    left, the trainer's memory did not take the output flood, and the transcripts hold none of
-    the secrets."""
+    left, and the transcripts hold none of the secrets."""
     import json
 
     import posttrain.trainer as trainer
@@ -296,12 +295,11 @@ def test_a_training_run_whose_policy_writes_hostile_python_finishes(bwrap, secre
                              "3", "--log_samples", "12", "--env.tools", "python", "--env.max_turns",
                              "2", "--env.tool_timeout_s", "2", "--env.sandbox", "bwrap",
                              "--env.max_tokens", "1024"])
-    before = rss_kb()
     summary = train(cfg, model=model, tokenizer=tokenizer, show_progress=False)
     server.close()
     time.sleep(0.3)
     assert summary["steps"] == 2 and not outside.exists() and accepted in ([], [None])
-    assert not sleeping("61.9") and rss_kb() - before < 200_000
+    assert not sleeping("61.9")      # (the flood's memory cost: test_unbounded_output_is_cut_...)
     samples = [s for line in open(run / "samples.jsonl") for s in json.loads(line)["samples"]]
     text = "\n".join(s["completion"] for s in samples)
     assert len(samples) == 24 and SECRET not in text and '"run_dir"' not in text

@@ -167,3 +167,21 @@ def test_a_run_stops_after_k_non_finite_steps_in_a_row(tmp_path, tokenizer, monk
         train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
     rows = [__import__("json").loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["optim/nonfinite_steps"] for r in rows] == [0, 1, 1, 1]
+
+
+def test_dr_grpo_normaliser_is_an_episodes_budget_not_one_turns():
+    """Dr. GRPO divides by the most tokens a response can hold: max_new_tokens for one turn; for
+    an episode its policy tokens over all turns, within the episode's token budget."""
+    from posttrain.update import response_budget
+    cfg = load_config(None, ["--rollout.max_new_tokens", "32", "--env.max_turns", "3",
+                             "--env.max_tokens", "256"])
+    one = Rollout(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2), torch.zeros(1, 4, dtype=torch.long),
+                  torch.ones(1, 4), torch.zeros(1, 4), torch.zeros(1, dtype=torch.bool), 1)
+    episode = dataclasses.replace(one, policy_mask_B_T=torch.tensor([[1.0, 0.0, 1.0, 1.0]]))
+    batch = lambda r: ScoredBatch(r, [Problem("p", "1")], ["a"], torch.zeros(1),   # noqa: E731
+                                  torch.zeros(1, dtype=torch.bool), r.policy_tokens_B_T)
+    assert response_budget(cfg, batch(one)) == 32.0
+    assert response_budget(cfg, batch(episode)) == 96.0          # 3 turns x 32, under 256
+    small = load_config(None, ["--rollout.max_new_tokens", "32", "--env.max_turns", "3",
+                               "--env.max_tokens", "64"])
+    assert response_budget(small, batch(episode)) == 64.0

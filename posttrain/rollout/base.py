@@ -55,6 +55,18 @@ class Rollout:
     def lengths_B(self) -> Tensor:
         return self.response_mask_B_T.sum(-1)
 
+    @property
+    def longest_turn_B(self) -> Tensor:
+        """The most tokens the policy wrote in one turn (a single-turn response: its length):
+        what `max_new_tokens` limits, whatever the environment wrote in between."""
+        if self.policy_mask_B_T is None:
+            return self.lengths_B
+        run = best = torch.zeros_like(self.lengths_B)
+        for col in self.policy_tokens_B_T.unbind(-1):   # runs of consecutive policy tokens
+            run = (run + 1) * col
+            best = torch.maximum(best, run)
+        return best
+
     def select(self, rows: Tensor) -> Rollout:
         """Keep responses `rows` (whole groups, for dynamic sampling)."""
         return Rollout(self.prompt_ids_B_L[rows], self.prompt_mask_B_L[rows],

@@ -64,7 +64,9 @@ def row_seeds(seed: int, prompt_indices: list[int], group_size: int) -> Tensor:
 
 def sample_next(logits_B_V: Tensor, params: SamplingParams, generator: torch.Generator | None,
                 seeds_B: Tensor | None = None, t: int = 0) -> tuple[Tensor, Tensor]:
-    """Draw one token per row; return (token_B, logp_B) with logp under softmax(z / temperature).
+    """Draw one token per row; return (token_B, logp_B) with logp under the distribution it was
+    drawn from: softmax(z / temperature), renormalised over the nucleus when top_p < 1 (as vLLM
+    records it; the trainer then corrects for the difference, RolloutConfig.off_trainer).
     With `seeds_B`, the draw inverts the CDF at a hashed uniform (batch-invariant, hash_uniform)."""
     if params.greedy:
         tok = logits_B_V.argmax(-1)
@@ -78,6 +80,7 @@ def sample_next(logits_B_V: Tensor, params: SamplingParams, generator: torch.Gen
         drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        logp_B_V = torch.log(probs / probs.sum(-1, keepdim=True))
     if seeds_B is not None:   # inverse CDF: the first token whose cumulative mass exceeds u
         cdf = probs.double().cumsum(-1)
         u = hash_uniform(seeds_B, t)[:, None] * cdf[:, -1:]
@@ -85,6 +88,13 @@ def sample_next(logits_B_V: Tensor, params: SamplingParams, generator: torch.Gen
     else:
         tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tok, logp_B_V.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def stop_window(stop: tuple[str, ...]) -> int:
+    """Tokens to decode to find a stop string the newest token completed: a token holds at least
+    one character, so a string of n characters spans at most n tokens (+1 for one that decodes to
+    nothing alone, a partial UTF-8 byte)."""
+    return max(len(s) for s in stop) + 1
 
 
 def cache_kwarg(model: PreTrainedModel) -> str:
@@ -207,7 +217,7 @@ class HFRolloutEngine:
             logps[active, t] = logp
             done = torch.isin(tok, eos)
             if params.stop:
-                window = tokens[active, max(0, t - 3):t + 1]
+                window = tokens[active, max(0, t + 1 - stop_window(params.stop)):t + 1]
                 if turns is not None:    # only this turn's own tokens can complete a stop string
                     window = turns.this_turn(window, active, t, self.pad_id)
                 hit = self._stop_hits(window, params.stop)
@@ -223,6 +233,8 @@ class HFRolloutEngine:
                 active, tok, attn, next_pos = active[keep], tok[keep], attn[keep], next_pos[keep]
                 cache.batch_select_indices(keep)
             if t == T - 1:
+                if turns is not None:
+                    turns.cut_by_budget(active, t, tokens, respond)
                 break
             attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
             logits = self._last_logits(input_ids=tok[:, None], attention_mask=attn,
@@ -310,6 +322,14 @@ class _Turns:
         cols = torch.arange(first, t + 1, device=window.device)[None, :]
         starts = torch.tensor([self.start[r] for r in active.tolist()], device=window.device)
         return window.masked_fill(cols < starts[:, None], pad_id)
+
+    def cut_by_budget(self, active: Tensor, t: int, tokens: Tensor, respond: Respond) -> None:
+        """Rows still writing a turn when the episode's token budget ends: the environment sees
+        the cut turn (reason 'length'; a reply has no room and is dropped), as
+        `episodes.generate_by_turns` does, so both engines grade the episode on the same turn."""
+        for r in active.tolist():
+            if r not in self.forced_now and self.start[r] <= t:
+                respond(r, tokens[r, self.start[r]:t + 1].tolist(), "length")
 
     def end_turns(self, active: Tensor, ended: Tensor, t: int, tokens: Tensor, max_turn_tokens: int,
                   respond: Respond) -> Tensor:
