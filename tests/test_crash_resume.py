@@ -4,11 +4,14 @@ each time ends bit for bit where an uninterrupted run ends (benchmarks/crash_res
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from crash_resume import crash_and_resume  # noqa: E402
 
 
+@pytest.mark.slow   # (~70 s; tests/test_checkpoint_safety.py kills and resumes in the quick suite)
 def test_three_sigkills_and_resumes_end_like_an_uninterrupted_run(tmp_path):
     result = crash_and_resume(tmp_path, kills=3, seed=1, steps=6)
     assert result["kills"] >= 1, result

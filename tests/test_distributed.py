@@ -106,7 +106,8 @@ def single_stages(embedded_dir, tmp_path_factory):
             for stage in ("sft", "sft-frozen", "dpo", "reward-model")}
 
 
-@pytest.mark.parametrize("stage,strategy", [("sft", "ddp"), ("sft", "fsdp"), ("dpo", "fsdp"),
+@pytest.mark.parametrize("stage,strategy", [("sft", "ddp"), ("sft", "fsdp"),
+                                            pytest.param("dpo", "fsdp", marks=pytest.mark.slow),
                                             ("reward-model", "ddp"), ("sft-frozen", "fsdp")])
 def test_offline_stages_on_two_ranks_match_one(embedded_dir, tmp_path, single_stages, stage, strategy):
     """SFT, DPO and reward-model training under torchrun: each rank runs its share of every batch
@@ -134,6 +135,7 @@ def test_offline_stages_on_two_ranks_match_one(embedded_dir, tmp_path, single_st
                                start["model.layers.1.mlp.up_proj.weight"])
 
 
+@pytest.mark.slow   # (~45 s: in the full suite, README)
 def test_lora_under_fsdp_matches_one_process(embedded_dir, tmp_path):
     """LoRA adapters on FSDP2-sharded layers (frozen base shards beside trainable adapter shards):
     the same reward curve and merged final model as 1 process, and the adapter checkpoint
@@ -154,6 +156,7 @@ def test_lora_under_fsdp_matches_one_process(embedded_dir, tmp_path):
     assert_same_weights(weights(resumed), weights(one))
 
 
+@pytest.mark.slow   # (~45 s: in the full suite, README)
 def test_ppo_value_model_sharded_by_fsdp_matches_one_process(embedded_dir, tmp_path):
     """PPO's separate value model under FSDP2 (its layers sharded like the policy's): the same
     policy and value model as 1 process, and a 2-rank checkpoint (critic weights and optimizer
