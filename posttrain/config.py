@@ -413,9 +413,9 @@ class RolloutConfig:
     weights: Literal["shared", "bfloat16"] = "shared"
     stop: tuple[str, ...] = ()          # stop strings, also used by evaluation (e.g. "\n\n")
     # Another engine's log-probs differ from the trainer's for the same weights: each token's
-    # policy-gradient term is weighted by min(pi_trainer / pi_engine, tis_cap) (None: no
-    # correction; the mismatch is logged either way). Used when the sampler is not the trained
-    # weights themselves (backend 'vllm', or weights 'bfloat16').
+    # policy-gradient term is weighted by `correction` below, capped at tis_cap (None: no
+    # correction of any kind; the mismatch is logged either way). Used when the sampler is not
+    # the trainer's float32 policy (off_trainer: vLLM, weights/autocast bfloat16, top_p < 1).
     tis_cap: float | None = 2.0
     # how another engine's samples are corrected (losses.OFF_POLICY_CORRECTIONS, docs §3):
     # token_tis (min(rho_t, tis_cap)), seq_tis (min(prod_t rho_t, tis_cap) per response),

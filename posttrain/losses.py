@@ -218,7 +218,7 @@ def clipped_objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
 
 def sequence_mean(x_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
     """(B,) mean of x over each row's masked tokens; 0 for a row with none."""
-    return (x_B_T * mask_B_T).sum(-1) / mask_B_T.sum(-1).clamp(min=1)
+    return masked(x_B_T, mask_B_T).sum(-1) / mask_B_T.sum(-1).clamp(min=1)
 
 
 def gspo_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, mask_B_T: Tensor, *,
@@ -355,6 +355,8 @@ def clip_cov_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, mask_
     """
     clipped = clipped_surrogate_loss(logp_B_T, old_logp_B_T, adv_B_T, clip_low=clip_low,
                                      clip_high=clip_high)
+    # (the means, the count and the draw are over the micro-batch the loss sees, as verl's; so the
+    # picked tokens depend on optim.micro_batch_size)
     with torch.no_grad():
         unclipped = -torch.exp(logp_B_T - old_logp_B_T) * adv_B_T
         cov = centred_covariance(logp_B_T, adv_B_T, mask_B_T)
@@ -385,7 +387,7 @@ def kl_cov_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, mask_B_
         L_t = -rho_t A_t + coef * |log pi_theta(y_t) - log pi_old(y_t)| * (t in K)
 
     No clip; instead the few tokens of largest covariance are held near pi_old by a KL-like
-    penalty (the paper's frac is 2e-3, coef 1).
+    penalty (the paper's frac is 2e-3, coef 1). Like Clip-Cov, it picks within the micro-batch.
     """
     log_ratio = logp_B_T - old_logp_B_T
     loss = -torch.exp(log_ratio) * adv_B_T
@@ -456,7 +458,7 @@ def sequence_is_weights(trainer_logp_B_T: Tensor, engine_logp_B_T: Tensor, mask_
 
     The correction for the whole sequence's probability, not each token's: unbiased for the
     sequence-level gradient before the cap, with more variance than the token form."""
-    log_ratio = ((trainer_logp_B_T - engine_logp_B_T).detach().float() * mask_B_T).sum(-1, keepdim=True)
+    log_ratio = masked((trainer_logp_B_T - engine_logp_B_T).detach().float(), mask_B_T).sum(-1, keepdim=True)
     return log_ratio.clamp(max=_MAX_LOG_RATIO).exp().clamp(max=cap).expand_as(trainer_logp_B_T)
 
 
@@ -472,23 +474,15 @@ def masked_is_weights(trainer_logp_B_T: Tensor, engine_logp_B_T: Tensor, mask_B_
         (sequence=True: rho_i = prod_t rho_t, on each token of row i)
 
     Instead of capping a far-off token (or sequence), drop it: its sample says little about the
-    trainer's policy (a sampler bug, a precision cliff)."""
+    trainer's policy (a sampler bug, a precision cliff). Token-level, this is IcePop (Ling Team
+    2025, Ring-1T), whose band is [0.5, 5]."""
     log_ratio = (trainer_logp_B_T - engine_logp_B_T).detach().float()
     if sequence:
-        log_ratio = (log_ratio * mask_B_T).sum(-1, keepdim=True).expand_as(trainer_logp_B_T)
+        log_ratio = masked(log_ratio, mask_B_T).sum(-1, keepdim=True).expand_as(trainer_logp_B_T)
     ratio = log_ratio.clamp(max=_MAX_LOG_RATIO).exp()
     return ratio * _in_band(ratio, band)
 
 
-def icepop_weights(trainer_logp_B_T: Tensor, engine_logp_B_T: Tensor, band: tuple[float, float]) -> Tensor:
-    """IcePop (Ling Team 2025, Ring-1T), per token.  §3.
-
-        w_t = 1[lo <= rho_t <= hi],   rho_t = pi_trainer(y_t) / pi_engine(y_t)
-
-    Tokens where the two engines disagree by more than the band (the paper: [0.5, 5]) lose their
-    gradient; the others are trained as they are, unweighted."""
-    ratio = (trainer_logp_B_T - engine_logp_B_T).detach().float().clamp(max=_MAX_LOG_RATIO).exp()
-    return _in_band(ratio, band)
 
 
 CorrectionFn = Callable[[Tensor, Tensor, Tensor, float, tuple[float, float]], Tensor]
@@ -501,8 +495,10 @@ OFF_POLICY_CORRECTIONS.register("token_mis")(
     lambda trainer, engine, mask, cap, band: masked_is_weights(trainer, engine, mask, band))
 OFF_POLICY_CORRECTIONS.register("seq_mis")(
     lambda trainer, engine, mask, cap, band: masked_is_weights(trainer, engine, mask, band, True))
+# IcePop (Ling Team 2025, Ring-1T): M(k) = k inside [alpha, beta], 0 outside: token masked IS,
+# the paper's band [0.5, 5] (--rollout.is_band 0.5,5)
 OFF_POLICY_CORRECTIONS.register("icepop")(
-    lambda trainer, engine, mask, cap, band: icepop_weights(trainer, engine, band))
+    lambda trainer, engine, mask, cap, band: masked_is_weights(trainer, engine, mask, band))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,7 +576,9 @@ def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k2 = 0.5 (log(pi / pi_ref))^2.  §6.  Biased as a value, >= 0, low variance.
 
     In the loss its gradient is log(pi / pi_ref) grad log pi, whose expectation under y ~ pi is
-    exactly grad KL(pi || pi_ref): the reverse KL the penalty is meant to be."""
+    grad KL(pi || pi_ref) at each position given its prefix: the reverse KL the penalty is meant
+    to be (per token; how a token changes the later tokens' KL is not in it, Tang & Munos's
+    second pitfall, for every per-token estimator alike)."""
     return 0.5 * (logp - ref_logp) ** 2
 
 
@@ -607,12 +605,13 @@ def kl_k3(logp: Tensor, ref_logp: Tensor, cap: float | None = K3_CAP) -> Tensor:
 @KL_ESTIMATORS.register("k3_st")
 def kl_k3_straight_through(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """Straight-through k3: the value of k3 (unbiased for KL(pi || pi_ref), >= 0, capped), the
-    gradient of k2, so the penalty in the loss follows grad KL(pi || pi_ref).  §6.
+    gradient of k2, so the penalty in the loss follows grad KL(pi || pi_ref) (per position).  §6.
 
-        value k3,   gradient log(pi / pi_ref) grad log pi
+        value k3,   gradient log(pi / pi_ref) grad log pi   (0 where k3 passes its cap, as k3's)
     """
     k2 = kl_k2(logp, ref_logp)
-    return kl_k3(logp, ref_logp).detach() + k2 - k2.detach()
+    under_cap = (kl_k3(logp.detach(), ref_logp, cap=None) <= K3_CAP).to(k2.dtype)
+    return kl_k3(logp, ref_logp).detach() + (k2 - k2.detach()) * under_cap
 
 
 # where each estimator's gradient in the loss points (docs/algorithms.md §6); None: nowhere

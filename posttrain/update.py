@@ -111,19 +111,19 @@ class UpdateTerms:
     distill: DistillLoss | None               # an exact (full-vocabulary) teacher loss, per token
     domains: list[str]
     group_size: int
-    generator: torch.Generator | None         # for objectives that draw (Clip-Cov)
+    generator: torch.Generator                # for objectives that draw (Clip-Cov): the update's own
 
 
 def update_terms(batch: ScoredBatch, cfg: TrainConfig, algo: AlgorithmConfig,
-                 teachers: Teachers | None, generator: torch.Generator | None = None) -> UpdateTerms:
+                 teachers: Teachers | None, draw_seed: int = 0) -> UpdateTerms:
     o = cfg.optim
     # With a single update the policy cannot have moved since sampling: pi_old = pi_theta exactly,
     # the ratio is 1 and the recorded log-probs are not needed (§3).
     single_update = o.single_update
-    # Another engine sampled (vLLM, or the in-process bf16 copy): its log-probs are not the
-    # trainer's. The ratio is taken against the trainer's own pi_old, and each token's
-    # policy-gradient term is weighted by the truncated importance ratio pi_trainer / pi_engine
-    # (§3, losses.truncated_is_weights).
+    # The sampler was not the trainer's float32 policy (vLLM, the bf16 copy or autocast, a top-p
+    # nucleus): its log-probs are not the trainer's. The ratio is taken against the trainer's own
+    # pi_old, and each token's policy-gradient term is weighted by rollout.correction of
+    # pi_trainer / pi_engine (§3, losses.OFF_POLICY_CORRECTIONS).
     foreign = cfg.rollout.off_trainer
     if foreign and not single_update and batch.trainer_old_logp_B_T is None:
         raise ValueError("several updates on another engine's samples need the trainer's pi_old "
@@ -141,7 +141,8 @@ def update_terms(batch: ScoredBatch, cfg: TrainConfig, algo: AlgorithmConfig,
         entropy_coef=algo.entropy_coef,
         distill=distill if distill is not None and distill.token_loss is not None else None,
         domains=[p.domain for p in batch.problems], group_size=batch.rollout.group_size,
-        generator=generator)
+        # (never the run's generator: its minibatch draws must stay the same on every rank)
+        generator=torch.Generator().manual_seed(draw_seed))
 
 
 def response_budget(cfg: TrainConfig, batch: ScoredBatch) -> float:
@@ -336,7 +337,9 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
     read from the device once."""
     G, mask = batch.rollout.group_size, batch.loss_mask_B_T
     n_groups = len(batch.rewards_B) // G
-    terms = update_terms(batch, cfg, algo, teachers, generator)
+    # an objective's random draws: a function of the seed, the optimizer steps so far and the rank
+    draw_seed = (cfg.seed * 1_000_003 + getattr(scheduler, "last_epoch", 0)) * 4096 + world.rank
+    terms = update_terms(batch, cfg, algo, teachers, draw_seed)
     signal = rows_with_signal(adv_B_T, G, terms, critic, world)
     # the policy forward is needed for its loss, or for the hidden states a shared value head reads
     policy_forward = train_policy or (critic is not None and critic.shared)

@@ -183,6 +183,12 @@ def test_kl_estimator_values_and_gradients_by_hand():
         k = KL_ESTIMATORS[name](logp, ref)
         g, = torch.autograd.grad(k.sum(), logp)
         assert abs(k.item() - value) < 1e-12 and abs(g.item() - slope) < 1e-12, name
+    # past k3's cap (10 per token) neither k3 nor k3_st pulls: one drifted token carries nothing
+    far = torch.tensor([-25.0], dtype=torch.float64, requires_grad=True)   # pi_ref / pi = e^24
+    for name in ("k3", "k3_st"):
+        k = KL_ESTIMATORS[name](far, torch.tensor([-1.0], dtype=torch.float64))
+        g, = torch.autograd.grad(k.sum(), far)
+        assert k.item() == 10.0 and g.item() == 0.0, name
 
 
 @pytest.mark.parametrize("name,target", [("k1", None), ("k2", "reverse"), ("k3", "forward"),
@@ -222,7 +228,7 @@ def test_off_policy_corrections_by_hand():
     close(w("seq_mis"), t([seq0] * 3, [seq1, seq1, 0.0]))
     close(OFF_POLICY_CORRECTIONS["seq_mis"](trainer, engine, mask, cap, (0.9, 1.2)) * mask,
           t([0.0] * 3, [0.0] * 3))                            # 1.35 above, 0.88 below the band
-    close(w("icepop"), t([1.0, 0.0, 0.0], [1.0, 1.0, 0.0]))
+    close(w("icepop"), w("token_mis"))                       # IcePop: M(k) = k inside the band
 
 
 # --- entropy bonus ----------------------------------------------------------------------------

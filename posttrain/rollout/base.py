@@ -19,7 +19,7 @@ from torch import Tensor
 class SamplingParams:
     max_new_tokens: int = 24
     temperature: float = 1.0   # logp are recorded at this temperature, as the trainer computes them
-    top_p: float = 1.0         # nucleus sampling; logp stay those of the untruncated distribution
+    top_p: float = 1.0         # nucleus sampling; logp are the nucleus's, renormalised (as vLLM's)
     greedy: bool = False       # evaluation: argmax decoding
     stop: tuple[str, ...] = ()  # stop strings: the response ends with the token that completes one
     max_episode_tokens: int | None = None   # multi-turn: the whole episode's tokens (policy + environment)

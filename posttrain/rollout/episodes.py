@@ -179,7 +179,8 @@ def generate_by_turns(engine: RolloutEngine, prompts: list[list[int]], group_siz
             ids[r] += new
             logps[r] += out.logp_B_T[j, :len(new)].tolist()
             policy[r] += [1.0] * len(new)
-            reason = "length" if bool(out.truncated_B[j]) else "end"
+            # (a turn cut by the episode's budget ends by length, whatever it would have ended with)
+            reason = "length" if bool(out.truncated_B[j]) or len(new) < n else "end"
             reply = respond(r, new, reason)
             if reply is None:
                 truncated[r] = reason == "length"

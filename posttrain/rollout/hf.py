@@ -91,10 +91,10 @@ def sample_next(logits_B_V: Tensor, params: SamplingParams, generator: torch.Gen
 
 
 def stop_window(stop: tuple[str, ...]) -> int:
-    """Tokens to decode to find a stop string the newest token completed: a token holds at least
-    one character, so a string of n characters spans at most n tokens (+1 for one that decodes to
-    nothing alone, a partial UTF-8 byte)."""
-    return max(len(s) for s in stop) + 1
+    """Tokens to decode to find a stop string the newest token completed: a byte-level token
+    holds at least one byte, so a string of n UTF-8 bytes spans at most n tokens (+1 for one that
+    decodes to nothing alone)."""
+    return max(len(s.encode()) for s in stop) + 1
 
 
 def cache_kwarg(model: PreTrainedModel) -> str:
