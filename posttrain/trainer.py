@@ -102,42 +102,15 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
     Every rank draws the same P prompts and keeps its share; each response is sampled from noise
     keyed by (seed, draw number, g), so the batch does not depend on the number of ranks."""
     env = env or SingleTurn()
-    r = cfg.rollout
-    P, G = r.prompts_per_step, r.group_size
-    P_global, P = P, P // world.size
-    params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, stop=r.stop)
-    kept: list[ScoredBatch] = []
+    G, P_global = cfg.rollout.group_size, cfg.rollout.prompts_per_step
+    kept: list[tuple[int, ScoredBatch]] = []
     n_kept, rounds, stats = 0, 0, Counter()
     while True:
-        t0 = time.perf_counter()
-        drawn, keys = sampler.draw(P_global)     # (prompts that failed before come first)
-        problems, keys = drawn[world.share(P_global)], keys[world.share(P_global)]
-        with full_weights_for_generation(getattr(engine, "model", None), world):
-            episodes = run_episodes(engine, tokenizer, env, problems, G, params,
-                                    episode_settings(cfg), generator, seeds=row_seeds(cfg.seed, keys, G))
-        t1 = time.perf_counter()
-        rollout, completions = episodes.rollout, episodes.completions
-        if tallies is not None:   # the environment's and its tools' failures (FailureWatch)
-            tallies.update(merge_tallies(tallies, episodes.tallies()))
-        per_response = [p for p in problems for _ in range(G)]
-        result, rewards, correct = score_round(episodes, per_response, scorer, sampler, cfg,
-                                               algo, world, stats)
-        timings["generate"] += t1 - t0
-        timings["reward"] += time.perf_counter() - t1
-        if env.max_turns > 1 and rounds == 0:    # per episode: turns, tool calls, malformed calls
-            stats.update(episodes.metrics())
-        batch = ScoredBatch(rollout, per_response, completions, rewards, correct,
-                            loss_mask(rollout, algo),
-                            transcripts=episodes.transcripts if env.max_turns > 1 else None)
+        batch = sample_and_score_round(engine, tokenizer, sampler, scorer, cfg, algo, generator,
+                                       timings, world, env, tallies, stats, first=rounds == 0)
         equal = equal_reward_groups(batch.rewards_P_G)
         if rounds == 0:
             first = batch
-            # before any filtering: the honest learning curve when dynamic sampling drops groups
-            first_stats = {"rollout/equal_groups_frac": equal.float().mean(),
-                           "reward/generated_mean": rewards.mean()}
-            if result.model_scores_B is not None:   # RLHF: the proxy beside the truth (hacking shows)
-                first_stats.update(reward_model_metrics(result.model_scores_B, result.correct_B))
-            stats.update(read_floats(first_stats))
         rounds += 1
         stats["rollout/generated_responses"] += P_global * G
         if not algo.dynamic_sampling:
@@ -150,13 +123,57 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
         n_kept += sum(gather_objects(keep_groups.numel(), world))
         if n_kept >= P_global or rounds > algo.max_refill_rounds:
             break
-    # the first P informative groups in (round, prompt) order, as one process keeps them; if the
-    # refills ran out, a multiple of the world size of them, so that every rank gets as many
-    n_use = min(n_kept, P_global) // world.size * world.size
     stats["rollout/dynamic_rounds"] = rounds
+    return informative_groups(kept, n_kept, first, cfg, tokenizer, world, stats), dict(stats)
+
+
+def sample_and_score_round(engine: RolloutEngine, tokenizer, sampler: Sampler, scorer: Scorer,
+                           cfg: TrainConfig, algo: AlgorithmConfig, generator: torch.Generator,
+                           timings: Counter, world: World, env: Environment,
+                           tallies: dict[str, Tally] | None, stats: Counter, first: bool) -> ScoredBatch:
+    """One round: draw P prompts (this rank's share), sample G episodes each, score them. The
+    first round's statistics (before any filtering: the honest learning curve) go to `stats`."""
+    r, G = cfg.rollout, cfg.rollout.group_size
+    params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, stop=r.stop)
+    t0 = time.perf_counter()
+    drawn, keys = sampler.draw(r.prompts_per_step)     # (prompts that failed before come first)
+    problems, keys = drawn[world.share(r.prompts_per_step)], keys[world.share(r.prompts_per_step)]
+    with full_weights_for_generation(getattr(engine, "model", None), world):
+        episodes = run_episodes(engine, tokenizer, env, problems, G, params,
+                                episode_settings(cfg), generator, seeds=row_seeds(cfg.seed, keys, G))
+    t1 = time.perf_counter()
+    if tallies is not None:   # the environment's and its tools' failures (FailureWatch)
+        tallies.update(merge_tallies(tallies, episodes.tallies()))
+    per_response = [p for p in problems for _ in range(G)]
+    result, rewards, correct = score_round(episodes, per_response, scorer, sampler, cfg, algo,
+                                           world, stats)
+    timings["generate"] += t1 - t0
+    timings["reward"] += time.perf_counter() - t1
+    multi_turn = env.max_turns > 1
+    if multi_turn and first:    # per episode: turns, tool calls, malformed calls
+        stats.update(episodes.metrics())
+    batch = ScoredBatch(episodes.rollout, per_response, episodes.completions, rewards, correct,
+                        loss_mask(episodes.rollout, algo),
+                        transcripts=episodes.transcripts if multi_turn else None)
+    if first:
+        first_stats = {"rollout/equal_groups_frac": equal_reward_groups(batch.rewards_P_G).float().mean(),
+                       "reward/generated_mean": rewards.mean()}
+        if result.model_scores_B is not None:   # RLHF: the proxy beside the truth (hacking shows)
+            first_stats.update(reward_model_metrics(result.model_scores_B, result.correct_B))
+        stats.update(read_floats(first_stats))
+    return batch
+
+
+def informative_groups(kept: list[tuple[int, ScoredBatch]], n_kept: int, first: ScoredBatch,
+                       cfg: TrainConfig, tokenizer, world: World, stats: Counter) -> ScoredBatch:
+    """Dynamic sampling's batch: the first P informative groups in (round, prompt) order, as one
+    process keeps them; if the refills ran out, a multiple of the world size of them, so that
+    every rank gets as many. None at all: an empty batch (train on nothing rather than noise)."""
+    G = cfg.rollout.group_size
+    n_use = min(n_kept, cfg.rollout.prompts_per_step) // world.size * world.size
     stats["rollout/kept_groups"] = n_use
-    if n_use == 0:  # nothing informative after every refill: train on nothing rather than noise
-        return first.select(torch.arange(0)), dict(stats)
+    if n_use == 0:
+        return first.select(torch.arange(0))
     parts = [part for _, part in kept]
     if world.distributed:   # each rank kept its own prompts' groups: share them out again evenly
         device = first.rewards_B.device
@@ -166,7 +183,7 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
         parts = [part.to(device) for _, _, part in ordered]
     merged = merge(parts, tokenizer.pad_token_id)
     mine = world.share(n_use)
-    return merged.select(torch.arange(mine.start * G, mine.stop * G)), dict(stats)
+    return merged.select(torch.arange(mine.start * G, mine.stop * G))
 
 
 def score_round(episodes: Episodes, per_response: list[Problem], scorer: Scorer, sampler: Sampler,
@@ -526,7 +543,12 @@ def frozen_passes(run: Run, batch: ScoredBatch, metrics: dict[str, Any],
     # (a single update's own forward already gives pi_old = pi_theta for its ratio and IS weights;
     # the KL folded into the rewards and the teacher's advantage are computed before it)
     single = cfg.optim.single_update
-    if cfg.rollout.off_trainer and not (single and run.teachers is None and algo.kl_in != "reward"):
+    # the sampler's log-probs are not the trainer's when another engine sampled, or when the
+    # trainer's forward runs in another precision than the sampler's (model.autocast bfloat16
+    # against a float32 sampler: bf16 noise, far above GSPO's 4e-4 clip): pi_old is recomputed
+    # by the trainer itself, so the first minibatch's ratio is 1 up to its own numerics
+    other_numbers = cfg.rollout.off_trainer or cfg.model.autocast != cfg.rollout.autocast
+    if other_numbers and not (single and run.teachers is None and algo.kl_in != "reward"):
         batch = replace(batch, trainer_old_logp_B_T=frozen_logprobs(model, batch.rollout,
                                                                     temperature, micro, autocast))
         timings["old_logprobs"] += time.perf_counter() - t0

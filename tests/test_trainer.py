@@ -129,6 +129,20 @@ def test_each_objective_moves_the_policy_toward_its_advantages(tmp_path, tokeniz
     assert objective_value() > before
 
 
+@pytest.mark.parametrize("autocast,minibatches,recomputed", [("bfloat16", 2, True), ("none", 2, False),
+                                                            ("bfloat16", 1, False)])
+def test_a_bf16_trainer_recomputes_pi_old_for_several_updates(tmp_path, tokenizer, autocast,
+                                                               minibatches, recomputed):
+    """A float32 sampler's log-probs are not a bf16 trainer's: with several updates per batch
+    pi_old is the trainer's own forward (else the ratio starts off 1 by bf16 noise and a tight
+    clip such as GSPO's drops most tokens); with one update the update's own forward is pi_old."""
+    cfg = toy_config(tmp_path, "--steps", "1", "--model.autocast", autocast,
+                     "--optim.minibatches", str(minibatches))
+    train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    row = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][-1]
+    assert ("perf/old_logprobs_s" in row) == recomputed
+
+
 def test_dynamic_sampling_never_trains_on_an_all_equal_group(tmp_path, tokenizer):
     cfg = load_config(None, [*TOY, "--run_dir", str(tmp_path / "run"), "--preset", "dapo",
                              "--reward.functions", "tests.toy_rewards:even_prompts_only",
