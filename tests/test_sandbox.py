@@ -174,7 +174,9 @@ MODES = ["bwrap", "fallback"]
 def _mode(name: str) -> str:
     if name == "bwrap" and not bwrap_works():
         if os.environ.get("POSTTRAIN_ALLOW_NO_SANDBOX") == "1":
-            pytest.skip("bubblewrap cannot start here; POSTTRAIN_ALLOW_NO_SANDBOX=1")
+            pytest.skip("bubblewrap cannot start a sandbox on this machine (apt-get install "
+                        "bubblewrap; user namespaces, or root); POSTTRAIN_ALLOW_NO_SANDBOX=1: the "
+                        "fallback's tests run instead")
         pytest.fail("bubblewrap cannot start a sandbox here (apt-get install bubblewrap)")
     return name
 
