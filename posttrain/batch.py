@@ -1,7 +1,8 @@
 """One step's scored responses: a `Rollout` plus what the reward and the frozen models add to it.
 
 A `ScoredBatch` is immutable. Each stage after sampling returns a new one with
-`dataclasses.replace` (reference, teacher and trainer pi_old log-probs), and `select`, `merge` and
+`dataclasses.replace` (reference, teacher and trainer pi_old log-probs, then the advantages and
+PPO's value targets), so the update reads everything from the batch, and `select`, `merge` and
 `to` carry every field by its kind (a response-per-row list, a (B, ...) tensor, a rollout), so no
 field depends on the order of the calls that filled it and a new field cannot be dropped silently.
 """
@@ -33,6 +34,11 @@ class ScoredBatch:
     # for the same tokens (ratios, advantages, KL and the truncated IS weights use them)
     trainer_old_logp_B_T: Tensor | None = None
     transcripts: list[str] | None = None  # multi-turn: each whole episode as text (logs)
+    # the advantages stage (§2-§8): A_t per response token; PPO also V_old and the GAE returns
+    # the value model regresses on (§5)
+    adv_B_T: Tensor | None = None
+    old_values_B_T: Tensor | None = None
+    returns_B_T: Tensor | None = None
 
     def __post_init__(self) -> None:
         """Every per-token log-prob holds 0 past each response's end and on the tokens an

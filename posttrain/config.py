@@ -31,7 +31,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from posttrain.advantages import ADVANTAGES, NEEDS_GROUP, NEEDS_TEACHER, NEEDS_VALUES
 from posttrain.losses import (AGGREGATIONS, DISTILL_LOSSES, KL_ESTIMATORS, OFF_POLICY_CORRECTIONS,
-                              POLICY_LOSSES, ObjectiveParams)
+                              POLICY_LOSSES, ObjectiveParams, objective_reads)
 
 
 class ConfigError(ValueError):
@@ -133,8 +133,8 @@ class AlgorithmConfig:
     advantage: str = "group"            # key of advantages.ADVANTAGES
     scale_by_std: bool = True           # GRPO divides by the group std; Dr. GRPO does not (§7)
     eps: float = 1e-6                   # added to the std in the GRPO advantage
-    # key of losses.POLICY_LOSSES: clipped (PPO/GRPO/DAPO), vanilla, importance_sampled, gspo,
-    # gspo_token, cispo, sapo, gmpo, clip_cov, kl_cov (docs/algorithms.md §11)
+    # key of losses.POLICY_LOSSES: clipped (PPO/GRPO/DAPO), vanilla (REINFORCE), and the
+    # others of docs/algorithms.md §3 and §11 (an unknown name is refused with the list)
     policy_loss: str = "clipped"
     clip_low: float = 0.2               # ratio may fall to 1 - clip_low (gmpo: log-ratio to -clip_low)
     clip_high: float = 0.2              # ratio may rise to 1 + clip_high (> clip_low: Clip-Higher)
@@ -611,10 +611,11 @@ class TrainConfig:
             raise ConfigError(
                 f"optim.minibatches={o.minibatches} must split the {self.batch_size} responses of a "
                 f"step (prompts_per_step x group_size) into whole groups of {r.group_size}")
-        if algo.policy_loss == "vanilla" and (o.epochs > 1 or o.minibatches > 1):
-            raise ConfigError("algorithm.policy_loss='vanilla' is on-policy only: with "
-                              f"optim.epochs={o.epochs}, optim.minibatches={o.minibatches} the later "
-                              "updates use stale samples; use 'clipped' or a single update")
+        if "old_logp" not in objective_reads(algo.policy_loss) and (o.epochs > 1 or o.minibatches > 1):
+            raise ConfigError(f"algorithm.policy_loss={algo.policy_loss!r} reads no pi_old, so it is "
+                              f"on-policy only: with optim.epochs={o.epochs}, optim.minibatches="
+                              f"{o.minibatches} the later updates use stale samples; use 'clipped' "
+                              "or a single update")
         if algo.overlong == "shape" and algo.overlong_buffer >= r.max_new_tokens:
             raise ConfigError(f"algorithm.overlong_buffer={algo.overlong_buffer} must be below "
                               f"rollout.max_new_tokens={r.max_new_tokens}")

@@ -138,7 +138,16 @@ class PolicyTerm:
 
 
 PolicyObjective = Callable[[PolicyInputs, ObjectiveParams], PolicyTerm]
+# An objective declares the frozen inputs it reads beyond logp, advantages and the mask
+# (`register(name, reads=...)`); undeclared, it reads pi_old (the ratio). The update runs no
+# frozen pass that no term reads (update.frozen_inputs).
 POLICY_LOSSES: Registry[PolicyObjective] = Registry("policy loss")
+READS_PI_OLD = frozenset({"old_logp"})
+
+
+def objective_reads(name: str) -> frozenset[str]:
+    """The frozen inputs policy objective `name` reads (its declaration, else pi_old)."""
+    return frozenset(POLICY_LOSSES.meta(name).get("reads", READS_PI_OLD))
 
 
 def vanilla_pg_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor) -> Tensor:
@@ -195,7 +204,7 @@ def _ratio(x: PolicyInputs) -> Tensor:
     return torch.exp((x.logp_B_T - x.old_logp_B_T).detach())
 
 
-@POLICY_LOSSES.register("vanilla")
+@POLICY_LOSSES.register("vanilla", reads=frozenset())
 def vanilla_objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
     """REINFORCE (`vanilla_pg_loss`).  §2."""
     return PolicyTerm(vanilla_pg_loss(x.logp_B_T, x.old_logp_B_T, x.adv_B_T), {})

@@ -67,7 +67,7 @@ from posttrain.distributed import (SINGLE, World, barrier,
 from posttrain.forward import frozen_logprobs
 from posttrain.lifecycle import Lifecycle, resume_command
 from posttrain.batch import ScoredBatch, equal_reward_groups, merge
-from posttrain.update import ValueTargets, check_nonfinite_streak, masked_mean, update_policy
+from posttrain.update import check_nonfinite_streak, frozen_inputs, masked_mean, update_policy
 
 log = logging.getLogger("posttrain")
 
@@ -336,22 +336,23 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
             check_health(run, step, tallies)      # a source failing step after step stops the run
             if len(batch.rewards_B) > 0:   # (dynamic sampling may find nothing informative)
                 # 2. frozen log-probs: the trainer's pi_old (another engine sampled), pi_ref, the teacher
-                batch = frozen_passes(run, batch, metrics, timings)
+                batch, frozen_metrics = frozen_passes(run, batch, timings)
 
                 # 3. advantages (PPO: the value model's V_old, the KL folded into the rewards, GAE)
-                adv, targets = compute_advantages(run, batch, metrics)
+                batch, adv_metrics = compute_advantages(run, batch)
 
                 # 4. epochs x minibatches of clipped updates (the critic learns on the same minibatches)
                 t0 = time.perf_counter()
                 warming_up = run.critic is not None and step <= cfg.critic.warmup_steps
-                metrics.update(update_policy(run.model, run.optimizer, run.scheduler, batch, adv,
-                                             cfg, algo, run.generator, run.teachers, run.critic,
-                                             targets, train_policy=not warming_up, world=world))
+                update_metrics = update_policy(run.model, run.optimizer, run.scheduler, batch, cfg,
+                                               algo, run.generator, run.teachers, run.critic,
+                                               train_policy=not warming_up, world=world)
                 timings["update"] += time.perf_counter() - t0
                 run.engine.sync_weights()
 
                 # 5. log and evaluate
-                log_step(run, step, batch, adv, metrics, timings, t_step, bar, show_progress)
+                metrics.update({**frozen_metrics, **adv_metrics, **update_metrics})
+                log_step(run, step, batch, metrics, timings, t_step, bar, show_progress)
                 run.nonfinite_streak = nonfinite_streak(run.nonfinite_streak, metrics, cfg)
             else:
                 log_empty_step(run, step, metrics, t_step, bar, show_progress)
@@ -409,7 +410,7 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
     if teachers is not None:
         teachers.bind_student(model)
     algo = cfg.algo
-    uses_ref = algo.kl_in != "none" and algo.kl_coef > 0
+    uses_ref = "ref_logp" in frozen_inputs(cfg, algo, teachers is not None)   # a KL term reads pi_ref
     ref_model = reference_model(cfg, model, run_dir, ckpt) if uses_ref else None
     # PPO's value model (§5), initialised from the policy's starting weights or critic.path
     critic = (Critic(cfg.critic, model, world, ckpt / "critic" if ckpt is not None else None)
@@ -532,28 +533,27 @@ def checkpoint(run: Run, step: int) -> None:
                     world=run.world, keep=run.cfg.checkpoint.keep)
 
 
-def frozen_passes(run: Run, batch: ScoredBatch, metrics: dict[str, Any],
-                  timings: Counter) -> ScoredBatch:
+def frozen_passes(run: Run, batch: ScoredBatch,
+                  timings: Counter) -> tuple[ScoredBatch, dict[str, float]]:
     """The log-probs no gradient flows through (§3, §6, §8): the trainer's own pi_old when
     another engine sampled (its log-probs differ slightly; the update reweights by their ratio),
-    pi_ref for the KL penalty, and the teacher's log-probs of the student's own tokens."""
+    pi_ref for the KL penalty, and the teacher's log-probs of the student's own tokens. Returns
+    the batch with them and the stage's metrics (the teacher's sampled reverse KL)."""
+    metrics: dict[str, float] = {}
     cfg, algo, model = run.cfg, run.algo, run.model
     temperature, micro, autocast = cfg.rollout.temperature, cfg.optim.micro_batch_size, cfg.model.autocast
     t0 = time.perf_counter()
-    # (a single update's own forward already gives pi_old = pi_theta for its ratio and IS weights;
-    # the KL folded into the rewards and the teacher's advantage are computed before it)
-    single = cfg.optim.single_update
+    needs = frozen_inputs(cfg, algo, run.teachers is not None)   # what the step's terms read
     # the sampler's log-probs are not the trainer's when another engine sampled, or when the
     # trainer's forward runs in another precision than the sampler's (model.autocast bfloat16
     # against a float32 sampler: bf16 noise, far above GSPO's 4e-4 clip): pi_old is recomputed
     # by the trainer itself, so the first minibatch's ratio is 1 up to its own numerics
-    other_numbers = cfg.rollout.off_trainer or cfg.model.autocast != cfg.rollout.autocast
-    if other_numbers and not (single and run.teachers is None and algo.kl_in != "reward"):
+    if "trainer_old_logp" in needs:
         batch = replace(batch, trainer_old_logp_B_T=frozen_logprobs(model, batch.rollout,
                                                                     temperature, micro, autocast))
         timings["old_logprobs"] += time.perf_counter() - t0
     t0 = time.perf_counter()
-    if run.uses_ref:
+    if "ref_logp" in needs:
         with model.disable_adapter() if run.lora else nullcontext():
             batch = replace(batch, ref_logp_B_T=frozen_logprobs(run.ref_model or model,
                                                                 batch.rollout, temperature,
@@ -564,7 +564,7 @@ def frozen_passes(run: Run, batch: ScoredBatch, metrics: dict[str, Any],
         batch = replace(batch, teacher_view=teacher_view(batch, cfg, run.tokenizer))
     # (a per-position loss, distill_loss exact / forward: the update runs the teacher itself,
     # micro-batch by micro-batch; a separate pass here would be wasted)
-    if run.teachers is not None and DISTILL_LOSSES[algo.distill_loss].in_advantage:
+    if "teacher_logp" in needs:
         tau = cfg.teacher.temperature or temperature
         teacher_logp = run.teachers.logprobs(
             batch.teacher_view, [p.domain for p in batch.problems],
@@ -576,15 +576,16 @@ def frozen_passes(run: Run, batch: ScoredBatch, metrics: dict[str, Any],
     elif run.teachers is not None:
         metrics.update(read_floats(per_domain(batch)))
     timings["teacher"] += time.perf_counter() - t0
-    return batch
+    return batch, metrics
 
 
-def compute_advantages(run: Run, batch: ScoredBatch,
-                       metrics: dict[str, Any]) -> tuple[Tensor, ValueTargets | None]:
+def compute_advantages(run: Run, batch: ScoredBatch) -> tuple[ScoredBatch, dict[str, float]]:
     """A_t for every response token by the preset's estimator (ADVANTAGES); PPO also gets the
-    value model's V_old and the returns it regresses on."""
+    value model's V_old and the returns it regresses on. Returns the batch carrying them
+    (`adv_B_T`, `old_values_B_T`, `returns_B_T`) and the stage's metrics (the critic's)."""
     cfg, algo, critic = run.cfg, run.algo, run.critic
-    token_rewards = old_values = targets = None
+    token_rewards = old_values = None
+    metrics: dict[str, float] = {}
     if critic is not None:
         old_values = critic.predict(batch.rollout, cfg.optim.micro_batch_size,
                                     cfg.model.autocast, run.model, cfg.rollout.temperature)
@@ -595,22 +596,23 @@ def compute_advantages(run: Run, batch: ScoredBatch,
                         teacher_logp_B_T=batch.teacher_logp_B_T),
         AdvantageParams(algo.eps, algo.scale_by_std, algo.gamma, algo.lam, algo.reward_weight,
                         not DISTILL_LOSSES[algo.distill_loss].in_advantage))
-    adv = adv_out.adv_B_T
-    if critic is not None:
-        targets = ValueTargets(old_values, adv_out.returns_B_T)
-        metrics.update(read_floats(critic_metrics(batch, adv, targets, token_rewards)))
+    batch = replace(batch, adv_B_T=adv_out.adv_B_T, old_values_B_T=old_values,
+                    returns_B_T=adv_out.returns_B_T if critic is not None else None)
+    if critic is not None:   # (before whitening: the advantage as GAE computed it)
+        metrics.update(read_floats(critic_metrics(batch, token_rewards)))
     if algo.whiten_advantages:
-        adv = whiten(adv, batch.loss_mask_B_T, total=lambda t: global_sum(t, run.world))
-    return adv, targets
+        batch = replace(batch, adv_B_T=whiten(batch.adv_B_T, batch.loss_mask_B_T,
+                                              total=lambda t: global_sum(t, run.world)))
+    return batch, metrics
 
 
-def log_step(run: Run, step: int, batch: ScoredBatch, adv: Tensor, metrics: dict[str, Any],
+def log_step(run: Run, step: int, batch: ScoredBatch, metrics: dict[str, Any],
              timings: Counter, t_step: float, bar, show_progress: bool) -> None:
     """The step's metrics (JSONL, TensorBoard, console), its first samples, and the clock."""
     cfg, world = run.cfg, run.world
     step_s = global_max(time.perf_counter() - t_step, world)   # ranks stop at the same step
     run.train_seconds += step_s
-    metrics.update(rollout_metrics(batch, adv))
+    metrics.update(rollout_metrics(batch))
     gen_tokens = metrics.pop("_tokens")
     metrics.update({f"perf/{k}_s": v for k, v in timings.items()})
     metrics.update({"perf/step_s": step_s, "perf/train_minutes": run.train_seconds / 60,
@@ -742,15 +744,15 @@ def ppo_token_rewards(batch: ScoredBatch, algo: AlgorithmConfig) -> Tensor:
     return kl_penalized_rewards(batch.rewards_B, torch.zeros_like(mask), mask, 0.0)
 
 
-def critic_metrics(batch: ScoredBatch, adv_B_T: Tensor, targets: ValueTargets,
-                   token_rewards_B_T: Tensor) -> dict[str, Tensor]:
-    """How good the value model was on this batch before its update, and where advantage sits
-    (device tensors; nan where no token qualifies)."""
-    mask = batch.loss_mask_B_T
+def critic_metrics(batch: ScoredBatch, token_rewards_B_T: Tensor) -> dict[str, Tensor]:
+    """How good the value model was on this batch before its update (`batch.old_values_B_T`
+    against `batch.returns_B_T`), and where advantage sits (device tensors; nan where no token
+    qualifies)."""
+    mask, adv_B_T = batch.loss_mask_B_T, batch.adv_B_T
     out = {"critic/explained_variance": explained_variance(
-               targets.old_values_B_T, targets.returns_B_T, mask),
-           "critic/value_mean": masked_mean(targets.old_values_B_T, mask),
-           "critic/return_mean": masked_mean(targets.returns_B_T, mask)}
+               batch.old_values_B_T, batch.returns_B_T, mask),
+           "critic/value_mean": masked_mean(batch.old_values_B_T, mask),
+           "critic/return_mean": masked_mean(batch.returns_B_T, mask)}
     # mean (un-whitened) advantage by response position: first tokens, and the last token
     for t in range(min(3, mask.shape[1])):
         out[f"advantage/mean_t{t}"] = _mean_where(adv_B_T[:, t], mask[:, t])
@@ -789,7 +791,7 @@ def read_floats(t: dict[str, Tensor]) -> dict[str, float]:
     return {k: v for k, v in zip(t, values) if not math.isnan(v)}
 
 
-def rollout_metrics(batch: ScoredBatch, adv_B_T: Tensor) -> dict[str, float | None]:
+def rollout_metrics(batch: ScoredBatch) -> dict[str, float | None]:
     """What was sampled and how it scored, read from the device in one transfer ('_tokens': the
     generated tokens, for the throughput; None where no row qualifies)."""
     lengths, correct, r = batch.rollout.lengths_B, batch.correct_B, batch.rewards_B
@@ -798,7 +800,7 @@ def rollout_metrics(batch: ScoredBatch, adv_B_T: Tensor) -> dict[str, float | No
          "reward/accuracy": correct.float().mean(),
          "rollout/length_mean": lengths.mean(),
          "rollout/truncated_frac": batch.rollout.truncated_B.float().mean(),
-         "policy/adv_abs_mean": adv_B_T.abs().sum() / batch.loss_mask_B_T.sum().clamp(min=1),
+         "policy/adv_abs_mean": batch.adv_B_T.abs().sum() / batch.loss_mask_B_T.sum().clamp(min=1),
          "rollout/length_correct": _mean_where(lengths, correct),
          "rollout/length_incorrect": _mean_where(lengths, ~correct),
          "_tokens": batch.rollout.response_mask_B_T.sum()}

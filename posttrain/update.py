@@ -39,13 +39,6 @@ from posttrain.teachers import Teachers
 log = logging.getLogger("posttrain")
 
 
-@dataclass
-class ValueTargets:
-    """What the critic regresses on in the update (§5): V_old and the GAE returns, (B, T)."""
-    old_values_B_T: Tensor
-    returns_B_T: Tensor
-
-
 # ---------------------------------------------------------------------------------------------
 # Metrics on the device
 # ---------------------------------------------------------------------------------------------
@@ -114,6 +107,28 @@ class UpdateTerms:
     generator: torch.Generator                # for objectives that draw (Clip-Cov): the update's own
 
 
+def frozen_inputs(cfg: TrainConfig, algo: AlgorithmConfig, has_teachers: bool) -> frozenset[str]:
+    """The frozen passes (no gradient; trainer.frozen_passes) that the step's terms read, so
+    none runs that no term uses (§3, §5, §6, §8):
+
+    - "ref_logp": the KL term (KL_ESTIMATORS), in the loss or folded into PPO's rewards;
+    - "teacher_logp": distillation through the advantage (DISTILL_LOSSES[...].in_advantage);
+    - "trainer_old_logp": the trainer's own pi_old, when the sampler's numbers are not the
+      trainer's (another engine or precision) and a term reads pi_old: the objective's ratio
+      and the off-policy correction over several updates (an objective whose declared `reads`
+      lack pi_old is refused several updates by the config), a teacher's advantage, or the KL
+      folded into the rewards. A single update takes pi_old = pi_theta from its own forward."""
+    kl = algo.kl_in != "none" and algo.kl_coef > 0
+    needs = {"ref_logp"} if kl else set()
+    if has_teachers and DISTILL_LOSSES[algo.distill_loss].in_advantage:
+        needs.add("teacher_logp")
+    other_numbers = cfg.rollout.off_trainer or cfg.model.autocast != cfg.rollout.autocast
+    if other_numbers and (not cfg.optim.single_update or has_teachers
+                          or (kl and algo.kl_in == "reward")):
+        needs.add("trainer_old_logp")
+    return frozenset(needs)
+
+
 def update_terms(batch: ScoredBatch, cfg: TrainConfig, algo: AlgorithmConfig,
                  teachers: Teachers | None, draw_seed: int = 0) -> UpdateTerms:
     o = cfg.optim
@@ -125,9 +140,10 @@ def update_terms(batch: ScoredBatch, cfg: TrainConfig, algo: AlgorithmConfig,
     # pi_old, and each token's policy-gradient term is weighted by rollout.correction of
     # pi_trainer / pi_engine (§3, losses.OFF_POLICY_CORRECTIONS).
     foreign = cfg.rollout.off_trainer
-    if foreign and not single_update and batch.trainer_old_logp_B_T is None:
+    needs = frozen_inputs(cfg, algo, teachers is not None)
+    if "trainer_old_logp" in needs and batch.trainer_old_logp_B_T is None:
         raise ValueError("several updates on another engine's samples need the trainer's pi_old "
-                         "log-probs (batch.trainer_old_logp_B_T)")
+                         "log-probs (batch.trainer_old_logp_B_T; trainer.frozen_passes computes it)")
     kl_fn = KL_ESTIMATORS[algo.kl_estimator] if batch.ref_logp_B_T is not None else None
     distill = DISTILL_LOSSES[algo.distill_loss] if teachers is not None else None
     # tis_cap None: no correction (the mismatch is still logged)
@@ -187,14 +203,14 @@ def minibatch_rows(n_groups: int, group_size: int, cfg: TrainConfig, generator: 
 # One micro-batch
 # ---------------------------------------------------------------------------------------------
 
-def policy_terms(batch: ScoredBatch, rows: Tensor, fwd: PolicyForward, adv_B_T: Tensor, w_micro: Tensor,
+def policy_terms(batch: ScoredBatch, rows: Tensor, fwd: PolicyForward, w_micro: Tensor,
                  terms: UpdateTerms, cfg: TrainConfig, teachers: Teachers | None,
                  metrics: Metrics, first_update: bool) -> Tensor:
     """The policy's share of one micro-batch's loss (§5-§8, §11): the sum of its per-token terms,
     aggregated; each term's metrics added to `metrics`."""
     m, n = batch.loss_mask_B_T[rows], len(rows)
     old = fwd.logp.detach() if terms.single_update else terms.old_logp_B_T[rows]
-    x = PolicyInputs(fwd.logp, old, adv_B_T[rows], m, terms.group_size, terms.generator)
+    x = PolicyInputs(fwd.logp, old, batch.adv_B_T[rows], m, terms.group_size, terms.generator)
     term = terms.objective(x, terms.params)
     for name, value in term.metrics.items():
         metrics.rows(name, value, n)
@@ -265,13 +281,12 @@ def drift_metrics(batch: ScoredBatch, rows: Tensor, fwd: PolicyForward, old: Ten
 
 
 def value_terms(critic: Critic, batch: ScoredBatch, rows: Tensor, hidden: Tensor | None,
-                targets: ValueTargets, vw_micro: Tensor, cfg: TrainConfig,
-                metrics: Metrics) -> Tensor:
+                vw_micro: Tensor, cfg: TrainConfig, metrics: Metrics) -> Tensor:
     """The critic's share of one micro-batch's loss (§5): V regressed on the GAE returns,
     clipped around V_old, times vf_coef."""
     m = batch.loss_mask_B_T[rows]
     values = critic.values(batch.rollout, rows, cfg.model.autocast, hidden if critic.shared else None)
-    v_loss_t, v_clipped = value_loss(values, targets.old_values_B_T[rows], targets.returns_B_T[rows],
+    v_loss_t, v_clipped = value_loss(values, batch.old_values_B_T[rows], batch.returns_B_T[rows],
                                      cfg.critic.clip)
     v_loss = aggregate(v_loss_t, vw_micro)
     metrics.update("loss/value", v_loss)
@@ -327,20 +342,21 @@ def optimizer_step(model, optimizer, scheduler, cfg: TrainConfig, any_rows: bool
     return stepped
 
 
-def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tensor,
-                  cfg: TrainConfig, algo: AlgorithmConfig, generator: torch.Generator,
+def update_policy(model, optimizer, scheduler, batch: ScoredBatch, cfg: TrainConfig,
+                  algo: AlgorithmConfig, generator: torch.Generator,
                   teachers: Teachers | None = None, critic: Critic | None = None,
-                  targets: ValueTargets | None = None,
                   train_policy: bool = True, world: World = SINGLE) -> dict[str, float]:
-    """Epochs x minibatches of clipped updates; the critic (PPO) learns on the same minibatches.
-    With train_policy=False (critic warm-up) only the critic is updated. Returns the metrics,
-    read from the device once."""
+    """Epochs x minibatches of clipped updates on `batch` and its advantages (`batch.adv_B_T`);
+    the critic (PPO) learns on the same minibatches from `batch.returns_B_T`. With
+    train_policy=False (critic warm-up) only the critic is updated. Returns the metrics, read
+    from the device once."""
+    check_update_inputs(batch, critic)
     G, mask = batch.rollout.group_size, batch.loss_mask_B_T
     n_groups = len(batch.rewards_B) // G
     # an objective's random draws: a function of the seed, the optimizer steps so far and the rank
     draw_seed = (cfg.seed * 1_000_003 + getattr(scheduler, "last_epoch", 0)) * 4096 + world.rank
     terms = update_terms(batch, cfg, algo, teachers, draw_seed)
-    signal = rows_with_signal(adv_B_T, G, terms, critic, world)
+    signal = rows_with_signal(batch.adv_B_T, G, terms, critic, world)
     # the policy forward is needed for its loss, or for the hidden states a shared value head reads
     policy_forward = train_policy or (critic is not None and critic.shared)
     metrics, n_rows, n_first, n_skipped, n_updates, n_steps = Metrics(), 0, 0, 0, 0, 0
@@ -375,11 +391,11 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
                 hidden = fwd.hidden
             if train_policy:
                 w_micro = torch.zeros_like(mask[rows]) if padding else weights[kept[micro]]
-                loss = policy_terms(batch, rows, fwd, adv_B_T, w_micro, terms, cfg, teachers, into,
+                loss = policy_terms(batch, rows, fwd, w_micro, terms, cfg, teachers, into,
                                     first_update=n_updates == 0)
             if critic is not None:
                 vw_micro = torch.zeros_like(mask[rows]) if padding else value_weights[kept[micro]]
-                loss = loss + value_terms(critic, batch, rows, hidden, targets, vw_micro, cfg, into)
+                loss = loss + value_terms(critic, batch, rows, hidden, vw_micro, cfg, into)
             (loss * 0.0 if padding else loss).backward()
             n_rows += 0 if padding else len(rows)
             n_first += 0 if padding or n_updates else len(rows)
@@ -394,6 +410,16 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, adv_B_T: Tens
         out["optim/steps"], out["optim/nonfinite_steps"] = n_updates, n_updates - n_steps
         out["policy/grad_norm"] = out.get("policy/grad_norm", 0.0) * n_updates / max(n_steps, 1)
     return out
+
+
+def check_update_inputs(batch: ScoredBatch, critic: Critic | None) -> None:
+    """The stages before the update filled what it reads."""
+    if batch.adv_B_T is None:
+        raise ValueError("update_policy: batch.adv_B_T is None; the advantages stage "
+                         "(trainer.compute_advantages) sets it")
+    if critic is not None and (batch.old_values_B_T is None or batch.returns_B_T is None):
+        raise ValueError("update_policy: a critic needs batch.old_values_B_T and batch.returns_B_T "
+                         "(trainer.compute_advantages sets them when a value model is configured)")
 
 
 def finish_metrics(metrics: Metrics, n_rows: int, n_first: int, n_skipped: int, n_updates: int,

@@ -97,8 +97,10 @@ def test_preset_table_runs_each_preset_as_defined():
     learning = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(learning)
     default = load_config(recipe_path(DEFAULT_RECIPE))
-    assert set(learning.PRESET_ARGS) == set(PRESETS) - {"opd"}
-    for name, args in learning.PRESET_ARGS.items():
+    assert set(learning.table_presets()) == set(PRESETS) - {"opd"}
+    assert set(learning.PRESET_ARGS) <= set(learning.table_presets())
+    for name in learning.table_presets():
+        args = learning.preset_args(name)
         path = recipe_path(DEFAULT_RECIPE)
         if "--config" in args:
             i = args.index("--config")

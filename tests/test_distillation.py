@@ -2,6 +2,7 @@
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -229,7 +230,7 @@ def test_exact_loss_targets_the_teacher_at_its_own_temperature(tmp_path, tokeniz
     expected = ((kl * m).sum() / m.sum()).item()
     opt = torch.optim.SGD(student.parameters(), lr=0.0)
     stats = update_policy(student, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0),
-                          batch, torch.zeros_like(m), cfg, cfg.algo,
+                          replace(batch, adv_B_T=torch.zeros_like(m)), cfg, cfg.algo,
                           torch.Generator().manual_seed(0),
                           Teachers(cfg.teacher, tokenizer, preloaded=teacher))
     assert stats["distill/reverse_kl_exact"] == pytest.approx(expected, rel=1e-4)

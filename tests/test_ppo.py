@@ -1,6 +1,7 @@
 """PPO (docs/algorithms.md §5): the value model, KL folded into per-token rewards, GAE, in the real loop."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from posttrain.advantages import ADVANTAGES, AdvantageInputs, AdvantageParams
 from posttrain.config import CriticConfig, load_config
 from posttrain.critic import Critic
 from posttrain.rollout import Rollout, SamplingParams, make_engine
-from posttrain.trainer import ScoredBatch, critic_metrics, ppo_token_rewards, read_floats, train, ValueTargets
+from posttrain.trainer import ScoredBatch, critic_metrics, ppo_token_rewards, read_floats, train
 from posttrain.data.source import build_task
 from posttrain.prompts import encode_prompts
 from tests.conftest import make_tiny_model
@@ -45,8 +46,9 @@ def test_kl_folds_into_token_rewards_and_gae_by_hand(tmp_path):
     # lambda = 0.5: deltas .05, .1, .25 -> A2 = .25, A1 = .1 + .5 * .25, A0 = .05 + .5 * .225
     half = ADVANTAGES["gae"](inputs, AdvantageParams(gamma=1.0, lam=0.5)).adv_B_T
     torch.testing.assert_close(half[0], torch.tensor([0.1625, 0.225, 0.25]))
-    m = read_floats(critic_metrics(batch, out.adv_B_T, ValueTargets(values * batch.loss_mask_B_T, out.returns_B_T),
-                                   rewards))
+    with_values = replace(batch, adv_B_T=out.adv_B_T, old_values_B_T=values * batch.loss_mask_B_T,
+                          returns_B_T=out.returns_B_T)
+    m = read_floats(critic_metrics(with_values, rewards))
     assert m["advantage/mean_last"] == pytest.approx((0.25 - 0.1) / 2)
     assert m["advantage/mean_t0"] == pytest.approx((0.4 - 0.15) / 2)
     assert m["reward/kl_penalty"] == pytest.approx((-0.1 + 0.05) / 2)

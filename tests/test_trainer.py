@@ -2,6 +2,7 @@
 
 import json
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from posttrain.rollout import SamplingParams, make_engine
 from posttrain.batch import equal_reward_groups
 from posttrain.distributed import SINGLE
 from posttrain.trainer import generate_and_score, train
+from posttrain.losses import POLICY_LOSSES, objective_reads
 from posttrain.update import update_policy
 from posttrain.data.source import Sampler, build_task
 from posttrain.prompts import encode_prompts
@@ -78,7 +80,8 @@ def test_one_update_has_ratio_one_and_clipped_equals_vanilla(tmp_path, tokenizer
         a = algo.__class__(**{**algo.__dict__, "policy_loss": loss_name})
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-        stats = update_policy(model, opt, sched, batch, adv, cfg, a, torch.Generator().manual_seed(0))
+        stats = update_policy(model, opt, sched, replace(batch, adv_B_T=adv), cfg, a,
+                              torch.Generator().manual_seed(0))
         assert stats["policy/ratio_mean"] == 1.0 and stats["policy/ratio_max"] == 1.0
         assert stats.get("policy/clip_frac_low", 0.0) == 0.0 and stats.get("policy/clip_frac_high", 0.0) == 0.0
         params[loss_name] = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -95,13 +98,14 @@ def test_several_epochs_move_the_ratio_and_clip(tmp_path, tokenizer):
     adv = torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T
     opt = torch.optim.AdamW(model.parameters(), lr=5e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-    stats = update_policy(model, opt, sched, batch, adv, cfg, cfg.algo, torch.Generator().manual_seed(0))
+    stats = update_policy(model, opt, sched, replace(batch, adv_B_T=adv), cfg, cfg.algo,
+                          torch.Generator().manual_seed(0))
     assert stats["policy/ratio_max"] > 1.0
     assert stats["policy/clip_frac_low"] + stats["policy/clip_frac_high"] > 0
 
 
-@pytest.mark.parametrize("objective", ["gspo", "gspo_token", "cispo", "sapo", "gmpo", "clip_cov",
-                                       "kl_cov"])
+# every registered objective that can run several updates (one that reads no pi_old cannot)
+@pytest.mark.parametrize("objective", [n for n in POLICY_LOSSES.names() if "old_logp" in objective_reads(n)])
 def test_each_objective_moves_the_policy_toward_its_advantages(tmp_path, tokenizer, objective):
     """Two minibatches of plain SGD on one fixed batch (the second is off-policy): the
     advantage-weighted log-likelihood of the batch's own tokens rises, for every objective. To
@@ -124,9 +128,36 @@ def test_each_objective_moves_the_policy_toward_its_advantages(tmp_path, tokeniz
             return float((adv * weights * sequence_logprobs(model, batch.rollout, rows, 1.0).logp).sum())
     before = objective_value()
     opt = torch.optim.SGD(model.parameters(), lr=0.02)
-    update_policy(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0), batch, adv, cfg,
-                  cfg.algo, torch.Generator().manual_seed(0))
+    update_policy(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0),
+                  replace(batch, adv_B_T=adv), cfg, cfg.algo, torch.Generator().manual_seed(0))
     assert objective_value() > before
+
+
+def test_frozen_passes_run_only_for_the_terms_that_read_them(tmp_path):
+    """update.frozen_inputs: pi_ref only for a KL term, the trainer's own pi_old only where the
+    sampler's numbers differ and a term reads pi_old (the ratio over several updates, the KL in
+    PPO's rewards, a teacher's advantage)."""
+    from posttrain.config import ConfigError
+    from posttrain.update import frozen_inputs
+
+    def needs(*args):
+        cfg = toy_config(tmp_path, *args)
+        return frozen_inputs(cfg, cfg.algo, False)
+    assert needs("--algorithm.kl_coef", "0") == frozenset()
+    assert needs("--algorithm.kl_coef", "0.1", "--algorithm.kl_in", "loss") == {"ref_logp"}
+    assert needs("--algorithm.kl_coef", "0.1", "--algorithm.kl_in", "none") == frozenset()
+    bf16 = ("--algorithm.kl_coef", "0", "--rollout.weights", "bfloat16")
+    assert needs(*bf16) == frozenset()                              # one update: pi_old = pi_theta
+    assert needs(*bf16, "--optim.minibatches", "2") == {"trainer_old_logp"}
+    assert needs(*bf16, "--optim.minibatches", "2", "--rollout.tis_cap", "none") == {"trainer_old_logp"}
+    # PPO's KL in the rewards reads pi_old (a single update too); with beta 0 there is no KL term
+    ppo = ("--preset", "ppo", "--rollout.weights", "bfloat16", "--optim.minibatches", "1")
+    assert needs(*ppo) == {"ref_logp", "trainer_old_logp"}
+    assert needs(*ppo, "--algorithm.kl_coef", "0") == frozenset()
+    # an objective that declares it reads no pi_old (REINFORCE) cannot run several updates
+    assert POLICY_LOSSES.meta("vanilla")["reads"] == frozenset()
+    with pytest.raises(ConfigError, match="'vanilla' reads no pi_old"):
+        needs("--algorithm.policy_loss", "vanilla", "--optim.minibatches", "2")
 
 
 @pytest.mark.parametrize("autocast,minibatches,recomputed", [("bfloat16", 2, True), ("none", 2, False),
@@ -251,7 +282,7 @@ def test_skipping_zero_advantage_groups_gives_the_same_update(tmp_path, tokenize
     skipped = make_tiny_model(tokenizer, seed=8)
     opt = torch.optim.SGD(skipped.parameters(), lr=1.0)
     stats = update_policy(skipped, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0),
-                          batch, adv, cfg, cfg.algo, torch.Generator().manual_seed(0))
+                          replace(batch, adv_B_T=adv), cfg, cfg.algo, torch.Generator().manual_seed(0))
     assert stats["policy/skipped_rows_frac"] == 4 / len(batch.rewards_B)
 
     full = make_tiny_model(tokenizer, seed=8)
@@ -272,8 +303,9 @@ def test_a_batch_without_any_signal_still_steps(tmp_path, tokenizer):
                                   cfg, cfg.algo, torch.Generator().manual_seed(0), Counter())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     before = [p.detach().clone() for p in model.parameters()]
-    stats = update_policy(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0), batch,
-                          torch.zeros_like(batch.loss_mask_B_T), cfg, cfg.algo, torch.Generator())
+    stats = update_policy(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0),
+                          replace(batch, adv_B_T=torch.zeros_like(batch.loss_mask_B_T)), cfg, cfg.algo,
+                          torch.Generator())
     assert stats["policy/skipped_rows_frac"] == 1.0 and stats["policy/grad_norm"] == 0.0
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # weight decay
 

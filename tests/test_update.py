@@ -5,6 +5,7 @@ import dataclasses
 import os
 import sys
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -73,15 +74,15 @@ def test_one_update_reads_its_metrics_from_the_device_once(tmp_path, tokenizer, 
     adv = torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-    critic = targets = None
+    critic = None
+    batch = replace(batch, adv_B_T=adv)
     if preset == "ppo":
         from posttrain.critic import Critic
-        from posttrain.update import ValueTargets
         critic = Critic(cfg.critic, model)
-        targets = ValueTargets(torch.zeros_like(adv), adv.clone())
+        batch = replace(batch, old_values_B_T=torch.zeros_like(adv), returns_B_T=adv.clone())
     syncs = _Syncs(monkeypatch)
-    stats = update_policy(model, opt, sched, batch, adv, cfg, cfg.algo, torch.Generator().manual_seed(0),
-                          critic=critic, targets=targets)
+    stats = update_policy(model, opt, sched, batch, cfg, cfg.algo, torch.Generator().manual_seed(0),
+                          critic=critic)
     assert dict(syncs.calls) == {"tolist": 1}
     assert stats["optim/steps"] == 4 and stats["optim/nonfinite_steps"] == 0
     assert stats["policy/ratio_max"] > 1.0 and stats["policy/grad_norm"] > 0
@@ -98,7 +99,8 @@ def _batch(T: int, with_optional: bool) -> ScoredBatch:
                        torch.arange(B, dtype=torch.float), torch.ones(B, dtype=torch.bool),
                        torch.ones(B, T), ref_logp_B_T=opt(-1.0), teacher_logp_B_T=opt(-2.0),
                        teacher_view=r if with_optional else None, trainer_old_logp_B_T=opt(-3.0),
-                       transcripts=[f"t{i}" for i in range(B)] if with_optional else None)
+                       transcripts=[f"t{i}" for i in range(B)] if with_optional else None,
+                       adv_B_T=opt(0.5), old_values_B_T=opt(0.25), returns_B_T=opt(0.75))
 
 
 def test_a_scored_batch_is_immutable_and_select_merge_keep_every_field():

@@ -63,7 +63,8 @@ def _update(tokenizer, batch, cfg, adv):
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-    stats = update_policy(model, opt, sched, batch, adv, cfg, cfg.algo, torch.Generator().manual_seed(0))
+    stats = update_policy(model, opt, sched, replace(batch, adv_B_T=adv), cfg, cfg.algo,
+                          torch.Generator().manual_seed(0))
     after = torch.cat([p.detach().flatten() for p in model.parameters()])
     return after - before, stats
 
@@ -163,11 +164,11 @@ def test_the_bf16_copy_is_corrected_like_another_engine(tmp_path, tokenizer):
     from posttrain.trainer import frozen_passes
     model = make_tiny_model(tokenizer, seed=11)
     for extra, passes in (([], 0), (["--optim.minibatches", "2"], 1)):
-        c = toy_config(tmp_path, "--rollout.weights", "bfloat16", *extra)
-        run = SimpleNamespace(cfg=c, algo=c.algo, model=model, uses_ref=False, teachers=None,
-                              lora=False, tokenizer=tokenizer)
+        c = toy_config(tmp_path, "--rollout.weights", "bfloat16", "--algorithm.kl_coef", "0", *extra)
+        run = SimpleNamespace(cfg=c, algo=c.algo, model=model, teachers=None, lora=False,
+                              tokenizer=tokenizer)
         timings = Counter()
-        out = frozen_passes(run, off, {}, timings)
+        out, _ = frozen_passes(run, off, timings)
         assert ("old_logprobs" in timings) == bool(passes)
         assert (out.trainer_old_logp_B_T is not None) == bool(passes)
         if passes:
