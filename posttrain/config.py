@@ -248,6 +248,8 @@ PRESETS: dict[str, AlgorithmConfig] = {
     "sapo": replace(GRPO, policy_loss="sapo", aggregation="token_mean", kl_in="none", kl_coef=0.0),
     # GMPO (Zhao et al. 2025): geometric mean of token ratios, log-ratio clip +-0.4.
     "gmpo": replace(GRPO, policy_loss="gmpo", clip_low=0.4, clip_high=0.4, kl_in="none", kl_coef=0.0),
+    # TOPR (Le Roux et al. 2025): REINFORCE on good answers, truncated sequence IS on bad ones.
+    "topr": replace(GRPO, policy_loss="topr", aggregation="seq_mean_token_sum", kl_in="none", kl_coef=0.0),
 }
 
 

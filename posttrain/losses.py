@@ -414,6 +414,31 @@ def kl_cov_objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
     return PolicyTerm(kl_cov_loss(x.logp_B_T, x.old_logp_B_T, x.adv_B_T, x.mask_B_T,
                                   frac=p.cov_frac, coef=p.kl_cov_coef), {})
 
+def topr_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
+    """TOPR (Le Roux et al. 2025, "Tapered Off-Policy REINFORCE"), per token.  §11.
+
+        L_t = -w_it A_t log pi_theta(y_t),
+        w_it = 1                                    where A_t >= 0
+             = sg[ min(1, prod_t' rho_it') ]        where A_t < 0   (rho = pi_theta / pi_old)
+
+    Positive answers get plain REINFORCE (SFT-like, no importance weight, so no ratio can
+    vanish them); negative ones get the sequence's importance ratio truncated at 1, so a wrong
+    answer the policy has already moved away from pushes less. No clip drops any gradient.
+    """
+    log_seq_ratio = masked(logp_B_T - old_logp_B_T, mask_B_T).sum(-1, keepdim=True).detach()
+    taper = torch.exp(log_seq_ratio.clamp(max=0.0))            # min(1, prod rho), no overflow
+    w = torch.where(adv_B_T >= 0, torch.ones_like(logp_B_T), taper.expand_as(logp_B_T))
+    return -w * adv_B_T * logp_B_T
+
+
+@POLICY_LOSSES.register("topr")
+def topr_objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
+    """TOPR (`topr_loss`); the metric is the share of negative tokens whose weight fell below 1.  §11."""
+    loss = topr_loss(x.logp_B_T, x.old_logp_B_T, x.adv_B_T, x.mask_B_T)
+    log_seq_ratio = masked(x.logp_B_T - x.old_logp_B_T, x.mask_B_T).sum(-1, keepdim=True).detach()
+    tapered = ((x.adv_B_T < 0) & (log_seq_ratio < 0)).float()
+    return PolicyTerm(loss, {"policy/topr_tapered_frac": masked_mean(tapered, x.mask_B_T.float())})
+
 
 @dataclass(frozen=True)
 class RatioStats:

@@ -122,6 +122,23 @@ def test_gmpo_geometric_mean_with_pessimistic_log_ratio_clip_by_hand():
     expect_rows(loss, grad, {0: ([-g0] * 3, [-g0, -g0, 0.0]), 1: ([g1] * 2, [g1, g1])})
 
 
+# --- TOPR -------------------------------------------------------------------------------------
+
+def test_topr_tapers_only_negative_answers_by_their_truncated_sequence_ratio():
+    # row 1's sequence ratio over its two tokens is 0.5 * 1.2 = 0.6 (its padding's 7.0 not counted)
+    logp, x = batch([1.0, -1.0, 2.0], ratios=[[1.1, 0.5, 1.5], [0.5, 1.2, 7.0], [1.2, 1.2, 1.2]])
+    loss, grad, metrics = run("topr", x, logp)
+    # row 0, A > 0: plain REINFORCE, weight 1 although its sequence ratio is 0.825
+    # row 1, A < 0: L_t = -0.6 * (-1) * log pi_t, gradient 0.6 on each token
+    expect_rows(loss, grad, {0: ([-ln(r) for r in (1.1, 0.5, 1.5)], [-1.0] * 3),
+                             1: ([0.6 * ln(0.5), 0.6 * ln(1.2)], [0.6, 0.6])})
+    assert abs(metrics["policy/topr_tapered_frac"].item() - 2 / 5) < 1e-7
+    # a negative answer whose sequence ratio is above 1 (0.9 * 1.3 = 1.17) is truncated at 1
+    logp, x = batch([1.0, -1.0, 2.0])
+    loss, grad, metrics = run("topr", x, logp)
+    expect_rows(loss, grad, {1: ([ln(0.9), ln(1.3)], [1.0, 1.0])})
+    assert metrics["policy/topr_tapered_frac"].item() == 0.0
+
 # --- Clip-Cov and KL-Cov ----------------------------------------------------------------------
 
 def cov_batch():
