@@ -30,12 +30,9 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from posttrain.advantages import ADVANTAGES, NEEDS_GROUP, NEEDS_TEACHER, NEEDS_VALUES
+from posttrain.errors import ConfigError  # noqa: F401 (re-exported: posttrain.config.ConfigError)
 from posttrain.losses import (AGGREGATIONS, DISTILL_LOSSES, KL_ESTIMATORS, OFF_POLICY_CORRECTIONS,
                               POLICY_LOSSES, ObjectiveParams, objective_reads)
-
-
-class ConfigError(ValueError):
-    """A config value is wrong; the message names the field, the value and what is accepted."""
 
 
 def did_you_mean(name: str, known) -> str:

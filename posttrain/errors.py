@@ -1,6 +1,10 @@
 """Errors that end a run with a one-line message (the command line prints it, no traceback)."""
 
 
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the field, the value and what is accepted."""
+
+
 class NonFiniteError(RuntimeError):
     """Several optimizer steps in a row had a non-finite loss or gradient: the run stops."""
 

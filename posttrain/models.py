@@ -156,7 +156,7 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folde
 def check_same_tokenizer(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> None:
     """Distillation scores the student's token ids with the teacher (docs/algorithms.md §8), so both
     must map the same strings to the same ids, special tokens included. Raises naming what differs."""
-    from posttrain.config import ConfigError
+    from posttrain.errors import ConfigError
 
     problems = []
     sv, tv = student.get_vocab(), teacher.get_vocab()

@@ -246,12 +246,12 @@ def test_environment_tokens_get_zero_gradient_and_zero_kl(tokenizer):
 
     def loss_and_grad(adv_B_T, ref_B_T):
         batch = ScoredBatch(r, problems, ep.completions, torch.zeros(6), torch.zeros(6, dtype=torch.bool),
-                            m.clone(), ref_logp_B_T=ref_B_T)
+                            m.clone(), ref_logp_B_T=ref_B_T, adv_B_T=adv_B_T)
         rows = torch.arange(6)
         fwd = sequence_logprobs(model, r, rows, 1.0, with_entropy=True)
         logp = fwd.logp
         w = AGGREGATIONS["token_mean"](batch.loss_mask_B_T, 24.0)
-        loss = policy_terms(batch, rows, fwd, adv_B_T, w, update_terms(batch, cfg, algo, None),
+        loss = policy_terms(batch, rows, fwd, w, update_terms(batch, cfg, algo, None),
                             cfg, None, Metrics(), False)
         return loss, torch.autograd.grad(loss, logp)[0], logp.detach(), batch.ref_logp_B_T
 

@@ -18,14 +18,16 @@ PACKAGE = ROOT / "posttrain"
 # The pipeline, lowest layer first. A module may import from its own layer and the ones below,
 # never from a layer above (and never in a cycle, even within a layer).
 LAYERS = [
-    ["registry", "perf", "data.tasks", "recipes", "errors", "envs.base", "envs.sandbox", "health"],              # plain Python
+    ["registry", "perf", "data.tasks", "recipes", "errors", "envs.sandbox", "health",
+     "usercode"],                                                            # plain Python
     ["losses", "advantages", "data", "data.files", "data.preferences", "data.gym", "rollout.base",
-     "batch"],                                                               # math, data
+     "envs.base"],                                                           # math, data
     ["config"],                                                              # typed configs
     ["data.source", "prompts", "models", "distributed", "memory", "logging", "checkpoint",
-     "rewards.safe", "rewards.pool", "rewards.verifiers", "run", "lifecycle",
+     "rewards.pool", "rewards.verifiers", "run", "lifecycle",
      "envs.tools", "envs.builtin", "envs"],                                 # machinery
-    ["rollout", "rollout.hf", "rollout.vllm", "rollout.episodes", "forward"],   # sampling, forward
+    ["rollout", "rollout.hf", "rollout.vllm", "rollout.episodes", "forward",
+     "batch"],                                                               # sampling, forward
     ["rewards", "rewards.model", "teachers", "critic", "evaluation"],        # scores, teachers
     ["update"],                                                              # the policy update
     ["trainer", "stages"],                                                   # the loops
@@ -54,12 +56,29 @@ def import_graph() -> dict[str, set[str]]:
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-            for n in names:
-                if n == "posttrain" or n.startswith("posttrain."):
-                    target = n[len("posttrain."):] if n != "posttrain" else ""
-                    if target in mods and target != m:
-                        edges[m].add(target)
+            edges[m] |= targets_of(m, names, mods)
     return edges
+
+
+def targets_of(m: str, names: list[str], mods: dict[str, Path]) -> set[str]:
+    """The posttrain modules that importing `names` from module `m` runs: each named module and
+    the package inits above it (not `m` itself, nor `m`'s own package inits: they have run)."""
+    out = set()
+    for n in names:
+        if n == "posttrain" or n.startswith("posttrain."):
+            target = n[len("posttrain."):] if n != "posttrain" else ""
+            if target in mods:
+                out |= {t for t in (*package_inits(target, mods), target)
+                        if t != m and not m.startswith(t + ".")}
+    return out
+
+
+def package_inits(target: str, mods: dict[str, Path]) -> list[str]:
+    """The package inits importing `target` runs first: `rewards.pool` runs `rewards/__init__`.
+    (posttrain's own `__init__` imports nothing at import time: its API is lazy.)"""
+    parts = target.split(".")
+    return [p for i in range(1, len(parts)) if (p := ".".join(parts[:i])) in mods
+            and mods[p].name == "__init__.py"]
 
 
 def test_every_module_has_a_layer():
@@ -143,3 +162,14 @@ def test_a_real_package_with_one_version_and_a_public_api():
         assert getattr(posttrain, name) is not None
     with pytest.raises(AttributeError, match="no attribute 'trian'"):
         posttrain.trian
+
+
+def test_an_import_runs_the_package_inits_above_it():
+    """Importing `posttrain.rewards.pool` runs `rewards/__init__` (and its imports) first: from a
+    low module that is an upward import even though `rewards.pool` itself is low."""
+    mods = _modules()
+    assert targets_of("envs", ["posttrain.rewards.pool"], mods) == {"rewards", "rewards.pool"}
+    assert targets_of("rewards.model", ["posttrain.rewards.pool"], mods) == {"rewards.pool"}
+    edges = import_graph()
+    edges["envs"] |= targets_of("envs", ["posttrain.rewards.pool"], mods)
+    assert upward_imports(edges) == ["envs (layer 3) imports rewards (layer 5)"]

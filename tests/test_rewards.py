@@ -9,7 +9,7 @@ import torch
 from posttrain.config import RewardConfig
 from posttrain.data.tasks import Problem, countdown_task
 from posttrain.rewards import Scorer
-from posttrain.rewards.safe import call_with_limits, load_function
+from posttrain.usercode import call_with_limits, load_function
 from posttrain.rewards.verifiers import (countdown_correct, exact_correct, final_answer,
                                          is_bare_answer, math_correct, overlong_penalty)
 

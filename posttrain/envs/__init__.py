@@ -11,7 +11,7 @@ from posttrain.envs.base import Environment, Reply, SingleTurn
 from posttrain.envs.builtin import GuessNumber, ToolEnv
 from posttrain.envs.tools import TOOLS, Tool, make_tools
 from posttrain.registry import Registry
-from posttrain.rewards.safe import load_function
+from posttrain.usercode import load_function
 
 __all__ = ["ENVIRONMENTS", "Environment", "GuessNumber", "Reply", "SingleTurn", "Tool",
            "ToolEnv", "for_tokenizer", "make_env"]

@@ -28,7 +28,7 @@ from typing import Any
 
 from posttrain.envs.sandbox import Limits, run_python_code, sandbox_mode
 from posttrain.registry import Registry
-from posttrain.rewards.safe import RewardTimeout, call_with_timeout, load_function
+from posttrain.usercode import RewardTimeout, call_with_timeout, load_function
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from posttrain.config import RewardConfig
 from posttrain.data.tasks import Problem
 from posttrain.health import Tally
 from posttrain.rewards.pool import Outcome, RewardPool
-from posttrain.rewards.safe import call_with_limits, load_function
+from posttrain.usercode import call_with_limits, load_function
 from posttrain.rewards.verifiers import VERIFIERS, is_bare_answer, overlong_penalty
 
 __all__ = ["RewardResult", "Scorer", "overlong_penalty"]

@@ -47,7 +47,7 @@ from typing import Any
 
 from pebble import ProcessExpired, ProcessPool
 
-from posttrain.rewards.safe import as_reward, load_function
+from posttrain.usercode import as_reward, load_function
 
 _FUNCTIONS: dict[str, Any] = {}   # in a worker: spec -> the function it names
 _MAX_TRACEBACK = 4000             # characters of a failure's traceback sent back
