@@ -30,6 +30,7 @@ from posttrain.config import StageConfig
 from posttrain.data import read_rows
 from posttrain.data.files import chat_messages
 from posttrain.data.tasks import Problem
+from posttrain.envs.base import Demonstrates
 from posttrain.distributed import (World, average_gradients, barrier, device_for,
                                    full_state_dict, full_weights_for_generation, gather_objects,
                                    global_sum, init_world, load_optimizer_state, wrap)
@@ -789,15 +790,14 @@ def demonstration_rows(problems, env, tokenizer, cfg) -> list[dict[str, Any]]:
     """Ground-truth episodes of `env` (its `demonstration(problem)`: the messages an expert
     writes and receives) as SFT rows with token ids and policy masks."""
     from posttrain.prompts import ReplyEncoder, prompt_messages
-    demo = getattr(env, "demonstration", None)
-    if demo is None:
+    if not isinstance(env, Demonstrates):
         raise ValueError(f"environment {env.name!r} has no demonstrations; generate episodes "
                          "from a model instead (drop --demonstrate)")
     enc = ReplyEncoder(tokenizer, cfg.data.chat_template, dict(cfg.data.chat_template_kwargs))
     rows = []
     for p in problems:
         ids, mask = [], []
-        for k, message in enumerate(demo(p)):
+        for k, message in enumerate(env.demonstration(p)):
             if message["role"] == "assistant":
                 turn = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
             else:

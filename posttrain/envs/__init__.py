@@ -7,13 +7,15 @@ from typing import Any
 
 from posttrain.config import ConfigError, EnvConfig
 from posttrain.data.tasks import Task
-from posttrain.envs.base import Environment, Reply, SingleTurn
+from posttrain.envs.base import (BindsTokenizer, Demonstrates, DescribesTools, Environment, Reply,
+                                 SingleTurn)
 from posttrain.envs.builtin import GuessNumber, ToolEnv
 from posttrain.envs.tools import TOOLS, Tool, make_tools
 from posttrain.registry import Registry
 from posttrain.usercode import load_function
 
-__all__ = ["ENVIRONMENTS", "Environment", "GuessNumber", "Reply", "SingleTurn", "Tool",
+__all__ = ["ENVIRONMENTS", "BindsTokenizer", "Demonstrates", "DescribesTools", "Environment",
+           "GuessNumber", "Reply", "SingleTurn", "Tool",
            "ToolEnv", "for_tokenizer", "make_env"]
 
 ENVIRONMENTS: Registry[Callable[[EnvConfig], Any]] = Registry("environment")
@@ -51,5 +53,4 @@ def make_env(cfg: EnvConfig, task: Task) -> Environment:
 def for_tokenizer(env: Environment, tokenizer) -> Environment:
     """The environment adapted to the policy's tokenizer, when it has a `bind` (a tool
     environment picks the chat template's own tool-call format)."""
-    bind = getattr(env, "bind", None)
-    return bind(tokenizer) if bind is not None else env
+    return env.bind(tokenizer) if isinstance(env, BindsTokenizer) else env

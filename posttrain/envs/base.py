@@ -10,7 +10,7 @@ into tokens with the chat template and feeds them to the sampler, whose loss mas
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from posttrain.data.tasks import Problem
 
@@ -26,6 +26,10 @@ class Reply:
 
 
 class Environment(Protocol):
+    """What every environment has. Optional hooks, each its own Protocol below and found with
+    `isinstance`: `bind(tokenizer)` (BindsTokenizer), `tool_schemas` (DescribesTools),
+    `demonstration(problem)` (Demonstrates)."""
+
     name: str
     max_turns: int                     # the policy speaks at most this many times per episode
     stop: tuple[str, ...]              # extra stop strings that end a policy turn (a tool call's end)
@@ -43,6 +47,31 @@ class Environment(Protocol):
         """The policy wrote `text` as its turn number `turn` (1-based). On the last allowed turn
         the reply's message is ignored (the episode ends); its reward and verdict still count."""
         ...
+
+
+@runtime_checkable
+class BindsTokenizer(Protocol):
+    """Optional hook: the environment adapted to the policy's tokenizer (a tool environment picks
+    the chat template's own tool-call format); called once, before the first episode."""
+
+    def bind(self, tokenizer: Any) -> Environment: ...
+
+
+@runtime_checkable
+class DescribesTools(Protocol):
+    """Optional hook: function schemas handed to a chat template that renders tools itself
+    (None: the system prompt describes them)."""
+
+    @property
+    def tool_schemas(self) -> list[dict[str, Any]] | None: ...
+
+
+@runtime_checkable
+class Demonstrates(Protocol):
+    """Optional hook: an expert's episode for a problem, as chat messages (SFT data that teaches
+    the environment's format: `posttrain generate --demonstrate`)."""
+
+    def demonstration(self, problem: Problem) -> list[dict[str, str]]: ...
 
 
 class SingleTurn:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from posttrain.data.tasks import Problem
-from posttrain.envs.base import Environment, Reply
+from posttrain.envs.base import DescribesTools, Environment, Reply
 from posttrain.health import Tally
 from posttrain.prompts import ReplyEncoder, encode_prompts, left_pad
 from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams
@@ -75,7 +75,7 @@ def run_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems: l
     G = group_size
     prompts = encode_prompts(tokenizer, problems, env.system_prompt(settings.system_prompt),
                              settings.chat_template, settings.template_kwargs,
-                             getattr(env, "tool_schemas", None))
+                             env.tool_schemas if isinstance(env, DescribesTools) else None)
     book = _Book(env, [p for p in problems for _ in range(G)], tokenizer, settings)
     if env.max_turns == 1:
         rollout = engine.generate(prompts, G, params, generator, seeds=seeds)
