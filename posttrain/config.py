@@ -507,6 +507,19 @@ class OptimConfig:
         pi_old = pi_theta exactly (§3)."""
         return self.epochs == 1 and self.minibatches == 1
 
+    def validate(self) -> None:
+        """The ranges every command checks the same way (train adds how minibatches split a step)."""
+        _check_range("optim.lr", self.lr, 0.0, lo_open=True)
+        _check_range("optim.weight_decay", self.weight_decay, 0.0)
+        for name in ("beta1", "beta2"):
+            _check_range(f"optim.{name}", getattr(self, name), 0.0, 1.0)
+        _check_range("optim.warmup_steps", self.warmup_steps, 0)
+        _check_range("optim.max_grad_norm", self.max_grad_norm, 0.0, lo_open=True)
+        _check_range("optim.max_nonfinite_steps", self.max_nonfinite_steps, 0)
+        _check_range("optim.epochs", self.epochs, 1)
+        _check_range("optim.minibatches", self.minibatches, 1)
+        _check_range("optim.micro_batch_size", self.micro_batch_size, 1)
+
 
 @dataclass(frozen=True)
 class LoraConfig:
@@ -600,12 +613,7 @@ class TrainConfig:
         if r.backend == "vllm" and self.lora.rank:
             raise ConfigError("rollout.backend='vllm' with LoRA (lora.rank > 0) is not supported "
                               "yet; use rollout.backend=hf")
-        _check_range("optim.lr", o.lr, 0.0)
-        _check_range("optim.epochs", o.epochs, 1)
-        _check_range("optim.minibatches", o.minibatches, 1)
-        _check_range("optim.micro_batch_size", o.micro_batch_size, 1)
-        _check_range("optim.max_grad_norm", o.max_grad_norm, 0.0, lo_open=True)
-        _check_range("optim.max_nonfinite_steps", o.max_nonfinite_steps, 0)
+        o.validate()
         if self.batch_size % o.minibatches or (self.batch_size // o.minibatches) % r.group_size:
             raise ConfigError(
                 f"optim.minibatches={o.minibatches} must split the {self.batch_size} responses of a "
@@ -717,14 +725,7 @@ class StageConfig:
                 if getattr(getattr(self, section), name) != getattr(default, name):
                     raise ConfigError(f"{section}.{name} applies to `posttrain train` only")
         o, d = self.optim, self.data
-        _check_range("optim.lr", o.lr, 0.0, lo_open=True)
-        _check_range("optim.weight_decay", o.weight_decay, 0.0)
-        for name in ("beta1", "beta2"):
-            _check_range(f"optim.{name}", getattr(o, name), 0.0, 1.0)
-        _check_range("optim.max_grad_norm", o.max_grad_norm, 0.0, lo_open=True)
-        _check_range("optim.max_nonfinite_steps", o.max_nonfinite_steps, 0)
-        _check_range("optim.epochs", o.epochs, 1)
-        _check_range("optim.warmup_steps", o.warmup_steps, 0)
+        o.validate()
         _check_range("data.n_pairs", d.n_pairs, 1)
         _check_range("data.eval_size", d.eval_size, 0)
         _check_range("data.terse_wrong_share", d.terse_wrong_share, 0.0, 1.0)

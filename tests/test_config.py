@@ -61,6 +61,18 @@ def test_invalid_configs_name_the_field(overrides, msg):
         load_config(None, overrides)
 
 
+@pytest.mark.parametrize("option,value,msg", [("lr", "0", "optim.lr=0.0 must be > 0"),
+                                              ("beta2", "1.5", "optim.beta2=1.5 must be <= 1"),
+                                              ("max_grad_norm", "0", "optim.max_grad_norm=0.0 must be > 0")])
+def test_train_and_the_stages_check_the_optimizer_alike(option, value, msg):
+    """One OptimConfig.validate for every command: the same value is refused with the same line."""
+    from posttrain.config import load_stage_config
+    with pytest.raises(ConfigError, match=msg):
+        load_config(None, [f"--optim.{option}", value])
+    with pytest.raises(ConfigError, match=msg):
+        load_stage_config(None, [f"--optim.{option}", value])
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
