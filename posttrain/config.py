@@ -401,9 +401,8 @@ class RolloutConfig:
     max_new_tokens: int = 24            # response length limit (a longer answer is truncated)
     temperature: float = 1.0            # sampling temperature; log-probs are taken at it too
     top_p: float = 1.0                  # nucleus sampling (1: the full distribution)
-    # in-process sampling under bf16 autocast (body bf16, LM head float32); 1.2x faster inside a
-    # training run on this CPU, and on the default job (seed 0, twice) the policy then drifted to
-    # "... in Roman numerals." answers (docs/learning-per-step.md); `weights` below is faster
+    # in-process sampling under bf16 autocast (body bf16, LM head float32): its log-probs are not
+    # the trainer's, and are corrected like vLLM's (tis_cap below); `weights` below is faster
     autocast: Literal["none", "bfloat16"] = "none"
     # 'shared': in-process sampling from the very weights the trainer updates; 'bfloat16': from a
     # bf16 copy of the transformer body (the LM head stays the policy's own, in float32), synced
