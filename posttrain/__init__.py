@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"
 
 # name -> the module that defines it
 _PUBLIC = {

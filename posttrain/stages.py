@@ -30,10 +30,10 @@ from posttrain.config import StageConfig
 from posttrain.data import read_rows
 from posttrain.data.files import chat_messages
 from posttrain.data.tasks import Problem
-from posttrain.envs.base import Demonstrates
 from posttrain.distributed import (World, average_gradients, barrier, device_for,
                                    full_state_dict, full_weights_for_generation, gather_objects,
                                    global_sum, init_world, load_optimizer_state, wrap)
+from posttrain.envs.base import Demonstrates
 from posttrain.lifecycle import Lifecycle, resume_command
 from posttrain.logging import MetricsLogger, NullLogger, resume_logs
 from posttrain.losses import dpo_loss, sequence_logprob, sft_loss

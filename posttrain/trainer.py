@@ -282,7 +282,6 @@ class Run:
     eval_problems: list[Problem]
     teachers: Teachers | None = None
     ref_model: Any = None               # pi_ref when it is a separate copy (no LoRA)
-    uses_ref: bool = False              # a KL term needs pi_ref's log-probs
     critic: Critic | None = None
     env: Environment = SingleTurn()     # what answers the policy between its turns
     start_step: int = 0
@@ -434,7 +433,7 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
     sampler = Sampler(task, cfg.seed, retries=cfg.data.retry_unsolved,
                       max_waiting=cfg.rollout.prompts_per_step)
     run = Run(cfg, world, run_dir, model, tokenizer, engine, optimizer, scheduler, sampler,
-              scorer, generator, logger, task.eval_problems, teachers, ref_model, uses_ref, critic,
+              scorer, generator, logger, task.eval_problems, teachers, ref_model, critic,
               env=env, watch=FailureWatch(cfg.reward.max_failing_steps))
     if ckpt is not None:
         restore(run, state)

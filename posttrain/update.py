@@ -116,8 +116,10 @@ def frozen_inputs(cfg: TrainConfig, algo: AlgorithmConfig, has_teachers: bool) -
     - "trainer_old_logp": the trainer's own pi_old, when the sampler's numbers are not the
       trainer's (another engine or precision) and a term reads pi_old: the objective's ratio
       and the off-policy correction over several updates (an objective whose declared `reads`
-      lack pi_old is refused several updates by the config), a teacher's advantage, or the KL
-      folded into the rewards. A single update takes pi_old = pi_theta from its own forward."""
+      lack pi_old is refused several updates by the config, so here every objective reads it),
+      a teacher's advantage (the advantage stage may read pi_old with any distillation loss), or
+      the KL folded into the rewards. A single update takes pi_old = pi_theta from its own
+      forward."""
     kl = algo.kl_in != "none" and algo.kl_coef > 0
     needs = {"ref_logp"} if kl else set()
     if has_teachers and DISTILL_LOSSES[algo.distill_loss].in_advantage:
@@ -140,10 +142,11 @@ def update_terms(batch: ScoredBatch, cfg: TrainConfig, algo: AlgorithmConfig,
     # pi_old, and each token's policy-gradient term is weighted by rollout.correction of
     # pi_trainer / pi_engine (§3, losses.OFF_POLICY_CORRECTIONS).
     foreign = cfg.rollout.off_trainer
-    needs = frozen_inputs(cfg, algo, teachers is not None)
-    if "trainer_old_logp" in needs and batch.trainer_old_logp_B_T is None:
-        raise ValueError("several updates on another engine's samples need the trainer's pi_old "
-                         "log-probs (batch.trainer_old_logp_B_T; trainer.frozen_passes computes it)")
+    other_numbers = foreign or cfg.model.autocast != cfg.rollout.autocast
+    if other_numbers and not single_update and batch.trainer_old_logp_B_T is None:
+        raise ValueError("several updates on samples whose log-probs are not the trainer's need "
+                         "the trainer's own pi_old (batch.trainer_old_logp_B_T; "
+                         "trainer.frozen_passes computes it)")
     kl_fn = KL_ESTIMATORS[algo.kl_estimator] if batch.ref_logp_B_T is not None else None
     distill = DISTILL_LOSSES[algo.distill_loss] if teachers is not None else None
     # tis_cap None: no correction (the mismatch is still logged)

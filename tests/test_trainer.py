@@ -133,16 +133,16 @@ def test_each_objective_moves_the_policy_toward_its_advantages(tmp_path, tokeniz
     assert objective_value() > before
 
 
-def test_frozen_passes_run_only_for_the_terms_that_read_them(tmp_path):
+def test_frozen_inputs_name_only_the_passes_the_terms_read(tmp_path):
     """update.frozen_inputs: pi_ref only for a KL term, the trainer's own pi_old only where the
     sampler's numbers differ and a term reads pi_old (the ratio over several updates, the KL in
     PPO's rewards, a teacher's advantage)."""
     from posttrain.config import ConfigError
     from posttrain.update import frozen_inputs
 
-    def needs(*args):
+    def needs(*args, teachers=False):
         cfg = toy_config(tmp_path, *args)
-        return frozen_inputs(cfg, cfg.algo, False)
+        return frozen_inputs(cfg, cfg.algo, teachers)
     assert needs("--algorithm.kl_coef", "0") == frozenset()
     assert needs("--algorithm.kl_coef", "0.1", "--algorithm.kl_in", "loss") == {"ref_logp"}
     assert needs("--algorithm.kl_coef", "0.1", "--algorithm.kl_in", "none") == frozenset()
@@ -150,6 +150,15 @@ def test_frozen_passes_run_only_for_the_terms_that_read_them(tmp_path):
     assert needs(*bf16) == frozenset()                              # one update: pi_old = pi_theta
     assert needs(*bf16, "--optim.minibatches", "2") == {"trainer_old_logp"}
     assert needs(*bf16, "--optim.minibatches", "2", "--rollout.tis_cap", "none") == {"trainer_old_logp"}
+    # a bf16 trainer against a float32 sampler: other numbers too, though the sampler is the trainer's
+    assert needs("--algorithm.kl_coef", "0", "--model.autocast", "bfloat16", "--optim.minibatches",
+                 "2") == {"trainer_old_logp"}
+    # distillation through the advantage reads the teacher's log-probs, and pi_old when it differs
+    opd = ("--preset", "opd", "--teacher.path", "smollm2-135m-instruct", "--rollout.weights", "bfloat16")
+    assert needs(*opd, teachers=True) == {"teacher_logp", "trainer_old_logp"}
+    assert needs(*opd, "--rollout.weights", "shared", teachers=True) == {"teacher_logp"}
+    assert needs(*opd, "--algorithm.distill_loss", "exact", "--rollout.weights", "shared",
+                 teachers=True) == frozenset()
     # PPO's KL in the rewards reads pi_old (a single update too); with beta 0 there is no KL term
     ppo = ("--preset", "ppo", "--rollout.weights", "bfloat16", "--optim.minibatches", "1")
     assert needs(*ppo) == {"ref_logp", "trainer_old_logp"}
