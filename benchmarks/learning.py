@@ -33,8 +33,11 @@ Runs already finished in OUT are reused, so an interrupted benchmark continues w
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.metadata
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -123,9 +126,27 @@ def run_posttrain(out: Path, seed: int, steps: int, eval_every: int, overrides: 
         "eval_minutes": [r["perf/train_minutes"] for r in evals],
         "eval_accuracy": [r["eval/accuracy"] for r in evals],
         "final": final, "wall_s": time.time() - t0, "peak_rss_gb": usage.ru_maxrss / 2**20,
+        "provenance": provenance(cmd),
     }
     result.write_text(json.dumps(res))
     return res
+
+
+def provenance(cmd: list[str]) -> dict:
+    """What a record needs to be checked: the command, the commit (and whether the tree had
+    uncommitted changes), the packages, the machine and the date."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+                 platform.processor())
+    return {
+        "command": " ".join(["posttrain", *cmd[3:]]),
+        "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "versions": {name: importlib.metadata.version(name) for name in ("posttrain", "torch", "transformers")},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu": model},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def heldout_of(model_dir: Path) -> dict:
