@@ -133,8 +133,8 @@ def run_posttrain(out: Path, seed: int, steps: int, eval_every: int, overrides: 
 
 
 def provenance(cmd: list[str]) -> dict:
-    """What a record needs to be checked: the command, the commit (and whether the tree had
-    uncommitted changes), the packages, the machine and the date."""
+    """What a record needs to be checked: the command, the commit (and whether the code, the
+    package or the benchmarks, had uncommitted changes), the packages, the machine and the date."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
@@ -142,7 +142,7 @@ def provenance(cmd: list[str]) -> dict:
                  platform.processor())
     return {
         "command": " ".join(["posttrain", *cmd[3:]]),
-        "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", "posttrain", "benchmarks", "pyproject.toml")),
         "versions": {name: importlib.metadata.version(name) for name in ("posttrain", "torch", "transformers")},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu": model},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
