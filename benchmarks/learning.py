@@ -142,8 +142,11 @@ def provenance(cmd: list[str]) -> dict:
                  platform.processor())
     return {
         "command": " ".join(["posttrain", *cmd[3:]]),
-        "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", "posttrain", "benchmarks", "pyproject.toml")),
-        "versions": {name: importlib.metadata.version(name) for name in ("posttrain", "torch", "transformers")},
+        "commit": git("rev-parse", "HEAD"),
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--",
+                          "posttrain", "benchmarks", "pyproject.toml")),
+        "versions": {name: importlib.metadata.version(name)
+                     for name in ("posttrain", "torch", "transformers")},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu": model},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
