@@ -22,6 +22,7 @@ _PUBLIC = {
     "train": "posttrain.trainer",
     "evaluate": "posttrain.evaluation",
     "load_config": "posttrain.config",
+    "recipe_path": "posttrain.config",
     "TrainConfig": "posttrain.config",
     "AlgorithmConfig": "posttrain.config",
     "ConfigError": "posttrain.config",

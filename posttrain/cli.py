@@ -9,15 +9,13 @@ import logging
 import os
 import sys
 from dataclasses import asdict
-from importlib import resources
 from pathlib import Path
 
 from posttrain import __version__
 from posttrain.errors import FailingSourceError, NonFiniteError
-from posttrain.config import (PRESETS, ConfigError, StageConfig, TrainConfig, check_option_names,
-                              load_config, load_stage_config)
+from posttrain.config import (DEFAULT_RECIPE, PRESETS, ConfigError, StageConfig, TrainConfig,
+                              check_option_names, load_config, load_stage_config, recipe_path)
 
-DEFAULT_RECIPE = "addition_grpo.yaml"
 log = logging.getLogger("posttrain")
 
 EPILOG = f"""
@@ -44,10 +42,6 @@ wins). Under torchrun: torchrun --nproc-per-node N -m posttrain.cli sft ... --pa
 
 Options (type, default):
 """
-
-
-def recipe_path(name: str) -> Path:
-    return Path(str(resources.files("posttrain.recipes").joinpath(name)))
 
 
 def _setup_logging(verbose: bool) -> None:

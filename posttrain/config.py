@@ -23,6 +23,7 @@ import tokenize
 import types
 import typing
 from dataclasses import dataclass, field, fields, replace
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -924,9 +925,24 @@ def load_stage_config(path: str | Path | None = None, overrides: list[str] | Non
     return build_config(StageConfig, data, "").validate()
 
 
+DEFAULT_RECIPE = "addition_grpo.yaml"   # what `posttrain train` runs without --config
+
+
+def recipe_path(name: str = DEFAULT_RECIPE) -> Path:
+    """A recipe packaged in posttrain/recipes (default: the default job's): load_config's `path`
+    for running a recipe from Python as the command line does."""
+    path = Path(str(resources.files("posttrain.recipes").joinpath(name)))
+    if not path.is_file():
+        known = sorted(p.name for p in path.parent.glob("*.yaml"))
+        raise ConfigError(f"no packaged recipe {name!r}; known: {', '.join(known)}")
+    return path
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 base: dict[str, Any] | None = None) -> TrainConfig:
-    """Defaults < `base` < YAML file < overrides; validated before anything expensive happens."""
+    """Defaults < `base` < YAML file < overrides; validated before anything expensive happens.
+    `path=None` gives TrainConfig's own defaults, not the default job: pass `recipe_path()` for
+    that recipe, as `posttrain train` does without --config."""
     data: dict[str, Any] = dict(base or {})
     if path is not None:
         data = _merge(data, read_yaml(path))

@@ -102,7 +102,7 @@ def test_preset_table_runs_each_preset_as_defined():
     from dataclasses import replace
     from pathlib import Path
 
-    from posttrain.cli import DEFAULT_RECIPE, recipe_path
+    from posttrain.config import DEFAULT_RECIPE, recipe_path
 
     root = Path(__file__).resolve().parent.parent
     spec = importlib.util.spec_from_file_location("learning", root / "benchmarks" / "learning.py")
@@ -173,3 +173,17 @@ def test_k1_in_the_loss_is_refused_with_its_reason():
 def test_the_new_presets_load_and_name_their_objective(preset):
     cfg = load_config(None, ["--preset", preset])
     assert cfg.algo.policy_loss == preset and cfg.algo.kl_coef == 0.0
+
+
+def test_recipe_path_runs_the_default_job_from_python(tmp_path):
+    """posttrain.load_config(posttrain.recipe_path()) is what `posttrain train` runs without
+    --config (load_config(None) is TrainConfig's own defaults, which differ from the recipe);
+    an unknown recipe is refused naming the packaged ones."""
+    import posttrain
+
+    job = posttrain.load_config(posttrain.recipe_path(), ["--run_dir", str(tmp_path)])
+    assert job.algo.aggregation == "token_mean" and job.optim.schedule == "cosine"
+    assert job.max_minutes == 10 and job.steps == 90
+    assert posttrain.load_config(None).optim.schedule != job.optim.schedule
+    with pytest.raises(ConfigError, match="no packaged recipe 'nope.yaml'; known: .*addition_grpo.yaml"):
+        posttrain.recipe_path("nope.yaml")
