@@ -1,0 +1,47 @@
+"""The docs' result tables are what their committed records render (benchmarks/tables.py)."""
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tables():
+    spec = importlib.util.spec_from_file_location("tables", ROOT / "benchmarks" / "tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_docs_table_is_what_its_records_render():
+    tables = _tables()
+    found = set()
+    for page in tables.pages(ROOT):
+        text = page.read_text()
+        found |= {m["name"] for m in tables.BLOCK.finditer(text)}
+        assert tables.render_page(text, ROOT) == text, (
+            f"{page.relative_to(ROOT)}: a table differs from its records; run "
+            ".venv/bin/python benchmarks/tables.py")
+    assert found == set(tables.TABLES)   # every renderer's table is somewhere in the docs
+
+
+@pytest.mark.parametrize("name, record", [
+    ("objectives", "objectives-2026-12-03/gspo/posttrain-s0/bench.json"),
+    ("perstep", "perstep-2026-12-02/trl-s0.json"),
+])
+def test_an_edited_record_changes_its_table(tmp_path, name, record):
+    """The table is read from the records, not written by hand: a record's last held-out
+    reading set to 12.3% shows up in its table."""
+    tables = _tables()
+    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    before = tables.TABLES[name](tmp_path)
+    path = tmp_path / "benchmarks" / "results" / record
+    run = json.loads(path.read_text())
+    run["eval_accuracy"][-1] = 0.123
+    path.write_text(json.dumps(run))
+    after = tables.TABLES[name](tmp_path)
+    assert after != before and "12.3" in after and "12.3" not in before
