@@ -4,6 +4,7 @@ same final weights, optimizer state and metrics as an uninterrupted run, bit for
     .venv/bin/python benchmarks/crash_resume.py --kills 20          # the README's figure
     .venv/bin/python benchmarks/crash_resume.py --kills 3 --seed 1  # the test suite's version
     .venv/bin/python benchmarks/crash_resume.py --kills 8 --truncate   # and a damaged newest checkpoint
+    .venv/bin/python benchmarks/crash_resume.py --kills 6 --steps 12 --command sft   # dpo, reward-model
 
 A tiny random model (the real SmolLM2 tokenizer) trains with `posttrain train` in a subprocess:
 GRPO on a toy reward, 24 steps, a checkpoint every step, a held-out evaluation every 3 steps, one
@@ -13,7 +14,8 @@ process start-up, generation, the update, an evaluation or a checkpoint being wr
 restarted with `--resume auto` (which continues from the latest complete checkpoint, or starts
 anew when none was written yet), until it finishes. Compared at the end: every tensor of the final
 model, every tensor of the last checkpoint's optimizer state, and every metrics row without its
-timings (perf/*). Every 4th kill waits for a checkpoint write to begin (a new `.step_*.tmp`
+timings (perf/*). `--command sft|dpo|reward-model` does the same to an offline stage (a
+checkpoint every step, one epoch of synthetic addition rows). Every 4th kill waits for a checkpoint write to begin (a new `.step_*.tmp`
 folder) and strikes at once; the others fall at random moments. Kills that left a new
 half-written checkpoint folder are counted.
 """
@@ -47,7 +49,18 @@ def make_model_folder(out: Path) -> Path:
     return folder
 
 
-def command(model: Path, run_dir: Path, steps: int) -> list[str]:
+COMMANDS = ("train", "sft", "dpo", "reward-model")
+
+
+def command(model: Path, run_dir: Path, steps: int, kind: str = "train") -> list[str]:
+    """`kind`'s command line: `steps` optimizer steps, a checkpoint after each, one thread,
+    continuing the run in `run_dir` when it has a checkpoint (`--resume auto`)."""
+    if kind != "train":   # an offline stage: one epoch of `steps` batches of 4 synthetic rows
+        return [sys.executable, "-m", "posttrain.cli", kind, "--no-progress",
+                "--model.path", str(model), "--run_dir", str(run_dir), "--seed", "0",
+                "--data.synthetic", "addition", "--data.n_pairs", str(4 * steps),
+                "--data.eval_size", "4", "--batch_size", "4", "--optim.lr", "1e-3",
+                "--checkpoint.every_steps", "1", "--threads", "1", "--resume", "auto"]
     return [sys.executable, "-m", "posttrain.cli", "train", "--no-progress",
             "--model.path", str(model), "--run_dir", str(run_dir), "--seed", "0",
             "--reward.verifier", "none", "--reward.functions", "tests.toy_rewards:first_letter_a_to_e",
@@ -131,16 +144,16 @@ def truncate_newest(run_dir: Path) -> int:
 
 
 def crash_and_resume(out: Path, kills: int, seed: int = 0, steps: int = 24,
-                     truncate: bool = False) -> dict:
+                     truncate: bool = False, kind: str = "train") -> dict:
     """Kill the run `kills` times (fewer if it finishes first), each at a moment drawn uniformly
     from the time it still needs (start-up included), every 4th inside a checkpoint write,
     resuming after each; with `truncate`, after each kill the newest checkpoint also loses the
     second half of its largest file, and the resume must fall back to the one before it."""
     out.mkdir(parents=True, exist_ok=True)
     model = make_model_folder(out)
-    whole, cut = out / f"whole-{steps}", out / f"cut-{steps}-{kills}-{seed}"
+    whole, cut = out / f"{kind}-whole-{steps}", out / f"{kind}-cut-{steps}-{kills}-{seed}"
     if not (whole / "span.txt").is_file():
-        _, span = _run(command(model, whole, steps), None)
+        _, span = _run(command(model, whole, steps, kind), None)
         (whole / "span.txt").write_text(str(span))
     span = float((whole / "span.txt").read_text())
     startup = 6.0   # about what importing torch and transformers and loading take here
@@ -151,13 +164,13 @@ def crash_and_resume(out: Path, kills: int, seed: int = 0, steps: int = 24,
         at = rng.uniform(0.5, left) if killed < kills else None
         before = set((cut / "checkpoints").glob(".step_*.tmp"))
         in_write = killed < kills and killed % 4 == 3   # every 4th kill aims at a checkpoint write
-        code, _ = _run(command(model, cut, steps), at, cut / "checkpoints" if in_write else None)
+        code, _ = _run(command(model, cut, steps, kind), at, cut / "checkpoints" if in_write else None)
         if code == 0:
             break
         killed += 1
         half_written += bool(set((cut / "checkpoints").glob(".step_*.tmp")) - before)
         truncated += truncate_newest(cut) if truncate else 0
-    return {"kills": killed, "kills_in_checkpoint_writing": half_written,
+    return {"command": kind, "kills": killed, "kills_in_checkpoint_writing": half_written,
             "newest_checkpoint_truncated": truncated, "steps": steps,
             "span_s": round(span, 1), **compare(whole, cut)}
 
@@ -169,7 +182,7 @@ def kill_truncate_resume(out: Path, steps: int = 6, at_checkpoint: int = 3) -> d
     from posttrain.checkpoint import latest_checkpoint
     out.mkdir(parents=True, exist_ok=True)
     model = make_model_folder(out)
-    whole, cut = out / f"whole-{steps}", out / f"cut-{steps}-truncate"
+    whole, cut = out / f"train-whole-{steps}", out / f"train-cut-{steps}-truncate"
     if not (whole / "span.txt").is_file():
         _, span = _run(command(model, whole, steps), None)
         (whole / "span.txt").write_text(str(span))
@@ -196,8 +209,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "crash_resume")
     ap.add_argument("--truncate", action="store_true",
                     help="after each kill, truncate a file of the newest checkpoint")
+    ap.add_argument("--command", choices=COMMANDS, default="train",
+                    help="the command killed and resumed (the stages: `--steps` batches of 4 rows)")
     args = ap.parse_args()
-    result = crash_and_resume(args.out, args.kills, args.seed, args.steps, args.truncate)
+    result = crash_and_resume(args.out, args.kills, args.seed, args.steps, args.truncate,
+                              args.command)
     print(json.dumps(result, indent=2))
     ok = result["weights"] == result["optimizer"] == result["metrics_rows"] == 0
     print("identical to the uninterrupted run" if ok else "DIFFERENT from the uninterrupted run")

@@ -43,7 +43,7 @@ def random_model(src: Path, dst: Path) -> Path:
 
 
 def run(name: str, model_dir: Path, out: Path, *extra: str) -> dict:
-    from posttrain.config import load_config
+    from posttrain.options import load_config
     from posttrain.trainer import train
     overrides = ["--model.path", str(model_dir), "--run_dir", str(out / name), "--steps", "4",
                  "--max_minutes", "null", "--eval_every", "0", "--data.eval_size", "64",

@@ -78,13 +78,13 @@ def preset_args(name: str) -> list[str]:
     the preset's own aggregation back (so a new preset needs no line here)."""
     if name in PRESET_ARGS:
         return PRESET_ARGS[name]
-    from posttrain.config import PRESETS
+    from posttrain.presets import PRESETS
     return ["--preset", name, "--algorithm.aggregation", PRESETS[name].aggregation]
 
 
 def table_presets() -> list[str]:
     """Every preset that runs on the default task alone (OPD needs a teacher: docs/distillation.md)."""
-    from posttrain.config import PRESETS
+    from posttrain.presets import PRESETS
     return [name for name in PRESETS if name != "opd"]
 
 

@@ -19,21 +19,22 @@ import json
 import sys
 import time
 
-from posttrain.config import _merge, build_config, parse_overrides
+from posttrain.options import merge_dicts, build_config, parse_overrides
 from posttrain.perf import tune_malloc
-from posttrain.stages import StageConfig, reward_model
+from posttrain.config import StageConfig
+from posttrain.stages.reward_model import reward_model
 
 COMMON = {"data": {"synthetic": "addition", "eval_size": 200}, "batch_size": 8,
           "model": {"autocast": "bfloat16"}, "run_dir": "runs/reward-model-bench"}
-DEFAULTS = {"score_head": _merge(COMMON, {"data": {"n_pairs": 1600}, "optim": {"lr": 5e-5}}),
+DEFAULTS = {"score_head": merge_dicts(COMMON, {"data": {"n_pairs": 1600}, "optim": {"lr": 5e-5}}),
             # the setting of docs/distillation.md, DPO (the reference pass costs a third)
-            "log_ratio": _merge(COMMON, {"data": {"n_pairs": 1000}, "optim": {"lr": 5e-6}, "beta": 0.1})}
+            "log_ratio": merge_dicts(COMMON, {"data": {"n_pairs": 1000}, "optim": {"lr": 5e-6}, "beta": 0.1})}
 
 if __name__ == "__main__":
     tune_malloc()
     overrides = parse_overrides(sys.argv[1:])
     form = overrides.get("reward_form", "score_head")
-    cfg = build_config(StageConfig, _merge(DEFAULTS.get(form, {}), overrides), "").validate()
+    cfg = build_config(StageConfig, merge_dicts(DEFAULTS.get(form, {}), overrides), "").validate()
     t0 = time.perf_counter()
     out = reward_model(cfg)
     total = (time.perf_counter() - t0) / 60

@@ -36,7 +36,7 @@ WORKLOAD = dict(prompts=8, group=4, max_new_tokens=32, beta=0.04, lr=1e-5, threa
 def run_posttrain(steps: int, autocast: str = "none", attention: str = "auto") -> dict:
     import torch
 
-    from posttrain.config import load_config
+    from posttrain.options import load_config
     from posttrain.trainer import train
 
     torch.set_num_threads(WORKLOAD["threads"])

@@ -15,23 +15,23 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.7.0"
+__version__ = "0.8.0"
 
 # name -> the module that defines it
 _PUBLIC = {
     "train": "posttrain.trainer",
     "evaluate": "posttrain.evaluation",
-    "load_config": "posttrain.config",
-    "recipe_path": "posttrain.config",
+    "load_config": "posttrain.options",
+    "recipe_path": "posttrain.options",
     "TrainConfig": "posttrain.config",
-    "AlgorithmConfig": "posttrain.config",
+    "AlgorithmConfig": "posttrain.presets",
     "ConfigError": "posttrain.config",
-    "PRESETS": "posttrain.config",
-    "StageConfig": "posttrain.stages",
-    "sft": "posttrain.stages",
-    "dpo": "posttrain.stages",
-    "reward_model": "posttrain.stages",
-    "generate": "posttrain.stages",
+    "PRESETS": "posttrain.presets",
+    "StageConfig": "posttrain.config",
+    "sft": "posttrain.stages.sft",
+    "dpo": "posttrain.stages.preference",
+    "reward_model": "posttrain.stages.reward_model",
+    "generate": "posttrain.stages.generate",
     "build_task": "posttrain.data.source",
     "TASKS": "posttrain.data.tasks",
     "ADVANTAGES": "posttrain.advantages",

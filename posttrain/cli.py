@@ -13,8 +13,10 @@ from pathlib import Path
 
 from posttrain import __version__
 from posttrain.errors import FailingSourceError, NonFiniteError
-from posttrain.config import (DEFAULT_RECIPE, PRESETS, ConfigError, StageConfig, TrainConfig,
-                              check_option_names, load_config, load_stage_config, recipe_path)
+from posttrain.config import ConfigError, StageConfig, TrainConfig
+from posttrain.options import (DEFAULT_RECIPE, check_option_names, load_config, load_stage_config,
+                               recipe_path)
+from posttrain.presets import PRESETS
 
 log = logging.getLogger("posttrain")
 
@@ -31,7 +33,7 @@ Options (type, dataclass default; the recipe overrides some):
 
 def _epilog(cls: type, head: str) -> str:
     """`head`, then one line per option with its type, default and description."""
-    from posttrain.config import options_help
+    from posttrain.options import options_help
     lines = [textwrap.fill(line, 100, subsequent_indent="      ") for line in options_help(cls)]
     return head + "\n".join(lines)
 
@@ -173,17 +175,20 @@ def cmd_stage(args: argparse.Namespace, overrides: list[str]) -> int:
     if not cfg.data.train_path and not cfg.data.synthetic:
         raise ConfigError("--data.train_path FILE (JSONL, CSV, Parquet or a datasets folder) or "
                           "--data.synthetic TASK is required")
-    from posttrain.stages import dpo, reward_model, sft   # after the config is valid
+    # after the config is valid: a refused run stays fast
+    from posttrain.stages.preference import dpo
+    from posttrain.stages.reward_model import reward_model
+    from posttrain.stages.sft import sft
 
     stage = {"sft": sft, "dpo": dpo, "reward-model": reward_model}[args.command]
-    out = stage(cfg, resume=resume)
+    out = stage(cfg, show_progress=not args.no_progress, resume=resume)
     if _main_process():
         print(json.dumps(out, indent=2))
     return 0
 
 
 def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
-    from posttrain.stages import generate
+    from posttrain.stages.generate import generate
 
     overrides = [*overrides, "--model.path", args.model_path]
     cfg = load_config(args.config or recipe_path(DEFAULT_RECIPE), overrides)
@@ -216,16 +221,23 @@ def build_parser() -> argparse.ArgumentParser:
     # no prefix abbreviations anywhere: a mistyped option is refused, never read as another one
     _add_parser = sub.add_parser
     sub.add_parser = lambda *a, **kw: _add_parser(*a, allow_abbrev=False, **kw)
+    for add in (_add_train, _add_eval, _add_stages, _add_generate, _add_tools):
+        add(sub)
+    return parser
 
+
+def _add_train(sub) -> None:
     p = sub.add_parser("train", help="policy-gradient training (default: GRPO on addition)",
                        epilog=_epilog(TrainConfig, EPILOG),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, help="YAML config file (default: packaged recipe)")
     p.add_argument("--resume", help="run folder to resume from its latest checkpoint, or 'auto': "
                    "the newest run of this same config (a new run if none)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar; a log line per step")
+    _add_no_progress(p)
     p.set_defaults(fn=cmd_train)
 
+
+def _add_eval(sub) -> None:
     p = sub.add_parser("eval", help="held-out greedy accuracy and pass@k of a model")
     p.add_argument("--model.path", dest="model_path", required=True,
                    help="model folder, or 'smollm2-135m-instruct'")
@@ -235,8 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=1, help="also report pass@k (sampled)")
     p.add_argument("--samples", type=int, default=0, help="samples per problem for pass@k (>= k; "
                    "at --rollout.temperature, default 1)")
+    _add_no_progress(p)
     p.set_defaults(fn=cmd_eval)
 
+
+def _add_stages(sub) -> None:
     for name, what, example in (
             ("sft", "supervised fine-tuning on prompt/response pairs",
              "posttrain sft --data.synthetic subtraction --data.n_pairs 1000 --optim.lr 3e-5"),
@@ -250,8 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", type=Path, help="YAML file of the options below")
         p.add_argument("--resume", help="run folder to resume from its latest checkpoint, or "
                        "'auto': the run_dir if it holds a checkpoint of this same config")
+        _add_no_progress(p)
         p.set_defaults(fn=cmd_stage)
 
+
+def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="write a model's answers to training problems as SFT data",
                        epilog="Any config field can follow as an override, e.g. --data.task "
                        "subtraction --rollout.max_new_tokens 32.")
@@ -265,17 +283,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ground-truth episodes of the environment (e.g. calculator calls) instead "
                    "of the model's: SFT data that teaches a tool format before RL")
     p.add_argument("--config", type=Path, help="task/rollout settings (default: the default recipe)")
+    _add_no_progress(p)
     p.set_defaults(fn=cmd_generate)
 
+
+def _add_tools(sub) -> None:
     p = sub.add_parser("prepare-model", help="convert the embedded SmolLM2 GGUF once into the cache")
     p.add_argument("--model.cache_dir", dest="cache_dir",
                    help="cache folder (default: $POSTTRAIN_CACHE or ~/.cache/posttrain)")
     p.set_defaults(fn=cmd_prepare_model)
-
     p = sub.add_parser("plot", help="(re)draw training_curves.png of a run folder")
     p.add_argument("run_dir")
     p.set_defaults(fn=cmd_plot)
-    return parser
+
+
+def _add_no_progress(p: argparse.ArgumentParser) -> None:
+    """Every command that runs a model takes it the same way."""
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar; log lines instead")
 
 
 def _own_flags(parser: argparse.ArgumentParser, command: str) -> tuple[str, ...]:

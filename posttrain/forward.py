@@ -78,7 +78,7 @@ def response_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_i
     p_ids, p_mask = prompt_ids[::G], prompt_mask[::G]                   # (n, L), left-padded
     if p_ids.shape[1] == 1:   # one-token prompts: a masked column in front keeps three passes
         p_ids, p_mask = torch.cat([p_ids, p_ids], 1), torch.cat([torch.zeros_like(p_mask), p_mask], 1)
-    n, L = p_ids.shape
+    L = p_ids.shape[1]
     lengths = p_mask.sum(-1)
     k = common_prefix_length(p_ids, p_mask)
     # Three passes over one growing KV cache, gradients through all of it: the prefix every
@@ -88,17 +88,7 @@ def response_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_i
     # calls never depends on the data (FSDP2 ranks must make the same calls).
     cache = DynamicCache()
     with _autocast(device_type, autocast):
-        if k:
-            prefix, cut, mask = after_shared_prefix(p_ids, p_mask, k)
-            first = decoder(input_ids=prefix, use_cache=True,
-                            position_ids=torch.arange(k, device=p_ids.device)[None],
-                            **{cache_kwarg(decoder): cache})
-            cache.batch_repeat_interleave(n)
-        else:
-            cut, mask = 1, p_mask
-            first = decoder(input_ids=p_ids[:, :1], attention_mask=p_mask[:, :1],
-                            position_ids=torch.zeros_like(p_mask[:, :1]), use_cache=True,
-                            **{cache_kwarg(decoder): cache})
+        first, cut, mask = _first_pass(decoder, p_ids, p_mask, k, cache)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         prompt_out = decoder(input_ids=p_ids[:, cut:], attention_mask=mask,
                              position_ids=pos[:, mask.shape[1] - (L - cut):], use_cache=True,
@@ -117,6 +107,23 @@ def response_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_i
         row = 0 if k else int(lengths.argmax())
         hidden = hidden + 0.0 * first.last_hidden_state[row, :1, :1].sum()
     return hidden.float() if autocast != "none" else hidden
+
+
+def _first_pass(decoder, p_ids: Tensor, p_mask: Tensor, k: int, cache: DynamicCache):
+    """The first of response_hidden's passes into `cache`: the `k` tokens every prompt shares,
+    once (the cache then repeated for each prompt), or with no shared prefix the first column row
+    by row. Returns its output, where the prompts' own tokens start, and their attention mask."""
+    if k:
+        prefix, cut, mask = after_shared_prefix(p_ids, p_mask, k)
+        first = decoder(input_ids=prefix, use_cache=True,
+                        position_ids=torch.arange(k, device=p_ids.device)[None],
+                        **{cache_kwarg(decoder): cache})
+        cache.batch_repeat_interleave(p_ids.shape[0])
+        return first, cut, mask
+    first = decoder(input_ids=p_ids[:, :1], attention_mask=p_mask[:, :1],
+                    position_ids=torch.zeros_like(p_mask[:, :1]), use_cache=True,
+                    **{cache_kwarg(decoder): cache})
+    return first, 1, p_mask
 
 
 def _full_sequence_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,

@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from posttrain.batch import ScoredBatch
-from posttrain.config import AlgorithmConfig, TrainConfig
+from posttrain.config import TrainConfig
+from posttrain.presets import AlgorithmConfig
 from posttrain.critic import Critic
 from posttrain.distributed import (SINGLE, World, average_gradients, clip_grad_norm,
                                    global_aggregation_weights, global_max)
@@ -367,19 +368,9 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, cfg: TrainCon
     if critic is not None:
         critic.train()
     for rows_mb in minibatch_rows(n_groups, G, cfg, generator, world):
-        # aggregation weights over the whole minibatch, so micro-batches sum to its loss
-        # (several ranks: normalised over the global minibatch, see global_aggregation_weights)
-        weights = global_aggregation_weights(AGGREGATIONS[algo.aggregation], mask[rows_mb],
-                                             response_budget(cfg, batch), world)
-        value_weights = (global_aggregation_weights(AGGREGATIONS["token_mean"], mask[rows_mb], 1.0,
-                                                    world) if critic is not None else None)
-        kept = signal[rows_mb].nonzero().squeeze(-1)
+        weights, value_weights, kept, micros = minibatch_plan(batch, rows_mb, signal, cfg, algo,
+                                                              critic is not None, world)
         n_skipped += len(rows_mb) - len(kept)
-        micros: list[Tensor | None] = list(group_chunks(len(kept), G, cfg.optim.micro_batch_size))
-        if world.strategy == "fsdp" and world.distributed and n_groups:
-            # ranks may hold different shares of a minibatch, but FSDP's forward and backward
-            # are collectives: pad with zero-weight passes over this rank's first group
-            micros += [None] * (int(global_max(len(micros), world)) - len(micros))
         for micro in micros:
             padding = micro is None   # the same collectives, no gradient and no metrics
             rows = torch.arange(G) if padding else rows_mb[kept[micro]]
@@ -413,6 +404,27 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, cfg: TrainCon
         out["optim/steps"], out["optim/nonfinite_steps"] = n_updates, n_updates - n_steps
         out["policy/grad_norm"] = out.get("policy/grad_norm", 0.0) * n_updates / max(n_steps, 1)
     return out
+
+
+def minibatch_plan(batch: ScoredBatch, rows_mb: Tensor, signal: Tensor, cfg: TrainConfig,
+                   algo: AlgorithmConfig, with_critic: bool, world: World
+                   ) -> tuple[Tensor, Tensor | None, Tensor, list[Tensor | None]]:
+    """A minibatch's aggregation weights (over the whole minibatch, so its micro-batches sum to
+    its loss; several ranks: normalised over the global minibatch, see
+    global_aggregation_weights), the value loss's token-mean weights, the rows with a signal, and
+    the micro-batches of whole groups over them."""
+    mask, G = batch.loss_mask_B_T[rows_mb], batch.rollout.group_size
+    weights = global_aggregation_weights(AGGREGATIONS[algo.aggregation], mask,
+                                         response_budget(cfg, batch), world)
+    value_weights = (global_aggregation_weights(AGGREGATIONS["token_mean"], mask, 1.0, world)
+                     if with_critic else None)
+    kept = signal[rows_mb].nonzero().squeeze(-1)
+    micros: list[Tensor | None] = list(group_chunks(len(kept), G, cfg.optim.micro_batch_size))
+    if world.strategy == "fsdp" and world.distributed and len(batch.rewards_B) // G:
+        # ranks may hold different shares of a minibatch, but FSDP's forward and backward
+        # are collectives: pad with zero-weight passes over this rank's first group
+        micros += [None] * (int(global_max(len(micros), world)) - len(micros))
+    return weights, value_weights, kept, micros
 
 
 def check_update_inputs(batch: ScoredBatch, critic: Critic | None) -> None:

@@ -23,6 +23,24 @@ def tokenizer(embedded_dir):
     return load_tokenizer(embedded_dir)
 
 
+def init_weights(model: torch.nn.Module, seed: int, std: float) -> torch.nn.Module:
+    """Every weight drawn here, in the parameters' name order, from one seeded generator: norms
+    1, everything else N(0, std). The tiny models' weights then depend on the seed alone, not on
+    the order in which a transformers release's own initialisation visits the modules (a change
+    of that order once moved every tiny model the tests use)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):   # tied weights appear once
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+        for module in model.modules():   # the padding token's embedding row is 0, as transformers has it
+            if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
+                module.weight[module.padding_idx].zero_()
+    return model
+
+
 def make_tiny_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 32,
                     init_range: float = 0.02):
     torch.manual_seed(seed)
@@ -31,8 +49,9 @@ def make_tiny_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 32,
                       max_position_embeddings=256, tie_word_embeddings=True,
                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                       pad_token_id=tokenizer.pad_token_id, initializer_range=init_range)
-    model = LlamaForCausalLM(cfg)
+    model = init_weights(LlamaForCausalLM(cfg), seed, init_range)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(seed)   # what a test draws next does not depend on transformers' own draws
     return model
 
 
@@ -45,7 +64,9 @@ def make_tiny_reward_model(tokenizer, tied: bool = False):
                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                       max_position_embeddings=256, num_labels=1, pad_token_id=tokenizer.pad_token_id,
                       tie_word_embeddings=tied)
-    return AutoModelForSequenceClassification.from_config(cfg)
+    model = init_weights(AutoModelForSequenceClassification.from_config(cfg), 0, 0.02)
+    torch.manual_seed(0)
+    return model
 
 
 @pytest.fixture

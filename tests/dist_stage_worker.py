@@ -12,7 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from posttrain.models import load_tokenizer  # noqa: E402
-from posttrain.stages import dpo, reward_model, sft  # noqa: E402
+from posttrain.stages.preference import dpo  # noqa: E402
+from posttrain.stages.reward_model import reward_model  # noqa: E402
+from posttrain.stages.sft import sft  # noqa: E402
 from tests.conftest import make_tiny_model, make_tiny_reward_model, stage_config  # noqa: E402
 
 if __name__ == "__main__":

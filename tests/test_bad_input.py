@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from posttrain.cli import main
-from posttrain.config import StageConfig, TrainConfig, _hint_path, option_names
+from posttrain.config import StageConfig, TrainConfig
+from posttrain.options import hint_path, option_names
 
 _BOOL_WORDS = {"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"}
 _MODEL_FREE = {"model.path", "teacher.path", "critic.path", "reward.model"}   # (checked on disk)
@@ -23,7 +24,7 @@ def _typed_options(cls: type) -> list[tuple[str, typing.Any]]:
     """(option, hint) of every int / float / bool / choice field: the ones with a type to get wrong."""
     out = []
     for name in option_names(cls):
-        hint = _hint_path(cls, name)
+        hint = hint_path(cls, name)
         args = typing.get_args(hint)
         inner = [a for a in args if a is not type(None)] or [hint]
         base = inner[0] if len(inner) == 1 else None

@@ -23,7 +23,8 @@ def test_help_lists_presets_and_fields(capsys):
 def test_every_option_of_every_command_has_a_description(capsys):
     """--help of each command lists each config field with its type, default and description
     (read from the comments beside the dataclass field)."""
-    from posttrain.config import StageConfig, TrainConfig, option_names, options_help
+    from posttrain.config import StageConfig, TrainConfig
+    from posttrain.options import option_names, options_help
     for cls in (TrainConfig, StageConfig):
         lines = options_help(cls)
         assert len(lines) == len(option_names(cls))
@@ -38,9 +39,9 @@ def test_every_option_of_every_command_has_a_description(capsys):
 
 
 def test_stage_commands_read_a_yaml_config_and_the_command_line_wins(tmp_path, monkeypatch):
-    import posttrain.stages
+    import posttrain.stages.sft
     seen = {}
-    monkeypatch.setattr(posttrain.stages, "sft", lambda cfg, resume=None: seen.update(cfg=cfg, resume=resume) or {})
+    monkeypatch.setattr(posttrain.stages.sft, "sft", lambda cfg, resume=None, **kw: seen.update(cfg=cfg, resume=resume, **kw) or {})
     f = tmp_path / "sft.yaml"
     f.write_text("data:\n  synthetic: subtraction\noptim:\n  lr: 3.0e-5\nbatch_size: 4\n")
     assert main(["sft", "--config", str(f), "--batch_size", "16"]) == 0
@@ -127,7 +128,8 @@ def _command_options() -> dict[str, set[str]]:
     the config fields it takes as overrides."""
     import argparse
     from posttrain.cli import build_parser
-    from posttrain.config import StageConfig, TrainConfig, option_names
+    from posttrain.config import StageConfig, TrainConfig
+    from posttrain.options import option_names
     subs = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     config_of = {"train": TrainConfig, "eval": TrainConfig, "generate": TrainConfig,
                  "sft": StageConfig, "dpo": StageConfig, "reward-model": StageConfig}
@@ -159,11 +161,36 @@ def test_every_command_spells_an_option_the_same_way():
     shared = ["config", "resume", "model.path", "model.autocast", "model.attention", "optim.lr",
               "optim.schedule", "optim.warmup_steps", "optim.beta2", "parallel.strategy",
               "data.system_prompt", "data.eval_size", "data.prompt_field", "seed", "run_dir",
-              "checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.keep"]
+              "checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.keep",
+              "no_progress", "threads", "max_minutes"]
     for cmd in ("train", "sft", "dpo", "reward-model"):
         assert not [o for o in shared if o not in opts[cmd]], cmd
-    for cmd in ("eval", "generate"):
-        assert "model.path" in opts[cmd] and "config" in opts[cmd]
+    for cmd in ("eval", "generate"):   # (they take TrainConfig's fields: its seed, threads, ...)
+        assert not [o for o in ("model.path", "config", "seed", "threads", "no_progress")
+                    if o not in opts[cmd]], cmd
+
+
+def test_max_minutes_ends_a_stage_early_and_it_finishes_as_at_the_end(tmp_path, tokenizer,
+                                                                      monkeypatch):
+    """A stage past --max_minutes stops before its next step, checkpoints, and still writes its
+    held-out figures, final model and summary; a longer budget continues from that checkpoint."""
+    import json
+
+    import posttrain.stages.common as common
+    from posttrain.stages.sft import sft
+    from tests.conftest import make_tiny_model, stage_config
+
+    clock = iter(float(i) for i in range(1000))   # each step reads it twice: 1 s a step
+    monkeypatch.setattr(common, "_clock", lambda: next(clock))
+    run = tmp_path / "run"
+    fields = dict(synthetic="addition", n_pairs=24, eval_size=2, batch_size=8, epochs=2)
+    out = sft(stage_config(run_dir=str(run), max_minutes=2.5 / 60, **fields),
+              model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    assert out["steps"] == 3 and (run / "final_model").is_dir()   # 1 s a step: 3 s >= 2.5 s
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000003"]
+    assert "behaviour_after" in json.loads((run / "summary.json").read_text())
+    out = sft(stage_config(run_dir=str(run), **fields), show_progress=False, resume=run)
+    assert out["steps"] == 6
 
 
 def test_the_walk_catches_a_flat_name():

@@ -2,7 +2,9 @@
 
 import pytest
 
-from posttrain.config import PRESETS, ConfigError, load_config, parse_overrides
+from posttrain.config import ConfigError
+from posttrain.options import load_config, parse_overrides
+from posttrain.presets import PRESETS
 
 
 def test_presets_are_configurations_of_the_parts():
@@ -66,7 +68,7 @@ def test_invalid_configs_name_the_field(overrides, msg):
                                               ("max_grad_norm", "0", "optim.max_grad_norm=0.0 must be > 0")])
 def test_train_and_the_stages_check_the_optimizer_alike(option, value, msg):
     """One OptimConfig.validate for every command: the same value is refused with the same line."""
-    from posttrain.config import load_stage_config
+    from posttrain.options import load_stage_config
     with pytest.raises(ConfigError, match=msg):
         load_config(None, [f"--optim.{option}", value])
     with pytest.raises(ConfigError, match=msg):
@@ -102,7 +104,7 @@ def test_preset_table_runs_each_preset_as_defined():
     from dataclasses import replace
     from pathlib import Path
 
-    from posttrain.config import DEFAULT_RECIPE, recipe_path
+    from posttrain.options import DEFAULT_RECIPE, recipe_path
 
     root = Path(__file__).resolve().parent.parent
     spec = importlib.util.spec_from_file_location("learning", root / "benchmarks" / "learning.py")

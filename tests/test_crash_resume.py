@@ -17,3 +17,12 @@ def test_three_sigkills_and_resumes_end_like_an_uninterrupted_run(tmp_path):
     assert result["kills"] >= 1, result
     assert result["weights"] == 0 and result["optimizer"] == 0 and result["metrics_rows"] == 0, result
     assert result["n_weights"] > 0 and result["n_optimizer"] > 0 and result["n_rows"] >= 6
+
+
+@pytest.mark.slow   # (~40 s each)
+@pytest.mark.parametrize("kind", ["sft", "dpo", "reward-model"])
+def test_the_offline_stages_survive_sigkills_bit_for_bit(tmp_path, kind):
+    result = crash_and_resume(tmp_path, kills=2, seed=1, steps=6, kind=kind)
+    assert result["kills"] >= 1, result
+    assert result["weights"] == 0 and result["optimizer"] == 0 and result["metrics_rows"] == 0, result
+    assert result["n_weights"] > 0 and result["n_optimizer"] > 0 and result["n_rows"] >= 6

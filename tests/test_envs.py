@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from posttrain.batch import ScoredBatch
-from posttrain.config import ConfigError, EnvConfig, load_config
+from posttrain.config import ConfigError, EnvConfig
+from posttrain.options import load_config
 from posttrain.data.source import build_task
 from posttrain.data.tasks import Problem, make_task
 from posttrain.envs import GuessNumber, Reply, SingleTurn, ToolEnv, for_tokenizer, make_env
@@ -294,11 +295,11 @@ class Scripted:
 
 
 def test_broken_tools_never_stop_a_run_and_are_counted(tmp_path, tokenizer, monkeypatch):
-    import posttrain.trainer as trainer
+    import posttrain.train_run as train_run
     model = make_tiny_model(tokenizer)
     turns = ["<tool_raises>a</tool_raises><tool_hangs>b</tool_hangs><tool_garbage>c</tool_garbage>"
              "<calculator>2+</calculator>", "12 + 10 = 22"]
-    monkeypatch.setattr(trainer, "make_engine", lambda *a, **k: Scripted(model, tokenizer, turns))
+    monkeypatch.setattr(train_run, "make_engine", lambda *a, **k: Scripted(model, tokenizer, turns))
     cfg = load_config(None, [*TINY, "--run_dir", str(tmp_path / "run"), "--steps", "2",
                              "--data.eval_size", "0", "--env.tool_timeout_s", "0.3", "--env.tools",
                              "tests.toy_rewards:tool_raises,tests.toy_rewards:tool_hangs,"
@@ -388,7 +389,9 @@ def test_chat_template_kwargs_reach_the_template(tokenizer):
 def test_demonstrations_hold_calls_results_and_masks_and_sft_trains_on_policy_tokens(tmp_path, tokenizer):
     from posttrain.forward import pack
     from posttrain.losses import sft_loss
-    from posttrain.stages import demonstration_rows, sft, write_jsonl
+    from posttrain.stages.common import write_jsonl
+    from posttrain.stages.generate import demonstration_rows
+    from posttrain.stages.sft import sft
     from tests.conftest import stage_config
 
     cfg = load_config(None, ["--data.task", "multiplication", "--env.tools", "calculator",
@@ -412,11 +415,13 @@ def test_demonstrations_hold_calls_results_and_masks_and_sft_trains_on_policy_to
     out = sft(stage_config(data=str(tmp_path / "demos.jsonl"), lr=1e-3, epochs=1, batch_size=2,
                            run_dir=str(tmp_path / "run"), system_prompt=None),
               model=model, tokenizer=tokenizer, show_progress=False)
-    assert out["first_loss"] == pytest.approx(hand, rel=1e-5) and hand != pytest.approx(everything, rel=0.02)
+    # the stage's loss is the policy tokens' own (to 1e-5), measurably not every token's (the two
+    # differ by over 1%, 100x the match's tolerance)
+    assert out["first_loss"] == pytest.approx(hand, rel=1e-5) and hand != pytest.approx(everything, rel=1e-3)
 
 
 def test_generate_records_whole_episodes_with_their_masks(tmp_path, tokenizer):
-    from posttrain.stages import generate
+    from posttrain.stages.generate import generate
     cfg = load_config(None, ["--data.task", "guess_number", "--data.difficulty", "4", "--env.max_turns",
                              "3", "--rollout.max_new_tokens", "3", "--data.system_prompt", "null",
                              "--eval_batch_size", "4"])
@@ -466,5 +471,5 @@ def test_every_preset_trains_on_multi_turn_episodes(tmp_path, tokenizer, preset)
     summary = train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False,
                     teacher=teacher)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert summary["steps"] == 2 and all(r["env/turns"] >= 1.0 for r in rows)
+    assert summary["steps"] == 2 and all(1.0 <= r["env/turns"] <= 2.0 for r in rows)
     assert all(math.isfinite(r["policy/grad_norm"]) for r in rows if "policy/grad_norm" in r)

@@ -4,7 +4,7 @@ group's rest of the prompt once, then the responses; the result must be the plai
 import pytest
 import torch
 
-from posttrain.config import load_config
+from posttrain.options import load_config
 from posttrain.forward import response_logits
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.data.source import build_task

@@ -18,19 +18,21 @@ PACKAGE = ROOT / "posttrain"
 # The pipeline, lowest layer first. A module may import from its own layer and the ones below,
 # never from a layer above (and never in a cycle, even within a layer).
 LAYERS = [
-    ["registry", "perf", "data.tasks", "recipes", "errors", "envs.sandbox", "health",
+    ["registry", "perf", "data.tasks", "recipes", "errors", "checks", "envs.sandbox", "health",
      "usercode"],                                                            # plain Python
     ["losses", "advantages", "data", "data.files", "data.preferences", "data.gym", "rollout.base",
      "envs.base"],                                                           # math, data
-    ["config"],                                                              # typed configs
+    ["presets", "config", "options"],                                        # typed configs
     ["data.source", "prompts", "models", "distributed", "memory", "logging", "checkpoint",
      "rewards.pool", "rewards.verifiers", "run", "lifecycle",
      "envs.tools", "envs.builtin", "envs"],                                 # machinery
     ["rollout", "rollout.hf", "rollout.vllm", "rollout.episodes", "forward",
-     "batch"],                                                               # sampling, forward
-    ["rewards", "rewards.model", "teachers", "critic", "evaluation"],        # scores, teachers
+     "batch", "step_metrics"],                                               # sampling, forward
+    ["rewards", "rewards.model", "teachers", "critic", "evaluation", "collect"],  # scores, teachers
     ["update"],                                                              # the policy update
-    ["trainer", "stages"],                                                   # the loops
+    ["stages", "stages.common", "train_run"],                                # one run's lifecycle
+    ["trainer", "stages.sft", "stages.preference", "stages.generate"],       # the loops
+    ["stages.reward_model"],                                                 # (reads preference's)
     ["cli", ""],                                                             # entry points
 ]
 
@@ -120,31 +122,27 @@ def test_modules_import_downward_only_and_never_in_a_cycle():
 
 
 def test_the_checks_catch_a_planted_cycle():
-    """Not vacuous: a function-level `from posttrain.stages import pack` in rewards/model.py
-    (the cycle trainer -> rewards -> rewards.model -> stages -> trainer that once existed)."""
+    """Not vacuous: a function-level `from posttrain.stages.sft import ...` in rewards/model.py is
+    an upward import, and closes the cycle rewards -> rewards.model -> stages.sft -> rewards."""
     edges = import_graph()
-    edges["rewards.model"].add("stages")
-    assert upward_imports(edges) == ["rewards.model (layer 5) imports stages (layer 7)"]
-    assert ["rewards", "rewards.model", "stages", "rewards"] in cycles(edges)
+    edges["rewards.model"] |= targets_of("rewards.model", ["posttrain.stages.sft"], _modules())
+    assert upward_imports(edges) == ["rewards.model (layer 5) imports stages (layer 7)",
+                                     "rewards.model (layer 5) imports stages.sft (layer 8)"]
+    assert any({"rewards.model", "stages.sft"} <= set(c) for c in cycles(edges))
 
 
-# Functions that are longer than a reader can follow, with their length today: the list may only
-# shrink (split them; issue "one pipeline you can read"), and no new function may join it.
-TOO_LONG_TODAY: dict[str, int] = {}
+def function_lengths() -> dict[str, int]:
+    """Every function's length in lines, by 'module path::name'."""
+    return {f"{f.relative_to(PACKAGE)}::{node.name}": node.end_lineno - node.lineno + 1
+            for f in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(f.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 
-def test_no_function_grows_past_80_lines():
-    long = {}
-    for f in PACKAGE.rglob("*.py"):
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                n = node.end_lineno - node.lineno + 1
-                if n > 80:
-                    long[f"{f.relative_to(PACKAGE)}::{node.name}"] = n
-    new = {k: v for k, v in long.items() if k not in TOO_LONG_TODAY}
-    assert not new, f"functions over 80 lines: {new}"
-    grown = {k: (v, TOO_LONG_TODAY[k]) for k, v in long.items() if v > TOO_LONG_TODAY[k]}
-    assert not grown, f"grew (now, allowed): {grown}"
+def test_no_function_grows_past_60_lines():
+    lengths = function_lengths()
+    assert max(lengths.values()) > 40   # the walk sees the package's functions
+    long = {k: v for k, v in lengths.items() if v > 60}
+    assert not long, f"functions over 60 lines (split them where they hold two ideas): {long}"
 
 
 def test_a_real_package_with_one_version_and_a_public_api():
@@ -154,7 +152,7 @@ def test_a_real_package_with_one_version_and_a_public_api():
     out = subprocess.run([sys.executable, "-m", "posttrain.cli", "--version"], capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == f"posttrain {posttrain.__version__}"
-    from posttrain.config import load_config
+    from posttrain.options import load_config
     from posttrain.trainer import train
     assert posttrain.train is train and posttrain.load_config is load_config
     assert "group" in posttrain.ADVANTAGES and "k3" in posttrain.KL_ESTIMATORS

@@ -11,10 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 import posttrain.lifecycle as lifecycle_mod
-import posttrain.stages as stages
+from posttrain.stages.common import Stage
+from posttrain.stages.sft import sft
 import posttrain.trainer as trainer
 from posttrain.cli import main
-from posttrain.config import load_config
+from posttrain.options import load_config
 from posttrain.lifecycle import Lifecycle, find_run_to_resume
 from posttrain.trainer import train
 from tests.conftest import make_tiny_model, stage_config
@@ -172,9 +173,9 @@ def trainer_recipe():
 def test_a_stage_stopped_by_a_signal_resumes_to_the_same_weights(tmp_path, tokenizer, monkeypatch):
     fields = dict(synthetic="addition", n_pairs=24, eval_size=2, lr=3e-3, batch_size=8, epochs=2,
                   system_prompt="Be brief.")
-    stages.sft(stage_config(run_dir=str(tmp_path / "whole"), **fields), model=make_tiny_model(tokenizer),
+    sft(stage_config(run_dir=str(tmp_path / "whole"), **fields), model=make_tiny_model(tokenizer),
                tokenizer=tokenizer, show_progress=False)
-    calls, real = [0], stages._step
+    calls, real = [0], Stage.optimizer_step
 
     def step_then_signal(st, loss):
         calls[0] += 1
@@ -182,14 +183,14 @@ def test_a_stage_stopped_by_a_signal_resumes_to_the_same_weights(tmp_path, token
         if calls[0] == 3:
             os.kill(os.getpid(), signal.SIGTERM)
         return lr
-    monkeypatch.setattr(stages, "_step", step_then_signal)
+    monkeypatch.setattr(Stage, "optimizer_step", step_then_signal)
     cut = tmp_path / "cut"
-    out = stages.sft(stage_config(run_dir=str(cut), **fields), model=make_tiny_model(tokenizer),
+    out = sft(stage_config(run_dir=str(cut), **fields), model=make_tiny_model(tokenizer),
                      tokenizer=tokenizer, show_progress=False)
     assert out["stopped_by"] == "SIGTERM" and out["resume"] == f"posttrain sft --resume {cut}"
     assert (cut / "checkpoints" / "step_000003").is_dir()
     monkeypatch.undo()
-    stages.sft(stage_config(run_dir=str(cut), **fields), model=make_tiny_model(tokenizer),
+    sft(stage_config(run_dir=str(cut), **fields), model=make_tiny_model(tokenizer),
                tokenizer=tokenizer, show_progress=False, resume=cut)
     a, b = _weights(tmp_path / "whole"), _weights(cut)
     assert all(torch.equal(a[k], b[k]) for k in a)

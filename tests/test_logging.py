@@ -27,5 +27,10 @@ def test_tensorboard_events_when_installed(tmp_path):
     pytest.importorskip("tensorboard")
     logger = MetricsLogger(tmp_path, tensorboard=True)
     logger.log(1, {"reward/mean": 0.5})
+    logger.log(2, {"reward/mean": 0.75, "loss/policy": -1.5})
     logger.close()
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    read = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert read == {"reward/mean": [(1, 0.5), (2, 0.75)], "loss/policy": [(2, -1.5)]}

@@ -37,3 +37,23 @@ def test_local_folder_roundtrip_and_clear_errors(tmp_path, tiny_model, tokenizer
         torch.testing.assert_close(a, b)
     with pytest.raises(FileNotFoundError, match="never downloaded"):
         resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_tiny_models_depend_on_their_seed_alone(tokenizer, monkeypatch):
+    """The tests' tiny models draw their own weights (conftest.init_weights): the same seed gives
+    the same weights whatever transformers' own initialisation does, and another seed others."""
+    from transformers import PreTrainedModel
+
+    from tests.conftest import make_tiny_model
+
+    def another_release(self, module):   # other draws in another order: what an update may do
+        for param in reversed(list(module.parameters(recurse=False))):
+            param.data.uniform_(-0.5, 0.5)
+
+    first = make_tiny_model(tokenizer, seed=3).state_dict()
+    monkeypatch.setattr(PreTrainedModel, "_init_weights", another_release)
+    again = make_tiny_model(tokenizer, seed=3).state_dict()
+    assert first.keys() == again.keys()
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    other = make_tiny_model(tokenizer, seed=4).state_dict()
+    assert not torch.equal(first["model.embed_tokens.weight"], other["model.embed_tokens.weight"])

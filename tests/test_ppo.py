@@ -8,10 +8,13 @@ import torch
 from transformers import AutoModelForTokenClassification
 
 from posttrain.advantages import ADVANTAGES, AdvantageInputs, AdvantageParams
-from posttrain.config import CriticConfig, load_config
+from posttrain.config import CriticConfig
+from posttrain.options import load_config
 from posttrain.critic import Critic
 from posttrain.rollout import Rollout, SamplingParams, make_engine
-from posttrain.trainer import ScoredBatch, critic_metrics, ppo_token_rewards, read_floats, train
+from posttrain.batch import ScoredBatch
+from posttrain.step_metrics import critic_metrics, read_floats
+from posttrain.trainer import ppo_token_rewards, train
 from posttrain.data.source import build_task
 from posttrain.prompts import encode_prompts
 from tests.conftest import make_tiny_model
@@ -67,7 +70,7 @@ def test_one_critic_update_lowers_the_value_loss_on_fixed_returns(tmp_path, toke
 
     from posttrain.data.source import Sampler
     from posttrain.rewards import Scorer
-    from posttrain.trainer import generate_and_score
+    from posttrain.collect import generate_and_score
     from posttrain.update import update_policy
     cfg = toy_config(tmp_path, "--preset", "ppo", "--steps", "1", "--algorithm.kl_coef", "0",
                      "--critic.shared_backbone", shared, "--critic.lr", "1e-3")
@@ -88,23 +91,26 @@ def test_one_critic_update_lowers_the_value_loss_on_fixed_returns(tmp_path, toke
 
 
 @pytest.mark.slow   # end to end on a tiny model; the test above is the deterministic check
-@pytest.mark.parametrize("shared,seed", [("false", "1"), ("true", "0")])
-def test_ppo_learns_a_toy_reward_and_its_value_loss_falls(tmp_path, tokenizer, shared, seed):
-    # (at lr 3e-2 this 40-step toy run is chaotic, and which seeds learn moves with the installed
-    # packages' numerics. With transformers 5.24 the shared head's run reaches a reward of 1.00
-    # on seed 0 (value loss down to 0.04x) and 0.88 on seed 3 but stalls on seeds 1 and 2 (0.42,
-    # 0.51); the separate critic stalls on seed 0 (0.39) and learns on seed 1)
-    cfg = toy_config(tmp_path, "--preset", "ppo", "--steps", "40", "--optim.lr", "3e-2",
-                     "--critic.lr", "3e-2" if shared == "false" else "1e-2", "--seed", seed,
-                     "--algorithm.kl_coef", "0.01", "--critic.shared_backbone", shared)
-    summary = train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    reward = [r["reward/mean"] for r in rows]
-    vloss = [r["loss/value"] for r in rows]
-    assert sum(reward[-5:]) / 5 > sum(reward[:5]) / 5 + 0.25, reward
-    assert sum(vloss[-5:]) / 5 < 0.5 * sum(vloss[:5]) / 5, vloss
-    assert all("critic/explained_variance" in r and "policy/kl_ref" in r for r in rows)
-    assert summary["value_model"].endswith("final_model" if shared == "true" else "final_value_model")
+@pytest.mark.parametrize("shared", ["false", "true"])
+def test_ppo_learns_a_toy_reward_and_its_value_loss_falls(tmp_path, tokenizer, shared):
+    """40 steps at a high lr on a tiny random model are chaotic, and one seed may stall: the
+    reward gain and the value loss's fall are averaged over seeds 0, 1 and 2, none of them picked."""
+    gains, falls = [], []
+    for seed in (0, 1, 2):
+        run = tmp_path / f"s{seed}"
+        cfg = toy_config(run, "--preset", "ppo", "--steps", "40", "--optim.lr", "3e-2",
+                         "--critic.lr", "3e-2" if shared == "false" else "1e-2", "--seed", str(seed),
+                         "--algorithm.kl_coef", "0.01", "--critic.shared_backbone", shared)
+        summary = train(cfg, model=make_tiny_model(tokenizer, seed=seed), tokenizer=tokenizer,
+                        show_progress=False)
+        rows = [json.loads(line) for line in open(run / "run" / "metrics.jsonl")]
+        reward = [r["reward/mean"] for r in rows]
+        vloss = [r["loss/value"] for r in rows]
+        gains.append(sum(reward[-5:]) / 5 - sum(reward[:5]) / 5)
+        falls.append(sum(vloss[-5:]) / sum(vloss[:5]))
+        assert all("critic/explained_variance" in r and "policy/kl_ref" in r for r in rows)
+        assert summary["value_model"].endswith("final_model" if shared == "true" else "final_value_model")
+    assert sum(gains) / 3 > 0.25 and sum(falls) / 3 < 0.5, (gains, falls)
 
 
 def test_critic_warmup_trains_only_the_value_model(tmp_path, tokenizer):

@@ -180,10 +180,10 @@ class HostileWriter:
 
 def test_a_training_run_scores_hostile_answers_and_rewards_and_finishes(tmp_path, tokenizer, monkeypatch):
     pytest.importorskip("reasoning_gym")
-    import posttrain.trainer as trainer
+    import posttrain.train_run as train_run
     marker = tmp_path / "PWNED"
     model = make_tiny_model(tokenizer)
-    monkeypatch.setattr(trainer, "make_engine",
+    monkeypatch.setattr(train_run, "make_engine",
                         lambda *a, **k: HostileWriter(model, tokenizer, hostile_answers(marker)[:4]))
     cfg = load_config(None, [*TINY, "--run_dir", str(tmp_path / "run"), "--steps", "2",
                              "--data.task", "reasoning_gym:spiral_matrix", "--data.train_size", "8",
@@ -250,9 +250,9 @@ def test_a_chat_template_that_raises_is_reported(tokenizer):
     ("calculator", "<calculator>2+</calculator>", False)])                     # the model's bad input
 def test_a_broken_tool_stops_the_run_and_bad_arguments_do_not(tmp_path, tokenizer, monkeypatch,
                                                               tool, text, stops):
-    import posttrain.trainer as trainer
+    import posttrain.train_run as train_run
     model = make_tiny_model(tokenizer)
-    monkeypatch.setattr(trainer, "make_engine", lambda *a, **k: HostileWriter(model, tokenizer, [text]))
+    monkeypatch.setattr(train_run, "make_engine", lambda *a, **k: HostileWriter(model, tokenizer, [text]))
     cfg = load_config(None, [*TINY, "--run_dir", str(tmp_path / "run"), "--steps", "4",
                              "--env.tools", tool, "--env.max_turns", "2"])
     if stops:

@@ -8,12 +8,12 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from posttrain.cli import main
-from posttrain.config import load_config
+from posttrain.options import load_config
 from posttrain.data.preferences import synthetic_preferences
 from posttrain.data.tasks import make_task
 from posttrain.rewards.model import RewardModel
 from posttrain.rewards.verifiers import final_answer
-from posttrain.stages import reward_model
+from posttrain.stages.reward_model import reward_model
 from posttrain.trainer import train
 from tests.conftest import make_tiny_model, make_tiny_reward_model as tiny_reward_model, stage_config
 from tests.test_trainer import toy_config

@@ -146,7 +146,7 @@ def test_bad_function_specs_are_named(spec, msg):
 def test_one_training_run_survives_every_kind_of_reward_failure(tmp_path, tokenizer):
     """Raise, hang after calling math-verify, NaN, a segfault and os._exit, all in the same run:
     it finishes, and every failure is counted by its kind, on every step."""
-    from posttrain.config import load_config
+    from posttrain.options import load_config
     from posttrain.trainer import train
     from tests.conftest import make_tiny_model
     bad = ",".join(f"tests.toy_rewards:{f}" for f in ("raises", "verify_then_hang", "not_a_number",

@@ -126,19 +126,12 @@ def _accept(server):
 
 def test_a_fork_bomb_is_bounded_and_leaves_nothing(bwrap):
     t0 = time.monotonic()
-    out = tool("import os, time\nwhile True:\n    try: os.fork()\n    except OSError: time.sleep(0.01)",
-               bwrap, timeout_s=2.0, max_procs=16)
+    # every forked copy carries the code, marker included, on its command line (python -c CODE)
+    out = tool("import os, time  # forkbomb-5e1d\nwhile True:\n    try: os.fork()\n"
+               "    except OSError: time.sleep(0.01)", bwrap, timeout_s=2.0, max_procs=16)
     assert time.monotonic() - t0 < 5 and "timed out" in out
     time.sleep(0.2)
-    nobody = [p for p in Path("/proc").glob("[0-9]*") if _uid(p) == 65534]
-    assert not nobody or os.geteuid() != 0
-
-
-def _uid(p: Path) -> int:
-    try:
-        return int(re.search(r"Uid:\s+(\d+)", (p / "status").read_text()).group(1))
-    except (OSError, AttributeError):
-        return -1
+    assert not sleeping("forkbomb-5e1d")
 
 
 def test_setsid_cannot_outlive_the_call(bwrap):
@@ -155,9 +148,12 @@ def test_signals_to_the_trainer_reach_nothing(bwrap):
             f"lambda: os.killpg(os.getpgid({pid}), signal.SIGKILL), lambda: os.kill(os.getppid(), "
             f"signal.SIGSTOP), lambda: os.kill(-1, signal.SIGKILL)):\n"
             f"    try: f()\n    except OSError as e: print(type(e).__name__)")
-    tool(code, bwrap)
-    state = re.search(r"State:\s+(\w)", Path("/proc/self/status").read_text()).group(1)
-    assert state in "RS"                              # still running, not stopped
+    out = tool(code, bwrap)
+    # (a stopped or killed trainer would never get here;) all four attempts failed: the trainer's
+    # pid and process group do not exist in the sandbox's pid namespace, its parent (bubblewrap)
+    # refuses the signal, and kill(-1) finds nothing else to signal
+    assert out.split() == ["ProcessLookupError", "ProcessLookupError", "PermissionError",
+                           "ProcessLookupError"], out
 
 
 def test_the_sandbox_tmp_is_bounded(bwrap):
@@ -278,7 +274,7 @@ def test_a_training_run_whose_policy_writes_hostile_python_finishes(bwrap, secre
     left, and the transcripts hold none of the secrets."""
     import json
 
-    import posttrain.trainer as trainer
+    import posttrain.train_run as train_run
     from posttrain import load_config, train
     from tests.conftest import make_tiny_model
     from tests.test_redteam import TINY, HostileWriter
@@ -292,7 +288,7 @@ def test_a_training_run_whose_policy_writes_hostile_python_finishes(bwrap, secre
     texts = [f"<python>{p}</python>" for p in
              hostile_programs(os.getpid(), run, outside, server.getsockname()[1])]
     model = make_tiny_model(tokenizer)
-    monkeypatch.setattr(trainer, "make_engine", lambda *a, **k: HostileWriter(model, tokenizer, texts))
+    monkeypatch.setattr(train_run, "make_engine", lambda *a, **k: HostileWriter(model, tokenizer, texts))
     cfg = load_config(None, [*TINY, "--run_dir", str(run), "--steps", "2", "--rollout.prompts_per_step",
                              "3", "--log_samples", "12", "--env.tools", "python", "--env.max_turns",
                              "2", "--env.tool_timeout_s", "2", "--env.sandbox", "bwrap",

@@ -9,16 +9,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import posttrain.stages as stages
+from posttrain.stages.common import Stage, write_jsonl
+from posttrain.stages.preference import dpo
+from posttrain.stages.reward_model import reward_model
+from posttrain.stages.sft import sft
 
 from tests.conftest import make_tiny_model, make_tiny_reward_model, stage_config
 
 CASES = {
     # name: (stage function, StageConfig fields, model factory)
-    "sft": (stages.sft, dict(synthetic="addition"), make_tiny_model),
-    "dpo": (stages.dpo, dict(data="PAIRS", beta=0.1), make_tiny_model),   # (no greedy answers)
-    "reward-model": (stages.reward_model, dict(synthetic="addition"), make_tiny_reward_model),
-    "reward-model-log-ratio": (stages.reward_model, dict(synthetic="addition", reward_form="log_ratio"),
+    "sft": (sft, dict(synthetic="addition"), make_tiny_model),
+    "dpo": (dpo, dict(data="PAIRS", beta=0.1), make_tiny_model),   # (no greedy answers)
+    "reward-model": (reward_model, dict(synthetic="addition"), make_tiny_reward_model),
+    "reward-model-log-ratio": (reward_model, dict(synthetic="addition", reward_form="log_ratio"),
                                make_tiny_model),
 }
 
@@ -44,24 +47,24 @@ def test_a_stage_killed_between_checkpoints_resumes_to_the_same_final_weights(tm
                                                                               monkeypatch, name):
     stage, fields, make = CASES[name]
     if fields.get("data") == "PAIRS":
-        stages.write_jsonl(tmp_path / "pairs.jsonl", [
+        write_jsonl(tmp_path / "pairs.jsonl", [
             {"prompt": f"Question {i}", "chosen": "Yes, gladly.", "rejected": "No way."} for i in range(26)])
         fields = {**fields, "data": str(tmp_path / "pairs.jsonl")}
     whole = tmp_path / "whole"
     stage(_config(whole, **fields), model=make(tokenizer), tokenizer=tokenizer, show_progress=False)
 
     killed = tmp_path / "killed"
-    calls, real_step = [0], stages._step
+    calls, real_step = [0], Stage.optimizer_step
 
     def dies_at_step_5(st, loss):     # after the checkpoint of step 4, before the end
         calls[0] += 1
         if calls[0] == 5:
             raise KeyboardInterrupt("killed")
         return real_step(st, loss)
-    monkeypatch.setattr(stages, "_step", dies_at_step_5)
+    monkeypatch.setattr(Stage, "optimizer_step", dies_at_step_5)
     with pytest.raises(KeyboardInterrupt):
         stage(_config(killed, **fields), model=make(tokenizer), tokenizer=tokenizer, show_progress=False)
-    monkeypatch.setattr(stages, "_step", real_step)
+    monkeypatch.setattr(Stage, "optimizer_step", real_step)
     assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
     assert not (killed / "final_model").exists() and not (killed / "summary.json").exists()
 
@@ -79,7 +82,7 @@ def test_a_stage_killed_between_checkpoints_resumes_to_the_same_final_weights(tm
 def test_resume_needs_a_checkpoint_and_is_refused_in_one_line(tmp_path):
     (tmp_path / "run").mkdir()
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
-        stages.sft(_config(tmp_path / "run", synthetic="addition"), resume=tmp_path / "run")
+        sft(_config(tmp_path / "run", synthetic="addition"), resume=tmp_path / "run")
     proc = subprocess.run([sys.executable, "-m", "posttrain.cli", "dpo", "--resume", str(tmp_path / "none")],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "config.json not found" in proc.stderr

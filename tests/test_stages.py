@@ -5,7 +5,9 @@ import random
 
 import pytest
 
-from posttrain.stages import dpo, length_buckets, sft, write_jsonl
+from posttrain.stages.common import length_buckets, write_jsonl
+from posttrain.stages.preference import dpo
+from posttrain.stages.sft import sft
 from posttrain.forward import pack
 from tests.conftest import make_tiny_model, stage_config
 
@@ -74,8 +76,8 @@ def test_bad_preference_rows_are_named(tmp_path, tokenizer, row, msg):
 
 
 def test_generate_writes_verified_teacher_answers_for_sft(tmp_path, tokenizer):
-    from posttrain.config import load_config
-    from posttrain.stages import generate
+    from posttrain.options import load_config
+    from posttrain.stages.generate import generate
     cfg = load_config(None, ["--data.eval_size", "5", "--rollout.max_new_tokens", "4",
                              "--reward.verifier", "none"])
     out = generate(cfg, 6, tmp_path / "g.jsonl", samples=2, only_correct=False,
@@ -92,10 +94,10 @@ def test_generate_writes_verified_teacher_answers_for_sft(tmp_path, tokenizer):
 def test_generate_command_takes_config_overrides(tmp_path, monkeypatch):
     """`posttrain generate --model.path M --data.task subtraction`: a teacher for another domain
     without writing a YAML file."""
-    import posttrain.stages
+    import posttrain.stages.generate
     from posttrain.cli import main
     seen = {}
-    monkeypatch.setattr(posttrain.stages, "generate",
+    monkeypatch.setattr(posttrain.stages.generate, "generate",
                         lambda cfg, n, out, samples, only_correct, **kw: seen.update(cfg=cfg, n=n) or {})
     assert main(["generate", "--model.path", "TEACHER", "--n", "7", "--out", str(tmp_path / "g.jsonl"),
                  "--data.task", "subtraction"]) == 0
@@ -104,8 +106,8 @@ def test_generate_command_takes_config_overrides(tmp_path, monkeypatch):
 
 def test_generated_responses_keep_the_teachers_stop_string(tmp_path, tokenizer, monkeypatch):
     """An SFT warm-up must end answers as the teacher does ('... = 12.\n\n', not '... = 12.')."""
-    from posttrain.config import load_config
-    from posttrain.stages import generate
+    from posttrain.options import load_config
+    from posttrain.stages.generate import generate
     cfg = load_config(None, ["--data.eval_size", "5", "--rollout.max_new_tokens", "4",
                              "--reward.verifier", "none"])
     monkeypatch.setattr(tokenizer, "batch_decode", lambda ids, **kw: [" 12 + 3 = 15.\n\n"] * len(ids))
@@ -118,7 +120,7 @@ def test_generated_responses_keep_the_teachers_stop_string(tmp_path, tokenizer, 
 def test_sft_on_synthetic_answers_reports_held_out_behaviour(tmp_path, tokenizer):
     from posttrain.data.tasks import make_task
     from posttrain.rewards.verifiers import final_answer
-    from posttrain.stages import synthetic_answers
+    from posttrain.stages.sft import synthetic_answers
 
     task = make_task("subtraction", 2)
     task.build_eval(16, 1234)
@@ -163,7 +165,7 @@ def test_stages_follow_the_learning_rate_schedule(tmp_path, tokenizer, schedule,
 def test_sft_trains_on_the_teachers_own_token_ids(tmp_path, tokenizer):
     """A teacher that wrote '\n' '\n' (two tokens) is imitated token for token; the text alone
     re-tokenises to one '\n\n' token the teacher never writes."""
-    from posttrain.stages import _response_ids
+    from posttrain.stages.common import response_ids as _response_ids
     nl = tokenizer("\n", add_special_tokens=False)["input_ids"]
     teacher = tokenizer("12 + 3 = 15", add_special_tokens=False)["input_ids"] + nl + nl
     text = tokenizer.decode(teacher)

@@ -7,12 +7,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from posttrain.config import load_config
+from posttrain.options import load_config
 from posttrain.rewards import Scorer
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.batch import equal_reward_groups
 from posttrain.distributed import SINGLE
-from posttrain.trainer import generate_and_score, train
+from posttrain.collect import generate_and_score
+from posttrain.trainer import train
 from posttrain.losses import POLICY_LOSSES, objective_reads
 from posttrain.update import update_policy
 from posttrain.data.source import Sampler, build_task
@@ -84,19 +85,22 @@ def test_every_preset_moves_the_policy_toward_its_own_advantages(tmp_path, token
 @pytest.mark.slow   # end to end on a tiny model; the test above is the deterministic check
 @pytest.mark.parametrize("preset", ["reinforce", "rloo", "grpo", "dapo", "dr_grpo"])
 def test_every_preset_learns_a_toy_reward(tmp_path, tokenizer, preset):
-    # (GRPO with its KL term: seed 0 stalls at 0.43 with transformers 5.24's numerics, seeds 1, 2
-    # and 3 reach 1.00)
-    extra = ["--algorithm.kl_coef", "0.02", "--seed", "1"] if preset == "grpo" else []
+    """45 steps at a high lr on a tiny random model are chaotic, and one seed may stall whatever
+    the algorithm: the reward gain is averaged over seeds 0, 1 and 2, none of them picked."""
+    extra = ["--algorithm.kl_coef", "0.02"] if preset == "grpo" else []
     if preset == "dapo":   # 3-token answers are all "overlong"; shaping is tested on its own
         extra += ["--algorithm.overlong", "none"]
-    # (a random tiny model drifts for 15-35 steps before the reward takes off; 45 leaves room)
-    cfg = toy_config(tmp_path, "--preset", preset, "--steps", "45", "--optim.lr", "3e-2", *extra)
-    summary = train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
-    curve = reward_curve(tmp_path / "run")
-    first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
-    assert last > first + 0.25, (preset, curve)
-    assert (tmp_path / "run" / "final_model" / "config.json").is_file()
-    assert summary["steps"] == 45
+    gains = []
+    for seed in (0, 1, 2):
+        run = tmp_path / f"s{seed}"
+        cfg = toy_config(run, "--preset", preset, "--steps", "45", "--optim.lr", "3e-2",
+                         "--seed", str(seed), *extra)
+        summary = train(cfg, model=make_tiny_model(tokenizer, seed=seed), tokenizer=tokenizer,
+                        show_progress=False)
+        curve = reward_curve(run / "run")
+        gains.append(sum(curve[-5:]) / 5 - sum(curve[:5]) / 5)
+        assert summary["steps"] == 45 and (run / "run" / "final_model" / "config.json").is_file()
+    assert sum(gains) / 3 > 0.25, (preset, gains)
 
 
 def test_recorded_old_logprobs_match_a_recomputed_forward(tokenizer, tiny_model):
@@ -111,6 +115,7 @@ def test_recorded_old_logprobs_match_a_recomputed_forward(tokenizer, tiny_model)
         assert (rollout.logp_B_T[rollout.response_mask_B_T == 0] == 0).all()
     # each group shares its prompt, and group members differ (sampled independently)
     assert torch.equal(rollout.prompt_ids_B_L[0], rollout.prompt_ids_B_L[2])
+    assert len({tuple(r.tolist()) for r in rollout.response_ids_B_T[:3]}) > 1
 
 
 def test_one_update_has_ratio_one_and_clipped_equals_vanilla(tmp_path, tokenizer):
@@ -122,17 +127,29 @@ def test_one_update_has_ratio_one_and_clipped_equals_vanilla(tmp_path, tokenizer
     batch, _ = generate_and_score(engine, tokenizer, Sampler(task, 0), Scorer(cfg.reward), cfg,
                                   algo, torch.Generator().manual_seed(0), Counter())
     adv = torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T
-    params = {}
-    for loss_name, model in (("clipped", model_a), ("vanilla", make_tiny_model(tokenizer, seed=3))):
+    start = torch.cat([p.detach().flatten() for p in model_a.parameters()])
+
+    def update(loss_name: str, minibatches: int) -> tuple[dict, torch.Tensor]:
+        model = make_tiny_model(tokenizer, seed=3)
         a = algo.__class__(**{**algo.__dict__, "policy_loss": loss_name})
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-        stats = update_policy(model, opt, sched, replace(batch, adv_B_T=adv), cfg, a,
+        c = replace(cfg, optim=replace(cfg.optim, minibatches=minibatches))
+        stats = update_policy(model, opt, sched, replace(batch, adv_B_T=adv), c, a,
                               torch.Generator().manual_seed(0))
-        assert stats["policy/ratio_mean"] == 1.0 and stats["policy/ratio_max"] == 1.0
-        assert stats.get("policy/clip_frac_low", 0.0) == 0.0 and stats.get("policy/clip_frac_high", 0.0) == 0.0
-        params[loss_name] = torch.cat([p.detach().flatten() for p in model.parameters()])
-    torch.testing.assert_close(params["clipped"], params["vanilla"])
+        return stats, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    # one update on the batch it sampled: the recorded log-probs are the trainer's, ratio 1, no clip
+    (clipped, p_clipped), (_, p_vanilla) = update("clipped", 1), update("vanilla", 1)
+    assert clipped["policy/ratio_mean"] == 1.0 and clipped["policy/ratio_max"] == 1.0
+    assert clipped.get("policy/clip_frac_low", 0.0) == 0.0 and clipped.get("policy/clip_frac_high", 0.0) == 0.0
+    assert not torch.equal(p_clipped, start)
+    torch.testing.assert_close(p_clipped, p_vanilla)
+    # the second of two minibatches is sampled from the policy before the first update: its
+    # ratio is off 1, and the clipped surrogate's update is no longer vanilla's
+    (clipped, p_clipped), (_, p_vanilla) = update("clipped", 2), update("vanilla", 2)
+    assert clipped["policy/ratio_max"] > 1.0 or clipped["policy/ratio_min"] < 1.0
+    assert not torch.allclose(p_clipped, p_vanilla)
 
 
 def test_several_epochs_move_the_ratio_and_clip(tmp_path, tokenizer):
@@ -369,7 +386,7 @@ def test_a_batch_without_any_signal_still_steps(tmp_path, tokenizer):
 @pytest.mark.parametrize("retry_if,expected", [("unsolved", [1, 2]), ("mixed", [1])])
 def test_retry_if_picks_the_unsolved_or_the_mixed_groups(retry_if, expected):
     from posttrain.data.tasks import make_task
-    from posttrain.trainer import report_solved
+    from posttrain.collect import report_solved
     correct = torch.tensor([1, 1, 1, 0, 0, 0], dtype=torch.bool)   # G=2: solved, mixed, all wrong
     sampler = Sampler(make_task("addition", 2), 0, retries=1)
     sampler.draw(3)

@@ -13,12 +13,12 @@ import torch
 import posttrain
 from tests.conftest import make_tiny_model
 from posttrain.batch import ScoredBatch, merge
-from posttrain.config import load_config
+from posttrain.options import load_config
 from posttrain.data.source import Sampler, build_task
 from posttrain.data.tasks import Problem
 from posttrain.rewards import Scorer
 from posttrain.rollout import Rollout, make_engine
-from posttrain.trainer import generate_and_score
+from posttrain.collect import generate_and_score
 from posttrain.update import Metrics, update_policy
 
 PACKAGE = os.path.dirname(posttrain.__file__) + os.sep

@@ -11,13 +11,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from posttrain.config import ConfigError, load_config
+from posttrain.config import ConfigError
+from posttrain.options import load_config
 from posttrain.losses import truncated_is_weights
 from posttrain.rewards import Scorer
 from posttrain.rollout import make_engine
 from posttrain.rollout.vllm import (Completion, completion_from_openai, completion_from_vllm,
                                     request_seed, to_rollout)
-from posttrain.trainer import generate_and_score
+from posttrain.collect import generate_and_score
 from posttrain.update import update_policy
 from posttrain.data.source import Sampler, build_task
 from tests.conftest import make_tiny_model

@@ -215,16 +215,7 @@ class HFRolloutEngine:
                 tok, logp = turns.force(active, tok, logp, t)
             tokens[active, t] = tok
             logps[active, t] = logp
-            done = torch.isin(tok, eos)
-            if params.stop:
-                window = tokens[active, max(0, t + 1 - stop_window(params.stop)):t + 1]
-                if turns is not None:    # only this turn's own tokens can complete a stop string
-                    window = turns.this_turn(window, active, t, self.pad_id)
-                hit = self._stop_hits(window, params.stop)
-                stopped[active[hit]] = True
-                done |= hit
-            if turns is not None:
-                done = turns.end_turns(active, done, t, tokens, params.max_new_tokens, respond)
+            done = self._ends_now(tok, tokens, active, t, params, eos, stopped, turns, respond)
             if done.any():
                 lengths[active[done]] = t + 1
                 keep = (~done).nonzero().squeeze(-1)
@@ -243,10 +234,33 @@ class HFRolloutEngine:
             next_pos = next_pos + 1
 
         model.train(was_training)
+        return self._rollout(ids_P_L, mask_P_L, G, tokens, logps, lengths, eos, stopped, turns)
+
+    def _ends_now(self, tok: Tensor, tokens: Tensor, active: Tensor, t: int, params: SamplingParams,
+                  eos: Tensor, stopped: Tensor, turns: _Turns | None, respond: Respond | None) -> Tensor:
+        """Which active rows end at token `t`: EOS, a stop string (marked in `stopped`), or, in an
+        episode, a turn after which the environment ends it."""
+        done = torch.isin(tok, eos)
+        if params.stop:
+            window = tokens[active, max(0, t + 1 - stop_window(params.stop)):t + 1]
+            if turns is not None:    # only this turn's own tokens can complete a stop string
+                window = turns.this_turn(window, active, t, self.pad_id)
+            hit = self._stop_hits(window, params.stop)
+            stopped[active[hit]] = True
+            done |= hit
+        if turns is not None:
+            done = turns.end_turns(active, done, t, tokens, params.max_new_tokens, respond)
+        return done
+
+    def _rollout(self, ids_P_L: Tensor, mask_P_L: Tensor, G: int, tokens: Tensor, logps: Tensor,
+                 lengths: Tensor, eos: Tensor, stopped: Tensor, turns: _Turns | None) -> Rollout:
+        """The sampled rows cut to the longest, masked past each row's length."""
+        device = tokens.device
         width = int(lengths.max())
         mask_B_T = (torch.arange(width, device=device)[None, :] < lengths[:, None]).float()
         if turns is None:
-            truncated = ~(torch.isin(tokens[torch.arange(B, device=device), lengths - 1], eos) | stopped)
+            rows = torch.arange(tokens.shape[0], device=device)
+            truncated = ~(torch.isin(tokens[rows, lengths - 1], eos) | stopped)
         return Rollout(
             prompt_ids_B_L=ids_P_L.repeat_interleave(G, 0),
             prompt_mask_B_L=mask_P_L.repeat_interleave(G, 0),

@@ -1,0 +1,349 @@
+"""What the offline stages share: the rows' checks, length buckets, one run's lifecycle (start,
+schedule and resume, the optimizer step, checkpoints and stop signals, the final model), the
+data-parallel shares, and the held-out greedy answers of a synthetic task.
+
+Every rank builds the same batches (same seed) and runs its contiguous share of each; a rank's
+loss is weighted by the *global* batch's pair or token count, so the averaged gradient is the
+one-process gradient of the whole batch (`distributed.py`). Reference passes and held-out
+evaluations are split over the ranks and gathered; rank 0 logs and saves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from posttrain.checkpoint import restore_rng, resume_point, save_checkpoint
+from posttrain.config import StageConfig
+from posttrain.data import read_rows
+from posttrain.data.files import chat_messages
+from posttrain.data.tasks import Problem
+from posttrain.distributed import (World, average_gradients, barrier, device_for,
+                                   full_state_dict, full_weights_for_generation, gather_objects,
+                                   init_world, load_optimizer_state, wrap)
+from posttrain.lifecycle import Lifecycle, resume_command
+from posttrain.logging import MetricsLogger, NullLogger, resume_logs
+from posttrain.models import (freeze_lower_layers, load_policy, load_tokenizer, resolve_model_path,
+                              save_model)
+from posttrain.prompts import encode_prompts
+from posttrain.run import make_adamw, make_scheduler, seed_everything
+from posttrain.update import check_nonfinite_streak, step_if_finite
+
+log = logging.getLogger("posttrain.stages")
+_clock = time.perf_counter   # the training clock of --max_minutes (a test's own clock replaces it)
+
+
+def response_ids(tokenizer, text: str, max_len: int, ids: list[int] | None = None) -> list[int]:
+    """The response's tokens, ending in EOS (the model must learn to stop): the teacher's own
+    `ids` when given, else the text tokenised. Re-tokenising decoded text can merge tokens (the
+    teacher's '\n' '\n' comes back as one '\n\n' token): a student fine-tuned on the text then
+    writes a token the teacher never does, 10 nats of KL at that position when distillation follows."""
+    if ids is None:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = list(ids)[:max_len - 1]
+    return ids if ids and ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]
+
+
+def check_rows(path: str, rows: list[dict], fields: list[str]) -> None:
+    """Missing, empty and (for pairs) identical fields are reported with file, line and field."""
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    where = "line" if str(path).endswith((".jsonl", ".json")) else "row"
+    for i, row in enumerate(rows, start=1):
+        for f in fields:
+            v = row.get(f)
+            if v is None or (isinstance(v, str) and not v.strip()):
+                raise ValueError(f"{path}: {where} {i}: field {f!r} is missing or empty")
+        if len(fields) == 3 and row[fields[1]] == row[fields[2]]:
+            raise ValueError(f"{path}: {where} {i}: {fields[1]!r} and {fields[2]!r} are identical")
+
+
+def length_buckets(lengths: list[int], batch_size: int, rng: random.Random) -> list[list[int]]:
+    """Batches of similar length (sorted within shuffled windows of 50 batches), so padding is not
+    most of the compute; the batch order is shuffled."""
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    window = batch_size * 50
+    batches = []
+    for start in range(0, len(order), window):
+        chunk = sorted(order[start:start + window], key=lambda i: lengths[i])
+        batches += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def encode_prompts_of(tokenizer, cfg: StageConfig, prompts: list) -> list[list[int]]:
+    """Prompts as text, or as chat messages (a conversational row, an episode's prompt)."""
+    problems = [Problem(p, "") if isinstance(p, str) else
+                Problem("", "", messages=chat_messages(p, "prompt")) for p in prompts]
+    return encode_prompts(tokenizer, problems, cfg.data.system_prompt)
+
+
+@dataclass
+class Stage:
+    """What `start_stage` built, and where a resumed run stands."""
+    rows: list[dict[str, Any]]
+    model: Any
+    tokenizer: Any
+    prompts: list[list[int]]
+    optimizer: torch.optim.Optimizer
+    run_dir: Path
+    logger: MetricsLogger | NullLogger
+    rng: random.Random
+    world: World
+    device: torch.device
+    scheduler: Any = None
+    max_grad_norm: float = 1.0
+    resume_state: dict[str, Any] | None = None   # resuming: the checkpoint's saved state
+    start_step: int = 0                  # optimizer steps already taken
+    saved: dict[str, Any] = field(default_factory=dict)   # the stage's state at that checkpoint
+    max_nonfinite_steps: int = 3         # consecutive skipped (non-finite) steps that stop the run
+    nonfinite_streak: int = 0
+    train_s: float = 0.0                 # seconds spent in training steps (this run and before a resume)
+    steps_done: int = 0                  # optimizer steps taken (all of them, unless max_minutes ended early)
+
+    def schedule(self, cfg: StageConfig, total_steps: int) -> None:
+        """Set the learning-rate schedule once the number of optimizer steps is known; on resume,
+        restore the optimizer, schedule and RNG states of the checkpoint."""
+        self.scheduler = make_scheduler(self.optimizer, total_steps, cfg.optim.warmup_steps,
+                                        cfg.optim.schedule)
+        state = self.resume_state
+        if state is not None:
+            load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            restore_rng(state["rng"], torch.Generator())
+            self.start_step, self.saved = state["step"], state["stage"]
+            self.train_s = state.get("train_s", 0.0)
+        self.steps_done = self.start_step
+
+    def optimizer_step(self, loss: Tensor) -> float:
+        """One optimizer step; `loss` is this rank's part of the global batch loss (times the world
+        size, which the gradient average divides out). Returns the learning rate it used."""
+        loss.backward()
+        params = list(self.model.parameters())   # after backward: FSDP2 has re-registered its shards
+        average_gradients(params, self.world)
+        lr = self.optimizer.param_groups[0]["lr"]
+        _, stepped = step_if_finite(params, self.optimizer, self.scheduler, self.max_grad_norm,
+                                    self.world)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_streak = 0 if stepped else self.nonfinite_streak + 1
+        check_nonfinite_streak(self.nonfinite_streak, self.max_nonfinite_steps)
+        return lr
+
+
+def run_steps(st: Stage, cfg: StageConfig, batches: list, step_fn, state, desc: str,
+              show_progress: bool) -> dict[str, Any] | None:
+    """The stages' loop: `step_fn(step, batch)` for every batch after the ones a resumed run
+    already took, and a checkpoint (weights, optimizer, schedule, RNG and `state()`: what the
+    stage needs to finish as if it had never stopped, its before-training figures, a DPO
+    reference's log-probs) every `cfg.checkpoint` steps or minutes and when SIGINT / SIGTERM
+    arrives. `cfg.max_minutes` of training ends the loop early (checkpoint written; the stage
+    then finishes as at the end). `st.steps_done` counts the steps taken. Returns None, or the
+    summary of a run a signal stopped (checkpoint written)."""
+    bar = tqdm(total=len(batches), initial=st.start_step, desc=desc,
+               disable=not (show_progress and st.world.main))
+    lifecycle = Lifecycle(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes, st.world)
+    with lifecycle:
+        for step in range(st.start_step + 1, len(batches) + 1):
+            if cfg.max_minutes is not None and st.train_s >= cfg.max_minutes * 60:
+                log.info("max_minutes=%s reached after %d steps", cfg.max_minutes, step - 1)
+                if step - 1 > st.start_step:   # (a longer --max_minutes continues from here)
+                    _save(st, cfg, step - 1, state)
+                break
+            t0 = _clock()
+            step_fn(step, batches[step - 1])
+            st.train_s += _clock() - t0
+            st.steps_done = step
+            bar.update(1)
+            save, stop = lifecycle.after_step(step)
+            if (save and step < len(batches)) or stop:
+                _save(st, cfg, step, state)
+                lifecycle.saved()
+            if stop:
+                bar.close()
+                return _stopped(st, step, lifecycle.stop_signal, desc)
+    bar.close()
+    return None
+
+
+def _save(st: Stage, cfg: StageConfig, step: int, state) -> None:
+    save_checkpoint(st.run_dir, step, st.model, st.tokenizer, st.optimizer, st.scheduler,
+                    torch.Generator(), {"stage": state(), "log_rows": st.logger.line_counts(),
+                                        "train_s": st.train_s},
+                    asdict(cfg), world=st.world, keep=cfg.checkpoint.keep)
+
+
+def _stopped(st: Stage, step: int, signal_name: str, command: str) -> dict[str, Any]:
+    """The summary of a run a signal stopped after `step` (its checkpoint is written)."""
+    st.logger.close()
+    summary = {"run_dir": str(st.run_dir), "steps": step, "stopped_by": signal_name,
+               "resume": resume_command(command, st.run_dir)}
+    write_summary(st, summary)
+    log.warning("stopped by %s after step %d; continue with: %s", signal_name, step,
+                summary["resume"])
+    return summary
+
+
+def write_summary(st: Stage, summary: dict[str, Any]) -> None:
+    if st.world.main:
+        (st.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def _load_lm(path: str | Path, resumed: bool = False):
+    return load_policy(path)
+
+
+def start_stage(cfg: StageConfig, model, tokenizer, fields: list[str],
+           rows: list[dict] | None = None, load=None, resume: str | Path | None = None) -> Stage:
+    """Read and check the data (before any model loads), join the process group under torchrun,
+    seed, load (`load(path)`; resuming: the latest checkpoint's weights,
+    `load(path, resumed=True)`), place and wrap the model, open the run folder and write its
+    config.json."""
+    cfg.validate()   # (a StageConfig built in code has not been checked yet)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    load = load or _load_lm
+    run_dir = Path(resume or cfg.run_dir)
+    point = resume_point(run_dir) if resume else None   # the newest checkpoint that loads
+    if resume and point is None:
+        raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir}/checkpoints")
+    ckpt, state = point if point is not None else (None, None)
+    if rows is None:
+        rows = read_rows(cfg.data.train_path)
+        check_rows(cfg.data.train_path, rows, fields)
+    world = init_world(cfg.parallel.strategy)
+    if world.distributed and cfg.batch_size < world.size:
+        raise ValueError(f"batch_size={cfg.batch_size} is smaller than the {world.size} ranks: "
+                         "each rank needs a share of every batch")
+    seed_everything(cfg.seed)
+    if ckpt is not None:
+        tokenizer, model = load_tokenizer(ckpt / "model"), load(ckpt / "model", resumed=True)
+    elif model is None:
+        path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        tokenizer, model = load_tokenizer(path), load(path)
+    if cfg.model.attention != "auto":
+        model.set_attn_implementation(cfg.model.attention)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    freeze_lower_layers(model, cfg.freeze_layers)
+    device = device_for(world)
+    model = wrap(model.to(device), world)      # FSDP2: the decoder layers sharded, in place
+    if world.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    barrier(world)
+    # a freshly initialised head (reward model's `score`) may learn faster than the body it reads
+    head = getattr(model, "score", None) if cfg.head_lr is not None else None
+    head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    groups = [{"params": [p for p in model.parameters() if id(p) not in head_ids and p.requires_grad],
+               "lr": cfg.optim.lr}]
+    if head_ids:
+        groups.append({"params": list(head.parameters()), "lr": cfg.head_lr})
+    o = cfg.optim
+    optimizer = make_adamw(groups, o.lr, (o.beta1, o.beta2), o.weight_decay,
+                           sharded=world.strategy == "fsdp")
+    logger = NullLogger()
+    if world.main:
+        logger = MetricsLogger(run_dir, tensorboard=False, resume=ckpt is not None)
+        if state is not None:   # rows a killed run wrote after its last checkpoint are redone
+            resume_logs(logger, state)
+    return Stage(rows, model, tokenizer, encode_prompts_of(tokenizer, cfg, [r[cfg.data.prompt_field] for r in rows]),
+                  optimizer, run_dir, logger, random.Random(cfg.seed), world, device,
+                  max_grad_norm=o.max_grad_norm, resume_state=state,
+                  max_nonfinite_steps=o.max_nonfinite_steps)
+
+
+def share_of_batch(batch: list[int], world: World) -> tuple[list[int], float]:
+    """This rank's contiguous part of a global batch, with weight 1. A rank left with nothing (a
+    final batch smaller than the world) runs the batch's first row with weight 0, so that every
+    rank still takes part in FSDP's collectives and the gradient all-reduce."""
+    if not world.distributed:
+        return batch, 1.0
+    per = -(-len(batch) // world.size)
+    mine = batch[world.rank * per:(world.rank + 1) * per]
+    return (mine, 1.0) if mine else (batch[:1], 0.0)
+
+
+def sharded_rows(fn, n: int, chunk: int, world: World) -> tuple[Tensor, ...]:
+    """fn(indices) -> a tuple of per-row tensors, for rows 0..n-1, with the rows split over the
+    ranks (contiguous shares, `chunk` rows per call) and gathered back in order on every rank.
+    Every rank makes the same number of calls (padding with row 0), as FSDP's forward requires."""
+    per = -(-n // world.size)
+    mine = list(range(min(world.rank * per, n), min((world.rank + 1) * per, n)))
+    parts = []
+    for start in range(0, per, chunk):
+        idx = mine[start:start + chunk]
+        out = fn(idx or [0])
+        if idx:
+            parts.append(tuple(t.detach().cpu() for t in out))
+    local = tuple(torch.cat(cols) for cols in zip(*parts)) if parts else None
+    shares = [s for s in gather_objects(local, world) if s is not None]
+    return tuple(torch.cat(cols) for cols in zip(*shares))
+
+
+def finish_stage(stage: Stage, extra_files: dict[str, str] | None = None) -> str:
+    """Save the final model once (rank 0; FSDP shards are gathered first)."""
+    stage.logger.close()
+    folder = stage.run_dir / "final_model"
+    weights = full_state_dict(stage.model, stage.world)
+    if stage.world.main:
+        save_model(stage.model, stage.tokenizer, folder, weights, extra_files)
+    barrier(stage.world)
+    return str(folder)
+
+
+@torch.no_grad()
+def held_out_behaviour(model, tokenizer, task, cfg: StageConfig, world: World | None = None,
+                       max_new_tokens: int = 48) -> dict[str, float]:
+    """Greedy answers to the task's held-out problems (no stop string: the model must end its
+    answer itself): accuracy by the verifier and response length. Under torchrun each rank
+    answers a contiguous share (FSDP: with the full weights gathered once)."""
+    from posttrain.config import RewardConfig
+    from posttrain.distributed import SINGLE
+    from posttrain.rewards import Scorer
+    from posttrain.rollout import SamplingParams
+    from posttrain.rollout.hf import HFRolloutEngine
+
+    world = world or SINGLE
+    all_problems = task.eval_problems
+    per = -(-len(all_problems) // world.size)
+    problems = all_problems[world.rank * per:(world.rank + 1) * per]
+    engine = HFRolloutEngine(model, tokenizer)
+    scorer = Scorer(RewardConfig(), task.verifier)
+    correct, lengths = [], []
+    with full_weights_for_generation(model, world):
+        for i in range(0, len(problems), 50):
+            chunk = problems[i:i + 50]
+            rollout = engine.generate(encode_prompts_of(tokenizer, cfg, [p.prompt for p in chunk]), 1,
+                                      SamplingParams(max_new_tokens, greedy=True))
+            texts = tokenizer.batch_decode(rollout.response_ids_B_T.masked_fill(
+                rollout.response_mask_B_T == 0, tokenizer.pad_token_id), skip_special_tokens=True)
+            correct += scorer(chunk, texts, with_model=False).correct_B.tolist()
+            lengths += rollout.lengths_B.tolist()
+    shares = gather_objects((correct, lengths), world)
+    correct = [c for share in shares for c in share[0]]
+    lengths = [n for share in shares for n in share[1]]
+    n = max(len(all_problems), 1)
+    return {"behaviour/accuracy": sum(correct) / n, "behaviour/length_mean": sum(lengths) / n}
+
+
+def synthetic_task(cfg: StageConfig):
+    from posttrain.data.tasks import make_task
+    task = make_task(cfg.data.synthetic, 2)
+    task.build_eval(cfg.data.eval_size, 1234)
+    return task
+
+
+def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")

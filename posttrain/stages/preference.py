@@ -1,0 +1,215 @@
+"""`posttrain dpo`: DPO (docs/algorithms.md §9, the closed-form counterpart of the KL-regularised
+objective) on (prompt, chosen, rejected) pairs, and the same training read as a Bradley-Terry
+reward model r = beta log pi/pi_ref (`posttrain reward-model --reward_form log_ratio`, §1)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from posttrain.config import StageConfig
+from posttrain.data import read_rows
+from posttrain.distributed import global_sum
+from posttrain.forward import pack, sequence_logprobs
+from posttrain.losses import dpo_loss, sequence_logprob
+from posttrain.stages.common import (Stage, check_rows, encode_prompts_of, finish_stage,
+                                     held_out_behaviour, length_buckets, response_ids, run_steps,
+                                     share_of_batch, sharded_rows, start_stage, synthetic_task,
+                                     write_summary)
+
+
+def preference_rows(cfg: StageConfig) -> tuple[list[dict], list[dict], str]:
+    """(train pairs, held-out pairs, source) from --data.synthetic TASK or --data.train_path
+    [--data.eval_path]; the rows are checked (file, line, field) before any model loads."""
+    fields = [cfg.data.prompt_field, cfg.data.chosen_field, cfg.data.rejected_field]
+    cfg.validate()
+    if cfg.data.synthetic:   # pairs from ground truth: train on training problems, test on held-out
+        from posttrain.data.preferences import synthetic_preferences
+        task = synthetic_task(cfg)
+        return (synthetic_preferences(task, cfg.data.n_pairs, cfg.seed,
+                                      terse_wrong_share=cfg.data.terse_wrong_share),
+                synthetic_preferences(task, cfg.data.eval_size, cfg.seed, held_out=True),
+                f"synthetic:{cfg.data.synthetic}")
+    if not cfg.data.train_path:
+        raise ValueError("preference pairs: give --data.train_path FILE or --data.synthetic TASK")
+    train_rows = read_rows(cfg.data.train_path)
+    check_rows(cfg.data.train_path, train_rows, fields)
+    if cfg.data.eval_path:
+        eval_rows = read_rows(cfg.data.eval_path)
+        check_rows(cfg.data.eval_path, eval_rows, fields)
+    else:
+        if len(train_rows) < 5:
+            raise ValueError(f"{cfg.data.train_path}: {len(train_rows)} pairs; at least 5 are needed "
+                             "(a fifth is held out for evaluation), or give --data.eval_path FILE")
+        order = random.Random(cfg.seed).sample(range(len(train_rows)), len(train_rows))
+        n_eval = min(cfg.data.eval_size, len(train_rows) // 5)
+        eval_rows = [train_rows[i] for i in order[:n_eval]]
+        train_rows = [train_rows[i] for i in order[n_eval:]]
+    return train_rows, eval_rows, cfg.data.train_path
+
+
+def _pair_responses(tok, cfg: StageConfig, rows: list[dict]) -> tuple[list, list]:
+    """Token ids of each pair's chosen and rejected responses (EOS-terminated, max_len)."""
+    return ([response_ids(tok, str(r[cfg.data.chosen_field]), cfg.max_len) for r in rows],
+            [response_ids(tok, str(r[cfg.data.rejected_field]), cfg.max_len) for r in rows])
+
+
+def _pair_logp(st: Stage, cfg: StageConfig, data, batch: list[int]) -> tuple[Tensor, Tensor]:
+    """log pi(y_c|x), log pi(y_r|x) of the pairs `batch`, chosen and rejected in one forward
+    (rows [c_0..c_n, r_0..r_n])."""
+    prompts, chosen, rejected = data
+    r = pack(st.tokenizer, [prompts[i] for i in batch] * 2,
+             [chosen[i] for i in batch] + [rejected[i] for i in batch], st.device)
+    logp = sequence_logprobs(st.model, r, torch.arange(2 * len(batch)), 1.0,
+                             autocast=cfg.model.autocast).logp
+    seq = sequence_logprob(logp, r.response_mask_B_T)
+    return seq[:len(batch)], seq[len(batch):]
+
+
+@torch.no_grad()
+def _all_pair_logp(st: Stage, cfg: StageConfig, data) -> tuple[Tensor, Tensor]:
+    """_pair_logp of every pair, split over the ranks and gathered."""
+    st.model.eval()
+    out = sharded_rows(lambda idx: _pair_logp(st, cfg, data, idx), len(data[0]), 16, st.world)
+    st.model.train()
+    return out
+
+
+def _implicit_reward_metrics(c: Tensor, r: Tensor, ref: tuple[Tensor, Tensor], beta: float,
+                             rows: list[dict], prefix: str) -> dict[str, float]:
+    """Held-out accuracy and margin of the implicit rewards beta log pi/pi_ref (per pair kind);
+    '_mean' and '_std' of the rewards (a log-ratio reward model's normalisation) are private."""
+    out = dpo_loss(c, r, *ref, beta)
+    win = out.chosen_rewards > out.rejected_rewards
+    rewards = torch.cat([out.chosen_rewards, out.rejected_rewards])
+    accuracy_key = f"{prefix}/eval_accuracy" if prefix == "rm" else "dpo/eval_reward_accuracy"
+    res = {accuracy_key: win.float().mean().item(),
+           f"{prefix}/eval_margin": (out.chosen_rewards - out.rejected_rewards).mean().item(),
+           "_mean": rewards.mean().item(), "_std": rewards.std().item()}
+    for kind in sorted({row.get("kind") for row in rows if row.get("kind")}):
+        idx = torch.tensor([i for i, row in enumerate(rows) if row.get("kind") == kind])
+        res[f"{accuracy_key}@{kind}"] = win[idx].float().mean().item()
+    return res
+
+
+def public_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if not k.startswith("_")}
+
+
+def _dpo_step(st: Stage, cfg: StageConfig, step: int, batch: list[int], data, ref) -> float:
+    """One DPO optimizer step on a global batch of pairs (this rank's share); returns the
+    batch's implicit-reward accuracy."""
+    world = st.world
+    mine, weight = share_of_batch(batch, world)
+    idx = torch.tensor(mine)
+    pol_c, pol_r = _pair_logp(st, cfg, data, mine)
+    out = dpo_loss(pol_c, pol_r, ref[0][idx].to(st.device), ref[1][idx].to(st.device), cfg.beta)
+    share = weight / len(batch)           # the mean over the global batch, this rank's part
+    lr = st.optimizer_step(out.loss.sum() * share * world.size)
+    margin = out.chosen_rewards - out.rejected_rewards
+    loss, acc, margin, chosen, rejected = (global_sum(torch.stack([
+        out.loss.detach().sum(), (margin > 0).float().sum(), margin.sum(),
+        out.chosen_rewards.sum(), out.rejected_rewards.sum()]) * share, world)).tolist()
+    st.logger.log(step, {"loss/dpo": loss, "optim/lr": lr, "dpo/reward_accuracy": acc,
+                         "dpo/margin": margin,
+                         "dpo/chosen_reward": chosen, "dpo/rejected_reward": rejected})
+    return acc
+
+
+@dataclass(frozen=True)
+class PairReading:
+    """How a run on preference pairs is read. DPO (`DPO`) reads the trained model as a policy:
+    metrics under dpo/, and with a synthetic task its greedy answers before and after. A log-ratio
+    reward model (stages/reward_model.py) reads the same training as r = beta log pi/pi_ref:
+    metrics under rm/, the implicit-reward accuracy before training too, and files beside the
+    final model that name its reference."""
+    command: str                          # the resume command and the progress bar: dpo, reward-model
+    prefix: str                           # held-out metrics under dpo/ or rm/
+    answers: bool                         # greedy answers of a synthetic task before and after
+    scores_before: bool                   # the held-out implicit-reward metrics before training
+    # files saved beside the final model, from (cfg, the held-out metrics after, the data source)
+    saved_files: Callable[[StageConfig, dict[str, float], str], dict[str, str]] | None = None
+
+
+DPO = PairReading(command="dpo", prefix="dpo", answers=True, scores_before=False)
+
+
+def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True, *,
+        resume: str | Path | None = None) -> dict[str, Any]:
+    """DPO (§9) on (prompt, chosen, rejected) pairs from --data.train_path or --data.synthetic TASK.
+
+    The reference is the starting model, frozen: its log-probs of every pair are computed once
+    up front and the copy is dropped, so training holds one model (and epochs > 1 cost no extra
+    reference passes; a checkpoint keeps them, so a resumed run needs no reference at all).
+    Held-out pairs give the implicit-reward accuracy and margin (per pair kind); with --data.synthetic,
+    greedy answers to the held-out problems show the behaviour itself before and after: accuracy
+    and length."""
+    return train_on_pairs(cfg, DPO, model, tokenizer, show_progress, resume)
+
+
+def train_on_pairs(cfg: StageConfig, reading: PairReading, model=None, tokenizer=None,
+                   show_progress: bool = True, resume: str | Path | None = None) -> dict[str, Any]:
+    """DPO's loop: the reference's log-probs once, then a DPO step per batch of pairs, read as
+    `reading` says before and after."""
+    fields = [cfg.data.prompt_field, cfg.data.chosen_field, cfg.data.rejected_field]
+    train_rows, eval_rows, source = preference_rows(cfg)
+    st = start_stage(cfg, model, tokenizer, fields, rows=train_rows, resume=resume)
+    tok = st.tokenizer
+    train_data = (st.prompts, *_pair_responses(tok, cfg, train_rows))
+    eval_data = (encode_prompts_of(tok, cfg, [r[cfg.data.prompt_field] for r in eval_rows]),
+                 *_pair_responses(tok, cfg, eval_rows))
+    lengths = [len(p) + max(len(c), len(r)) for p, c, r in zip(*train_data)]
+    batches = [b for _ in range(cfg.optim.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
+    st.schedule(cfg, len(batches))
+    task = synthetic_task(cfg) if cfg.data.synthetic and reading.answers else None
+    if st.resume_state is not None:
+        summary, (ref_train, ref_eval) = st.saved["summary"], st.saved["reference"]
+    else:
+        summary, ref_train, ref_eval = _reference_and_before(st, cfg, reading, train_data, eval_data,
+                                                             eval_rows, source, task)
+    t_start, acc = time.perf_counter(), [float("nan")]
+
+    def step_fn(step: int, batch: list[int]) -> None:
+        acc[0] = _dpo_step(st, cfg, step, batch, train_data, ref_train)
+
+    if (stopped := run_steps(st, cfg, batches, step_fn,
+                             lambda: {"summary": summary, "reference": (ref_train, ref_eval)},
+                             reading.command, show_progress)):
+        return stopped
+    summary["train_minutes"] = (time.perf_counter() - t_start) / 60
+    after = _implicit_reward_metrics(*_all_pair_logp(st, cfg, eval_data), ref_eval, cfg.beta,
+                                     eval_rows, reading.prefix)
+    summary["eval_after"] = public_metrics(after)
+    st.logger.log(st.steps_done, summary["eval_after"])
+    if task is not None:
+        summary["behaviour_after"] = held_out_behaviour(st.model, tok, task, cfg, st.world)
+        st.logger.log(st.steps_done, summary["behaviour_after"])
+    extra = reading.saved_files(cfg, after, source) if reading.saved_files else None
+    summary.update(steps=st.steps_done, reward_accuracy_last=acc[0], final_model=finish_stage(st, extra))
+    write_summary(st, summary)
+    return summary
+
+
+def _reference_and_before(st: Stage, cfg: StageConfig, reading: PairReading, train_data, eval_data,
+                          eval_rows: list[dict], source: str, task) -> tuple[dict, tuple, tuple]:
+    """The reference's log-probs of every training and held-out pair (the starting model's), and
+    the figures before training: (summary, reference of the training pairs, of the held-out)."""
+    t0 = time.perf_counter()
+    ref_train, ref_eval = _all_pair_logp(st, cfg, train_data), _all_pair_logp(st, cfg, eval_data)
+    summary = {"run_dir": str(st.run_dir), "source": source, "train_pairs": len(train_data[0]),
+               "eval_pairs": len(eval_rows), "reference_s": time.perf_counter() - t0}
+    if reading.scores_before:       # pi = pi_ref: every implicit reward is 0, every pair a tie
+        summary["eval_before"] = public_metrics(_implicit_reward_metrics(*ref_eval, ref_eval, cfg.beta,
+                                                                  eval_rows, reading.prefix))
+        st.logger.log(0, summary["eval_before"])
+    if task is not None:
+        summary["behaviour_before"] = held_out_behaviour(st.model, st.tokenizer, task, cfg, st.world)
+        st.logger.log(0, summary["behaviour_before"])
+    return summary, ref_train, ref_eval

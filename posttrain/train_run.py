@@ -1,0 +1,339 @@
+"""One training run's lifecycle (`posttrain train`): check the inputs before any model loads,
+load and place the policy, pi_ref, the teachers and the value model, build the sampler and the
+optimizer, restore a checkpoint; then the checkpoints, the evaluations, a stop by signal, and the
+final model with its summary.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.advantages import NEEDS_TEACHER, NEEDS_VALUES
+from posttrain.checkpoint import fsync_path, restore_rng, resume_point, save_checkpoint, seal
+from posttrain.config import ConfigError, TrainConfig
+from posttrain.presets import AlgorithmConfig
+from posttrain.errors import FailingSourceError
+from posttrain.health import FailureWatch, Tally, merge_tallies
+from posttrain.data.source import Sampler, build_task
+from posttrain.data.tasks import Problem
+from posttrain.evaluation import evaluate
+from posttrain.logging import MetricsLogger, NullLogger, plot_run, resume_logs
+from posttrain.memory import estimate as estimate_memory
+from posttrain.models import (add_lora, check_model_folder, load_policy, load_tokenizer,
+                              merged_lora_copy, resolve_model_path, save_model)
+from posttrain.rewards import Scorer
+from posttrain.envs import Environment, SingleTurn, for_tokenizer, make_env
+from posttrain.rollout import HFRolloutEngine, RolloutEngine, make_engine, vllm_options
+from posttrain.run import make_adamw, make_scheduler, seed_everything
+from posttrain.teachers import Teachers
+from posttrain.critic import Critic
+from posttrain.distributed import (World, barrier, device_for, full_state_dict,
+                                   full_weights_for_generation, global_max, init_world,
+                                   load_optimizer_state, wrap)
+from posttrain.lifecycle import resume_command
+from posttrain.update import frozen_inputs
+
+
+log = logging.getLogger("posttrain")
+
+
+def check_world(cfg: TrainConfig, world: World) -> None:
+    """What several ranks need from the config (checked before any model loads)."""
+    if not world.distributed:
+        return
+    P = cfg.rollout.prompts_per_step
+    if P % world.size:
+        raise ConfigError(f"rollout.prompts_per_step={P} must be divisible by the {world.size} "
+                          "ranks: each rank samples and trains on whole groups of its share")
+    if cfg.rollout.backend == "vllm" and not cfg.rollout.vllm_server:
+        raise ConfigError("rollout.backend='vllm' colocated under torchrun is not supported yet: "
+                          "start `vllm serve` (see posttrain/rollout/vllm.py) and set "
+                          "rollout.vllm_server, or run on one process")
+
+
+@dataclass
+class Run:
+    """Everything one training run holds: what `setup` built, and the state the loop moves on
+    (step count and training seconds; the rest lives in the model, optimizer and sampler)."""
+
+    cfg: TrainConfig
+    world: World
+    run_dir: Path
+    model: Any
+    tokenizer: Any
+    engine: RolloutEngine
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    sampler: Sampler
+    scorer: Scorer
+    generator: torch.Generator
+    logger: MetricsLogger | NullLogger
+    eval_problems: list[Problem]
+    teachers: Teachers | None = None
+    ref_model: Any = None               # pi_ref when it is a separate copy (no LoRA)
+    critic: Critic | None = None
+    env: Environment = SingleTurn()     # what answers the policy between its turns
+    start_step: int = 0
+    train_seconds: float = 0.0
+    resumed: bool = False
+    nonfinite_streak: int = 0           # trainer steps in a row whose every optimizer step was skipped
+    watch: FailureWatch | None = None   # sources failing on most calls, step after step
+    saved_step: int = -1                # the step of the last checkpoint written
+
+    @property
+    def algo(self) -> AlgorithmConfig:
+        return self.cfg.algo
+
+    @property
+    def lora(self) -> bool:
+        return self.cfg.lora.rank > 0
+
+
+def check_health(run: Run, step: int, tallies: dict[str, Tally]) -> None:
+    """Stop the run (every rank) when a verifier, reward function, tool or environment has failed
+    on most of its calls for `reward.max_failing_steps` steps in a row."""
+    problem = run.watch.check(step, merge_tallies(tallies, run.scorer.take_tallies()))
+    if global_max(float(problem is not None), run.world) > 0:
+        run.scorer.close()
+        raise FailingSourceError(problem or "a verifier, reward function, tool or environment kept "
+                                 "failing on another rank (its log has the traceback)")
+
+
+def teacher_paths(t) -> list[tuple[str, str]]:
+    """(option, folder) of every teacher model a config names ('self' is the student)."""
+    named = [("teacher.path", t.path)] if t.path and t.path != "self" else []
+    return named + [(f"teacher.domains.{d}", p) for d, p in sorted(t.domains.items())]
+
+
+def load_models(cfg: TrainConfig, ckpt: Path | None, model, tokenizer, teacher):
+    """The policy (from the checkpoint when resuming; LoRA: the base, then its adapters), its
+    tokenizer and the distillation teachers, whose tokenizers are checked before the student's
+    weights load. Returns (model, tokenizer, teachers, the folder the policy came from)."""
+    lora = cfg.lora.rank > 0
+    path = cfg.model.path
+    if model is None:   # (LoRA: the base model never changes; checkpoints hold the adapters)
+        path = ckpt / "model" if ckpt and not lora else resolve_model_path(cfg.model.path,
+                                                                            cfg.model.cache_dir)
+        tokenizer = tokenizer or load_tokenizer(path)
+    teachers = (Teachers(cfg.teacher, tokenizer, cfg.model.cache_dir, teacher)
+                if cfg.algo.advantage in NEEDS_TEACHER else None)
+    if model is None:
+        model = load_policy(path, cfg.model.dtype)
+    elif ckpt is not None and not lora:
+        model.load_state_dict(load_policy(ckpt / "model", cfg.model.dtype).state_dict())
+    if cfg.model.attention != "auto":
+        model.set_attn_implementation(cfg.model.attention)
+    if lora:
+        model = add_lora(model, cfg.lora, ckpt / "adapter" if ckpt else None)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer, teachers, path
+
+
+def reference_model(cfg: TrainConfig, model, run_dir: Path, ckpt: Path | None):
+    """pi_ref: the starting policy, frozen (saved with the first checkpoint, so a resumed run gets
+    the same one). With LoRA it is the policy with its adapters switched off: None, no second copy."""
+    if cfg.lora.rank > 0:
+        return None
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    if ckpt is not None:  # the reference is the *initial* model, saved with the first checkpoint
+        ref_model.load_state_dict(load_policy(run_dir / "reference_model", cfg.model.dtype).state_dict())
+    return ref_model
+
+
+def restore(run: Run, state: dict[str, Any]) -> None:
+    """Optimizer, scheduler, RNG, data position and clock of a checkpoint's trainer state: the
+    run continues as if it had never stopped."""
+    load_optimizer_state(run.model, run.optimizer, state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    restore_rng(state["rng"], run.generator)
+    if run.critic is not None:
+        run.critic.load_optimizer_state(state["critic_optimizer"])
+    run.start_step = state["step"]
+    run.sampler.load_state(state.get("data", {"position": state["data_position"]}))
+    resume_logs(run.logger, state)   # rows a killed run wrote after its checkpoint are redone
+    run.saved_step = state["step"]
+    run.train_seconds, run.resumed = state["train_seconds"], True
+
+
+def checkpoint(run: Run, step: int) -> None:
+    """Save the run at `step` (every rank calls this; rank 0 writes), and pi_ref the first time:
+    it is the starting policy, frozen, which a resumed run must get back."""
+    if step == run.saved_step:
+        return
+    run.saved_step = step
+    ref_dir = run.run_dir / "reference_model"
+    if run.ref_model is not None and run.world.main and not ref_dir.is_dir():
+        tmp = run.run_dir / ".reference_model.tmp"   # renamed into place: never half-written
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_model(run.ref_model, run.tokenizer, tmp)
+        seal(tmp, 0)                                  # durable before the checkpoints rely on it
+        os.replace(tmp, ref_dir)
+        fsync_path(run.run_dir)
+    extra = {"data_position": run.sampler.position, "data": run.sampler.state(),
+             "train_seconds": run.train_seconds,
+             "log_rows": run.logger.line_counts()}
+    if run.critic is not None:
+        extra["critic_optimizer"] = run.critic.optimizer_state()
+    save_checkpoint(run.run_dir, step, run.model, run.tokenizer, run.optimizer, run.scheduler,
+                    run.generator, extra, run.cfg.to_dict(),
+                    extra_models={"critic": run.critic.save} if run.critic is not None else None,
+                    world=run.world, keep=run.cfg.checkpoint.keep)
+
+
+def stopped(run: Run, step: int, summary: dict[str, Any], signal_name: str | None) -> dict[str, Any]:
+    """A signal stopped the run after `step` (its checkpoint is written): summary.json says so and
+    how to continue; no final model, no final evaluation (a pre-empted job has little time)."""
+    run.logger.close()
+    run.scorer.close()
+    summary.update(steps=step, train_minutes=run.train_seconds / 60, stopped_by=signal_name,
+                   resume=resume_command("train", run.run_dir))
+    if run.world.main:
+        (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        log.warning("stopped by %s after step %d; continue with: %s", signal_name, step,
+                    summary["resume"])
+    barrier(run.world)
+    return summary
+
+
+def run_eval(run: Run, step: int, label: str) -> dict[str, Any]:
+    """Held-out accuracy now, logged with the training minutes so far; samples to a file."""
+    t0 = time.perf_counter()
+    # in the weights' own precision (not the sampler's bf16), as a user's model.generate reads it
+    engine = (HFRolloutEngine(run.model, run.tokenizer) if isinstance(run.engine, HFRolloutEngine)
+              else run.engine)
+    with full_weights_for_generation(run.model, run.world):
+        res = evaluate(run.model, run.tokenizer, engine, run.eval_problems, run.scorer,
+                       run.cfg, world=run.world, env=run.env)
+    samples = res.pop("_samples")
+    res["eval/seconds"] = time.perf_counter() - t0
+    res["perf/train_minutes"] = run.train_seconds / 60
+    run.logger.log(step, res)
+    if run.world.main:
+        with open(run.run_dir / "eval_samples.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "label": label, "samples": samples}) + "\n")
+    log.info("eval %s (step %d): accuracy %.3f", label, step, res["eval/accuracy"])
+    return res
+
+
+def finish(run: Run, step: int, summary: dict[str, Any]) -> dict[str, Any]:
+    """Save the final model (a plain HF model: LoRA adapters merged; under FSDP into a CPU copy
+    built from the gathered weights, since peft merges in place and the layers are sharded), the
+    value model, the plot and summary.json."""
+    world, model, tokenizer, run_dir = run.world, run.model, run.tokenizer, run.run_dir
+    summary["steps"] = step
+    summary["train_minutes"] = run.train_seconds / 60
+    t0 = time.perf_counter()
+    if run.lora and world.strategy == "fsdp" and world.distributed:
+        weights = full_state_dict(model, world)
+        model, weights = (merged_lora_copy(model, weights) if world.main else None), None
+    else:
+        if run.lora:
+            model = model.merge_and_unload()
+        weights = full_state_dict(model, world)       # FSDP: gathered from the shards
+    if world.main:
+        save_model(model, tokenizer, run_dir / "final_model", weights)
+    summary["final_model"] = str(run_dir / "final_model")
+    if run.critic is not None:   # a shared value head sits beside the policy it reads
+        value_dir = run_dir / ("final_model" if run.critic.shared else "final_value_model")
+        run.critic.save(value_dir, tokenizer)       # every rank: FSDP gathers the shards
+        summary["value_model"] = str(value_dir)
+    summary["save_s"] = time.perf_counter() - t0
+    run.logger.close()
+    run.scorer.close()
+    if world.main:
+        try:
+            summary["plot"] = str(plot_run(run_dir))
+        except Exception as e:  # noqa: BLE001 - a plotting problem must not lose a finished run
+            log.warning("could not plot the run: %s", e)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    barrier(world)
+    return summary
+
+
+def log_memory_estimate(cfg: TrainConfig, model, world: World) -> None:
+    """The memory this run needs per rank (memory.py), before anything big is allocated."""
+    n_params = sum(p.numel() for p in model.parameters())
+    n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad) if cfg.lora.rank else None
+    log.info("%s", estimate_memory(cfg, model.config, n_params, world.size, n_lora).table())
+
+
+def optimizer_and_schedule(cfg: TrainConfig, model, world: World):
+    """AdamW over the trainable parameters, and its lr schedule over every optimizer step."""
+    o = cfg.optim
+    optimizer = make_adamw([p for p in model.parameters() if p.requires_grad], o.lr,
+                           (o.beta1, o.beta2), o.weight_decay, sharded=world.strategy == "fsdp")
+    scheduler = make_scheduler(optimizer, max(cfg.steps * o.epochs * o.minibatches, 1),
+                               o.warmup_steps, o.schedule)
+    return optimizer, scheduler
+
+
+def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher) -> Run:
+    """Check the inputs (before any model loads), load the policy, pi_ref, teachers and value
+    model, place and wrap them, build the engine and optimizer, and restore a checkpoint."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    generator = seed_everything(cfg.seed)
+    world = init_world(cfg.parallel.strategy)         # torchrun: join the process group
+    check_world(cfg, world)
+    task = build_task(cfg.data)                       # data errors surface before model loading
+    env = make_env(cfg.env, task)                     # so do unknown environments and tools
+    if teacher is None and cfg.algo.advantage in NEEDS_TEACHER:   # so do missing teachers
+        for where, path in teacher_paths(cfg.teacher):
+            check_model_folder(path, where)
+    scorer = Scorer(cfg.reward, task.verifier, cfg.data.system_prompt, cfg.model.autocast)
+    run_dir = Path(resume) if resume else Path(
+        cfg.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    point = resume_point(run_dir) if resume else None   # the newest checkpoint that loads
+    if resume and point is None:
+        raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir}/checkpoints")
+    ckpt, state = point if point is not None else (None, None)
+    model, tokenizer, teachers, path = load_models(cfg, ckpt, model, tokenizer, teacher)
+    env = for_tokenizer(env, tokenizer)               # e.g. the template's tool-call format
+    if world.main:   # created once the inputs have loaded: a refused run leaves no empty folder
+        run_dir.mkdir(parents=True, exist_ok=True)
+    barrier(world)
+    device = device_for(world) if cfg.model.device == "auto" else torch.device(cfg.model.device)
+    model.to(device)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if world.main:
+        log_memory_estimate(cfg, model, world)
+    if teachers is not None:
+        teachers.bind_student(model)
+    algo = cfg.algo
+    uses_ref = "ref_logp" in frozen_inputs(cfg, algo, teachers is not None)   # a KL term reads pi_ref
+    ref_model = reference_model(cfg, model, run_dir, ckpt) if uses_ref else None
+    # PPO's value model (§5), initialised from the policy's starting weights or critic.path
+    critic = (Critic(cfg.critic, model, world, ckpt / "critic" if ckpt is not None else None)
+              if algo.advantage in NEEDS_VALUES else None)
+    if scorer.cfg.model:
+        scorer.reward_model.check_tokenizer(tokenizer)
+        scorer.reward_model.to(device)                # beside the policy (a GPU on a GPU run)
+    model = wrap(model, world)                        # FSDP2: shard the layers, in place
+    engine = make_engine(cfg.rollout.backend, model, tokenizer, cfg.rollout.autocast,
+                         cfg.rollout.weights, **vllm_options(cfg, path, model, world))
+    optimizer, scheduler = optimizer_and_schedule(cfg, model, world)
+    if world.main:   # only rank 0 writes files; every rank computes and reduces the metrics
+        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
+    logger = (MetricsLogger(run_dir, cfg.tensorboard, resume=ckpt is not None) if world.main
+              else NullLogger())
+    log.info("run folder %s; algorithm %s", run_dir, algo)
+    sampler = Sampler(task, cfg.seed, retries=cfg.data.retry_unsolved,
+                      max_waiting=cfg.rollout.prompts_per_step)
+    run = Run(cfg, world, run_dir, model, tokenizer, engine, optimizer, scheduler, sampler,
+              scorer, generator, logger, task.eval_problems, teachers, ref_model, critic,
+              env=env, watch=FailureWatch(cfg.reward.max_failing_steps))
+    if ckpt is not None:
+        restore(run, state)
+    return run
