@@ -54,6 +54,14 @@ def at_step(run: dict, step: int) -> float | None:
     return dict(zip(run["eval_steps"], run["eval_accuracy"])).get(step)
 
 
+def pct_at_step(runs: list[dict], step: int) -> str:
+    """Held-out at `step` over the seeds evaluated there, saying so when not every seed was (a
+    seed whose 10 minutes ended before `step`)."""
+    values = [at_step(r, step) for r in runs]
+    have = sum(v is not None for v in values)
+    return pct(values) + (f" ({have} of {len(runs)} seeds)" if 0 < have < len(runs) else "")
+
+
 def median_step_s(runs: list[dict]) -> float:
     """The median step time over every step of every seed but each run's first (warm-up)."""
     return statistics.median(x for r in runs for x in r["step_s"][1:])
@@ -69,11 +77,104 @@ def preset_row(label: str, runs: list[dict]) -> str:
     seeds, linear between evaluations), each seed's end (steps), at step 30 (per step, whatever
     the machine's speed), the median step time and the 3-digit transfer."""
     at = [pct([at_minutes(r, t) for r in runs]) for t in (2, 5)]
-    step30 = pct([at_step(r, 30) for r in runs])
+    step30 = pct_at_step(runs, 30)
     end = pct([r["eval_accuracy"][-1] for r in runs])
     three = pct([r["final"]["3digit"]["accuracy"] for r in runs])
     return (f"| {label} | {len(runs)} | {at[0]} | {at[1]} | {end} | {per_seed_end(runs)} | {step30} | "
             f"{median_step_s(runs):.1f} | {three} |")
+
+
+DEFAULT = "benchmarks/results/default-2026-12-03"
+
+
+def default_table(root: Path) -> str:
+    """The default job (`posttrain train`, 10 minutes) over its seeds: held-out before training,
+    at steps 30 and 60 and after the 10 minutes, the steps that fit, the 3-digit transfer and
+    the peak resident memory."""
+    runs = load_runs(root / DEFAULT)
+    steps = [r["eval_steps"][-1] for r in runs]
+    return "\n".join([
+        "| held-out accuracy, mean ± sd | step 0 | step 30 | step 60 | **after 10 min** | "
+        "steps in 10 min (median s a step) | 3-digit (never trained) | peak RSS |", "|---" * 8 + "|",
+        f"| the default job ({len(runs)} seeds) | " +
+        " | ".join(pct_at_step(runs, s) for s in (0, 30, 60)) +
+        f" | **{pct([r['eval_accuracy'][-1] for r in runs])}** | "
+        f"{mean_sd(steps, digits=0)} ({median_step_s(runs):.1f} s) | "
+        f"{pct([r['final']['3digit']['accuracy'] for r in runs])} | "
+        f"{max(r['peak_rss_gb'] for r in runs):.1f} GB |",
+        "",
+        f"Per seed after 10 minutes (steps): {per_seed_end(runs)}. Records: "
+        f"`{DEFAULT}/posttrain-s<seed>/bench.json`.",
+    ]) + "\n"
+
+
+OPD = "benchmarks/results/opd-2026-12-04"
+
+
+def opd_table(root: Path) -> str:
+    """On-policy distillation from the default job's seed-0 model: held-out every 2 student
+    steps (mean ± sd over seeds), training minutes, and the default GRPO job at step 30."""
+    runs, teacher = load_runs(root / OPD), load_runs(root / DEFAULT)[0]
+    steps = sorted(set.intersection(*(set(r["eval_steps"]) for r in runs)))
+    return "\n".join([
+        "| run | " + " | ".join(f"step {s}" for s in steps) + " | training minutes | 3-digit |",
+        "|---" * (len(steps) + 3) + "|",
+        f"| OPD ({len(runs)} seeds), teacher {100 * teacher['eval_accuracy'][-1]:.1f}% | " +
+        " | ".join(pct_at_step(runs, s) for s in steps) +
+        f" | {mean_sd([r['eval_minutes'][-1] for r in runs], digits=1)} | "
+        f"{pct([r['final']['3digit']['accuracy'] for r in runs])} |",
+        "",
+        f"Per seed at step {steps[-1]}: " +
+        " / ".join(f"{100 * at_step(r, steps[-1]):.1f}%" for r in runs) +
+        f". The default GRPO job at step 30: {pct([at_step(r, 30) for r in load_runs(root / DEFAULT)])}."
+        f" Records: `{OPD}/posttrain-s<seed>/bench.json` (the teacher: `{DEFAULT}`, seed 0).",
+    ]) + "\n"
+
+
+LORA = "benchmarks/results/lora-2026-12-04"
+
+
+def lora_table(root: Path) -> str:
+    """LoRA adapters (rank 16, lr 1e-4) on the default job beside full fine-tuning (the default
+    job): held-out at steps 10-30 where evaluated, after 10 minutes, steps, peak memory."""
+    lora, full = load_runs(root / LORA), load_runs(root / DEFAULT)
+    meta = json.loads((root / LORA / "meta.json").read_text())
+
+    def row(label: str, runs: list[dict]) -> str:
+        return (f"| {label} | {len(runs)} | {pct_at_step(runs, 30)} | "
+                f"**{pct([r['eval_accuracy'][-1] for r in runs])}** | "
+                f"{mean_sd([r['eval_steps'][-1] for r in runs], digits=0)} "
+                f"({median_step_s(runs):.1f} s) | {max(r['peak_rss_gb'] for r in runs):.2f} GB |")
+    return "\n".join([
+        "| run | seeds | held-out step 30 | **after 10 min** | steps (median s a step) | peak RSS |",
+        "|---" * 6 + "|",
+        row(f"LoRA (`{' '.join(meta['overrides'])}`)", lora),
+        row("full fine-tuning (the default job)", full),
+        "",
+        f"Records: `{LORA}/posttrain-s<seed>/bench.json`, `{DEFAULT}/posttrain-s<seed>/bench.json`.",
+    ]) + "\n"
+
+
+PRESETS = ("benchmarks/results/presets-2026-12-02", "benchmarks/results/presets-2026-12-04")
+PRESET_LABELS = {
+    "reinforce": "REINFORCE (batch-mean baseline, sum over tokens)",
+    "dr_grpo": "Dr. GRPO (no std, constant normaliser)",
+    "dapo": "DAPO (Clip-Higher, dynamic sampling, overlong shaping)",
+    "ppo": "PPO (value model, GAE, 2 minibatches)",
+}
+
+
+def presets_table(root: Path) -> str:
+    """The lecture's presets on the default task, 10 minutes, each seed on record."""
+    lines = ["| preset | seeds | held-out 2 min | 5 min | after 10 min | per seed after 10 min "
+             "(steps) | step 30 | s/step (median) | 3-digit |", "|---" * 9 + "|"]
+    for name, label in PRESET_LABELS.items():   # a preset's seeds, pooled over the days they ran
+        runs = [r for folder in PRESETS if (root / folder / name).is_dir()
+                for r in load_runs(root / folder / name)]
+        lines.append(preset_row(label, sorted(runs, key=lambda r: r["seed"])))
+    lines.append(f"\nRecords: `{'`, `'.join(PRESETS)}`, each `<preset>/posttrain-s<seed>/bench.json` "
+                 "(each folder's `meta.json` has the options it ran with).")
+    return "\n".join(lines) + "\n"
 
 
 OBJECTIVES = "benchmarks/results/objectives-2026-12-03"
@@ -128,6 +229,8 @@ def perstep_table(root: Path) -> str:
 
 
 TABLES: dict[str, Callable[[Path], str]] = {
+    "default": default_table, "presets": presets_table, "opd": opd_table,
+    "lora": lora_table,
     "objectives": objectives_table, "perstep": perstep_table,
 }
 
