@@ -33,11 +33,8 @@ Runs already finished in OUT are reused, so an interrupted benchmark continues w
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -48,6 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from step_time import MALLOC_ENV, ensure_trl_venv  # noqa: E402
+from posttrain.provenance import provenance as record_provenance  # noqa: E402
 
 RECIPE = dict(prompts=16, group=4, lr=2e-5, max_new_tokens=24, threads=2)
 
@@ -133,23 +131,8 @@ def run_posttrain(out: Path, seed: int, steps: int, eval_every: int, overrides: 
 
 
 def provenance(cmd: list[str]) -> dict:
-    """What a record needs to be checked: the command, the commit (and whether the code, the
-    package or the benchmarks, had uncommitted changes), the packages, the machine and the date."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
-                 platform.processor())
-    return {
-        "command": " ".join(["posttrain", *cmd[3:]]),
-        "commit": git("rev-parse", "HEAD"),
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--",
-                          "posttrain", "benchmarks", "pyproject.toml")),
-        "versions": {name: importlib.metadata.version(name)
-                     for name in ("posttrain", "torch", "transformers")},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu": model},
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+    """The record's provenance (posttrain/provenance.py) for a `posttrain train` command line."""
+    return record_provenance(" ".join(["posttrain", *cmd[3:]]))
 
 
 def heldout_of(model_dir: Path) -> dict:

@@ -228,7 +228,78 @@ def perstep_table(root: Path) -> str:
     ]) + "\n"
 
 
+LECTURE = "benchmarks/results/lecture-2026-12-04"
+
+
+def lecture_numbers(root: Path, name: str) -> dict:
+    """One experiment's numbers and its wall time (`posttrain experiment NAME` writes NAME.json)."""
+    record = json.loads((root / LECTURE / f"{name}.json").read_text())
+    return {**record["numbers"], "wall_min": record["wall_s"] / 60}
+
+
+def pm(value: float | None, se: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f} ± {se:.{digits}f}"
+
+
+def lecture_baselines_table(root: Path) -> str:
+    """Each baseline's gradient variance and its expectation against no baseline."""
+    n = lecture_numbers(root, "baselines")
+    lines = ["| advantage | tr Cov(g), relative to none | variance reduction | E[g] along E[g_none] "
+             "(± SE) | theory | cosine of E[g] with E[g_none] (± SE) |", "|---" * 6 + "|"]
+    none = n["arms"]["none"]["variance"]
+    for arm, a in n["arms"].items():
+        theory = "-" if a["expected_scale"] is None else f"{a['expected_scale']:.3f}"
+        lines.append(f"| {arm} | {a['variance'] / none:.3f} | {a['variance_reduction']:.1f}x | "
+                     f"{pm(a['scale'], a['scale_se'])} | {theory} | "
+                     f"{pm(a['cosine'], a['cosine_se'])} |")
+    return "\n".join([*lines, "", f"{n['batches']} batches of {n['answers_per_batch']} answers "
+                       f"(groups of {n['group_size']}), mean reward {n['mean_reward']:.3f}, "
+                       f"{100 * n['all_equal_groups']:.0f}% of groups all-equal; "
+                       f"{n['wall_min']:.1f} minutes. Record: `{LECTURE}/baselines.json`."]) + "\n"
+
+
+def lecture_is_table(root: Path) -> str:
+    """The drift from pi_old over epochs on one batch, with and without the clip."""
+    n = lecture_numbers(root, "importance-sampling")
+    arms = list(n["arms"])
+    epochs = sorted({0, 1, 2, 4, 8, n["epochs"]} & set(range(n["epochs"] + 1)))
+    cols = ["KL(pi_old‖pi)", "ratio sd", "outside band", "ESS"]
+    lines = ["| epochs done | " + " | ".join(f"{arm}: {c}" for arm in arms for c in cols) + " |",
+             "|---" * (1 + len(cols) * len(arms)) + "|"]
+    for e in epochs:
+        cells = []
+        for arm in arms:
+            r = n["arms"][arm][e]
+            cells += [f"{r['approx_kl_old']:.4f}", f"{r['ratio_sd']:.3f}",
+                      f"{100 * r['outside_band']:.1f}%", f"{100 * r['ess_share']:.0f}%"]
+        lines.append(f"| {e} | " + " | ".join(cells) + " |")
+    return "\n".join([*lines, "", f"One batch of {n['answers']} answers ({n['tokens']} tokens, "
+                       f"{n['answers_with_signal']} with a non-zero advantage), lr {n['lr']:g}, "
+                       f"clip band {n['clip_band'][0]:.1f}-{n['clip_band'][1]:.1f}; "
+                       f"{n['wall_min']:.1f} minutes. "
+                       f"Record: `{LECTURE}/importance-sampling.json`."]) + "\n"
+
+
+def lecture_kl_table(root: Path) -> str:
+    """Each KL estimator's value against the exact KL, and where its gradient points."""
+    n = lecture_numbers(root, "kl-estimators")
+    lines = ["| drift | exact KL(pi‖ref) per token | estimator | bias of the value (± SE) | sd per "
+             "token | a: grad KL(pi‖ref) (± SE) | b: grad KL(ref‖pi) (± SE) |", "|---" * 7 + "|"]
+    for drift, row in n["drifts"].items():
+        for name, e in row["estimators"].items():
+            lines.append(f"| {drift} | {row['exact_reverse_kl']:.4f} | {name} | "
+                         f"{pm(e['bias'], e['bias_se'], 4)} | {e['sd_per_token']:.4f} | "
+                         f"{pm(e['coef_reverse'], e['coef_reverse_se'], 2)} | "
+                         f"{pm(e['coef_forward'], e['coef_forward_se'], 2)} |")
+    tokens = next(iter(n["drifts"].values()))["tokens"]
+    return "\n".join([*lines, "", f"{n['batches']} batches of {n['answers_per_batch']} answers "
+                       f"({tokens} tokens); {n['wall_min']:.1f} minutes. "
+                       f"Record: `{LECTURE}/kl-estimators.json`."]) + "\n"
+
+
 TABLES: dict[str, Callable[[Path], str]] = {
+    "lecture-baselines": lecture_baselines_table, "lecture-is": lecture_is_table,
+    "lecture-kl": lecture_kl_table,
     "default": default_table, "presets": presets_table, "opd": opd_table,
     "lora": lora_table,
     "objectives": objectives_table, "perstep": perstep_table,

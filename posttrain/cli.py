@@ -198,6 +198,16 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_experiment(args: argparse.Namespace, overrides: list[str]) -> int:
+    from posttrain.experiments.common import run_experiment
+
+    out = args.out or Path("runs") / "experiments" / args.name
+    res = run_experiment(args.name, overrides, out, args.repeats, not args.no_progress,
+                         args.command_line)
+    print(json.dumps({k: res[k] for k in ("record", "figure", "seconds")}, indent=2))
+    return 0
+
+
 def cmd_prepare_model(args: argparse.Namespace, overrides: list[str]) -> int:
     from posttrain.models import prepare_embedded
     print(prepare_embedded(args.cache_dir))
@@ -221,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     # no prefix abbreviations anywhere: a mistyped option is refused, never read as another one
     _add_parser = sub.add_parser
     sub.add_parser = lambda *a, **kw: _add_parser(*a, allow_abbrev=False, **kw)
-    for add in (_add_train, _add_eval, _add_stages, _add_generate, _add_tools):
+    for add in (_add_train, _add_eval, _add_stages, _add_generate, _add_experiment, _add_tools):
         add(sub)
     return parser
 
@@ -287,6 +297,22 @@ def _add_generate(sub) -> None:
     p.set_defaults(fn=cmd_generate)
 
 
+def _add_experiment(sub) -> None:
+    from posttrain.experiments import EXPERIMENTS
+
+    p = sub.add_parser("experiment", help="one of the lecture's claims, measured "
+                       "(docs/lecture-reproduced.md)",
+                       epilog="Any config field can follow as an override of the default recipe, "
+                       "e.g. --model.path DIR --rollout.prompts_per_step 8.")
+    p.add_argument("name", choices=sorted(EXPERIMENTS))
+    p.add_argument("--out", type=Path, help="folder for NAME.json and NAME.png "
+                   "(default runs/experiments/NAME)")
+    p.add_argument("--repeats", type=int, help="batches (or points) to measure over "
+                   "(default: the experiment's own)")
+    _add_no_progress(p)
+    p.set_defaults(fn=cmd_experiment)
+
+
 def _add_tools(sub) -> None:
     p = sub.add_parser("prepare-model", help="convert the embedded SmolLM2 GGUF once into the cache")
     p.add_argument("--model.cache_dir", dest="cache_dir",
@@ -312,9 +338,10 @@ def _own_flags(parser: argparse.ArgumentParser, command: str) -> tuple[str, ...]
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    args.command_line = " ".join(["posttrain", *(sys.argv[1:] if argv is None else argv)])
     _setup_logging(args.verbose or getattr(args, "no_progress", False))
     try:
-        if args.fn in (cmd_train, cmd_eval, cmd_generate):   # the rest are config overrides
+        if args.fn in (cmd_train, cmd_eval, cmd_generate, cmd_experiment):   # the rest are config overrides
             check_option_names(rest, TrainConfig, _own_flags(parser, args.command))
         elif args.fn in (cmd_prepare_model, cmd_plot) and rest:
             raise ConfigError(f"unexpected arguments {' '.join(rest)} (every option: "

@@ -49,3 +49,22 @@ def test_an_edited_record_changes_its_table(tmp_path, name, record):
     path.write_text(json.dumps(run))
     after = tables.TABLES[name](tmp_path)
     assert after != before and "12.3" in after and "12.3" not in before
+
+
+@pytest.mark.parametrize("name, record, edit", [
+    ("lecture-baselines", "baselines.json", lambda n: n["arms"]["group_mean"].update(scale=0.123)),
+    ("lecture-is", "importance-sampling.json", lambda n: n["arms"]["clipped"][16].update(ratio_sd=0.123)),
+    ("lecture-kl", "kl-estimators.json", lambda n: n["drifts"]["0.08"]["estimators"]["k3"].update(
+        coef_forward=0.123)),
+])
+def test_an_edited_experiment_record_changes_its_table(tmp_path, name, record, edit):
+    """The lecture experiments' tables are read from `posttrain experiment`'s records too."""
+    tables = _tables()
+    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    before = tables.TABLES[name](tmp_path)
+    path = tmp_path / tables.LECTURE / record
+    data = json.loads(path.read_text())
+    edit(data["numbers"])
+    path.write_text(json.dumps(data))
+    after = tables.TABLES[name](tmp_path)
+    assert after != before and "0.12" in after and "0.123" not in before

@@ -19,7 +19,7 @@ PACKAGE = ROOT / "posttrain"
 # never from a layer above (and never in a cycle, even within a layer).
 LAYERS = [
     ["registry", "perf", "data.tasks", "recipes", "errors", "checks", "envs.sandbox", "health",
-     "usercode"],                                                            # plain Python
+     "usercode", "provenance"],                                                            # plain Python
     ["losses", "advantages", "data", "data.files", "data.preferences", "data.gym", "rollout.base",
      "envs.base"],                                                           # math, data
     ["presets", "config", "options"],                                        # typed configs
@@ -31,8 +31,10 @@ LAYERS = [
     ["rewards", "rewards.model", "teachers", "critic", "evaluation", "collect"],  # scores, teachers
     ["update"],                                                              # the policy update
     ["stages", "stages.common", "train_run"],                                # one run's lifecycle
-    ["trainer", "stages.sft", "stages.preference", "stages.generate"],       # the loops
-    ["stages.reward_model"],                                                 # (reads preference's)
+    ["trainer", "stages.sft", "stages.preference", "stages.generate",        # the loops
+     "experiments", "experiments.common"],                                   # (and their measures)
+    ["stages.reward_model", "experiments.baselines", "experiments.kl_estimators",
+     "experiments.importance_sampling"],                                     # (read the layer above)
     ["cli", ""],                                                             # entry points
 ]
 

@@ -193,7 +193,14 @@ def test_a_training_run_scores_hostile_answers_and_rewards_and_finishes(tmp_path
     summary = train(cfg, model=model, tokenizer=tokenizer, show_progress=False)
     assert summary["steps"] == 2 and not marker.exists()
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert [r["reward/failures_error"] for r in rows if "reward/mean" in r] == [16.0, 16.0]
+    steps = [r for r in rows if "reward/mean" in r]
+    # every call of the two failing functions (8 answers each) is counted as a failure: mostly
+    # errors, but returns_huge building its 160 MB list can pass the 1 s timeout on a loaded
+    # machine (a full suite on 2 cores), and is then counted as a timeout
+    failed = [sum(r.get(f"reward/failures_{k}", 0) for k in ("error", "timeout", "crash"))
+              for r in steps]
+    assert failed == [16, 16]
+    assert all(r["reward/failures_error"] >= 8 for r in steps)   # raises_unpicklable: always
     assert [r["reward/accuracy"] for r in rows if "reward/mean" in r] == [0.0, 0.0]
     time.sleep(0.2)
     assert not sleepers()

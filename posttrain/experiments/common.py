@@ -1,0 +1,137 @@
+"""What every experiment shares: the run it measures on, a batch from the real sampler and
+scorer, a flat gradient, a count sketch of it, mean and spread, and the record it writes."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from posttrain.batch import ScoredBatch
+from posttrain.collect import generate_and_score
+from posttrain.config import ConfigError, TrainConfig
+from posttrain.experiments import EXPERIMENTS
+from posttrain.options import DEFAULT_RECIPE, load_config, recipe_path
+from posttrain.perf import tune_malloc
+from posttrain.provenance import provenance
+from posttrain.train_run import Run, setup
+
+log = logging.getLogger("posttrain")
+
+
+def experiment_module(name: str):
+    """The module of experiment `name` (an unknown name is refused with the known ones)."""
+    if name not in EXPERIMENTS:
+        raise ConfigError(f"unknown experiment {name!r}; known: {', '.join(sorted(EXPERIMENTS))}")
+    return importlib.import_module(f"posttrain.experiments.{EXPERIMENTS[name]}")
+
+
+def experiment_config(module, overrides: list[str], out: Path) -> TrainConfig:
+    """The default recipe, the experiment's own changes, then the user's (the user's win)."""
+    fixed = ["--run_dir", str(out / "run"), "--tensorboard", "false", "--eval_every", "0"]
+    return load_config(recipe_path(DEFAULT_RECIPE), [*module.OVERRIDES, *overrides, *fixed])
+
+
+def sample_batch(run: Run) -> ScoredBatch:
+    """One step's batch as training would draw it: P prompts x G answers, scored."""
+    batch, _ = generate_and_score(run.engine, run.tokenizer, run.sampler, run.scorer, run.cfg,
+                                  run.algo, run.generator, Counter(), run.world, run.env)
+    return batch
+
+
+def progress_range(n: int, desc: str, progress: bool):
+    """range(n) with a progress bar, or (--no-progress) a log line as each item starts."""
+    if progress:
+        yield from tqdm(range(n), desc=desc, dynamic_ncols=True)
+        return
+    for i in range(n):
+        log.info("%s: %d/%d", desc, i + 1, n)
+        yield i
+
+
+def flat_grad(model) -> Tensor:
+    """Every trainable parameter's .grad in one float32 vector (zeros where none), then cleared."""
+    parts = []
+    for p in model.parameters():
+        if p.requires_grad:
+            parts.append(torch.zeros(p.numel()) if p.grad is None else p.grad.detach().flatten().float())
+            p.grad = None
+    return torch.cat(parts)
+
+
+class CountSketch:
+    """x (D,) -> S x (R,): coordinate d added, with a random sign s_d, into bucket d mod R.
+    Inner products are kept in expectation over the signs, E[<Sx, Sy>] = <x, y> (E[s_d s_e] = 0
+    for d != e), with an error of about |x| |y| / sqrt(R): K gradients of a 135M-parameter model
+    fit in memory as K x R numbers. (Hand-written, being a multiply and a sum: no well-kept
+    library ships one for torch; fixed buckets keep it one vectorised pass, not a scatter.)"""
+
+    def __init__(self, dim: int, buckets: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.dim, self.buckets = dim, buckets
+        padded = -(-dim // buckets) * buckets
+        self.sign = torch.randint(0, 2, (padded,), generator=g).float() * 2 - 1
+        self.sign[dim:] = 0.0
+
+    def __call__(self, x: Tensor) -> Tensor:
+        signed = self.sign.clone()
+        signed[: self.dim] *= x.float()
+        return signed.view(-1, self.buckets).sum(0, dtype=torch.float64)
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and its standard error (sd / sqrt(n); 0 for a single value)."""
+    n = len(values)
+    m = sum(values) / n
+    if n < 2:
+        return m, 0.0
+    return m, math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1) / n)
+
+
+def jackknife(leave_outs: Tensor) -> Tensor | float:
+    """The jackknife standard error of a statistic from its K leave-one-out values (K, ...)."""
+    k = len(leave_outs)
+    se = ((k - 1) / k * ((leave_outs - leave_outs.mean(0)) ** 2).sum(0)).sqrt()
+    return float(se) if se.dim() == 0 else se
+
+
+def write_record(out: Path, name: str, numbers: dict[str, Any], command: str,
+                 seconds: float) -> Path:
+    """out/NAME.json: the numbers, the wall time and the provenance."""
+    path = out / f"{name}.json"
+    record = {"experiment": name, "numbers": numbers, "wall_s": round(seconds, 1),
+              "provenance": provenance(command)}
+    path.write_text(json.dumps(record, indent=1))
+    return path
+
+
+def run_experiment(name: str, overrides: list[str], out: Path, repeats: int | None,
+                   progress: bool, command: str) -> dict[str, Any]:
+    """Set up the run, measure, write out/NAME.json and out/NAME.png; return the record."""
+    module = experiment_module(name)
+    cfg = experiment_config(module, overrides, out)   # refused before any model loads
+    repeats = module.REPEATS if repeats is None else repeats
+    if repeats < module.MIN_REPEATS:
+        raise ConfigError(f"--repeats {repeats}: experiment {name} needs at least "
+                          f"{module.MIN_REPEATS}")
+    out.mkdir(parents=True, exist_ok=True)   # (after the checks: a refused run leaves no folder)
+    if module.KEEP_FREED_MEMORY:   # same-sized buffers every batch: reuse them, no page faults
+        tune_malloc()
+    t0 = time.perf_counter()
+    run = setup(cfg, None, None, None, None)
+    numbers = module.run(run, out, repeats, progress)
+    seconds = time.perf_counter() - t0
+    record = write_record(out, name, numbers, command, seconds)
+    figure = module.plot(numbers, out / f"{name}.png")
+    log.info("%s: %s and %s in %.0f s", name, record, figure, seconds)
+    return {"record": str(record), "figure": str(figure), "seconds": round(seconds, 1),
+            "numbers": numbers}
