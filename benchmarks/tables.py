@@ -155,6 +155,8 @@ def lora_table(root: Path) -> str:
     ]) + "\n"
 
 
+PRESET_HEADER = ("| preset | seeds | held-out 2 min | 5 min | after 10 min | per seed after 10 min "
+                 "(steps) | step 30 | s/step (median) | 3-digit |", "|---" * 9 + "|")
 PRESETS = ("benchmarks/results/presets-2026-12-02", "benchmarks/results/presets-2026-12-04")
 PRESET_LABELS = {
     "reinforce": "REINFORCE (batch-mean baseline, sum over tokens)",
@@ -166,8 +168,7 @@ PRESET_LABELS = {
 
 def presets_table(root: Path) -> str:
     """The lecture's presets on the default task, 10 minutes, each seed on record."""
-    lines = ["| preset | seeds | held-out 2 min | 5 min | after 10 min | per seed after 10 min "
-             "(steps) | step 30 | s/step (median) | 3-digit |", "|---" * 9 + "|"]
+    lines = list(PRESET_HEADER)
     for name, label in PRESET_LABELS.items():   # a preset's seeds, pooled over the days they ran
         runs = [r for folder in PRESETS if (root / folder / name).is_dir()
                 for r in load_runs(root / folder / name)]
@@ -188,8 +189,7 @@ OBJECTIVE_LABELS = {
 
 def objectives_table(root: Path) -> str:
     """The field's current objectives on the default task, 4 minibatches, 10 minutes."""
-    lines = ["| preset | seeds | held-out 2 min | 5 min | after 10 min | per seed after 10 min "
-             "(steps) | step 30 | s/step (median) | 3-digit |", "|---" * 9 + "|"]
+    lines = list(PRESET_HEADER)
     runs_with = []
     for name, label in OBJECTIVE_LABELS.items():
         lines.append(preset_row(label, load_runs(root / OBJECTIVES / name)))
