@@ -7,12 +7,13 @@ scales the expectation by (1 - 1/n) for a mean over n rewards; leave-one-out (RL
 
 Method: draw the recipe's batches (16 prompts x 4 answers, sampled from the real policy), and
 for each batch compute the policy gradient of (1/B) sum_i A_i log pi(y_i) with A from each arm:
-no baseline, batch mean, group mean, leave-one-out, and GRPO's group-standardised advantage (not
-a baseline: it rescales each group). Every gradient (all 135M coordinates) is kept as a count
-sketch; over the batches come each arm's total variance tr Cov(g), and its expected gradient
-against the no-baseline one: the scale s = <E g_arm, E g_none> / |E g_none|^2 and the cosine
-between the two expectations, both estimated without the noise bias (products of different
-batches only), with jackknife standard errors over batches.
+no baseline, no baseline on rewards shifted by +1 (a common offset), batch mean, group mean,
+leave-one-out, and GRPO's group-standardised advantage (not a baseline: it rescales each group).
+Every gradient (all 135M coordinates) is kept as a count sketch; over the batches come each
+arm's total variance tr Cov(g), and its expected gradient against the no-baseline one: the scale
+s = <E g_arm, E g_none> / |E g_none|^2 and the cosine between the two expectations, both
+estimated without the noise bias (products of different batches only), with jackknife standard
+errors over batches.
 """
 
 from __future__ import annotations
@@ -38,14 +39,21 @@ REPEATS = 16            # batches
 KEEP_FREED_MEMORY = True
 MIN_REPEATS = 3         # the cross-batch products and the jackknife need 3
 SKETCH = 2 ** 20
-ARMS = {"none": reinforce_advantage, "batch_mean": batch_mean_baseline_advantage,
+def offset_rewards(rewards_P_G: Tensor) -> Tensor:
+    """No baseline on rewards that share an offset (+1: a bonus every answer earns). The
+    expected gradient is the same, E[grad log pi] = 0; every baseline subtracts the offset."""
+    return reinforce_advantage(rewards_P_G + 1.0)
+
+
+ARMS = {"none": reinforce_advantage, "none_reward_plus_1": offset_rewards,
+        "batch_mean": batch_mean_baseline_advantage,
         "group_mean": group_mean_baseline_advantage, "leave_one_out": rloo_advantage,
         "grpo_std": grpo_advantage}
 
 
 def expected_scale(arm: str, batch_size: int, group_size: int) -> float | None:
     """What theory says E[g_arm] is, as a multiple of E[g_none] (None: no such multiple)."""
-    return {"none": 1.0, "batch_mean": 1 - 1 / batch_size, "group_mean": 1 - 1 / group_size,
+    return {"none": 1.0, "none_reward_plus_1": 1.0, "batch_mean": 1 - 1 / batch_size, "group_mean": 1 - 1 / group_size,
             "leave_one_out": 1.0}.get(arm)
 
 
@@ -148,6 +156,8 @@ def plot(numbers: dict, path):
     axes[1].axhline(1, color="k", lw=0.5)
     axes[1].set_title("E[g_arm] along E[g_none] (scale)")
     axes[1].legend()
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=25)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
