@@ -11,7 +11,7 @@ from tests.conftest import make_tiny_model
 from posttrain.cli import main
 from posttrain.experiments import EXPERIMENTS
 from posttrain.experiments.baselines import arm_statistics, expected_scale, off_diagonal_sums
-from posttrain.experiments.common import CountSketch, jackknife, mean_se
+from posttrain.experiments.common import CountSketch, experiment_module, jackknife, mean_se
 from posttrain.experiments.importance_sampling import drift
 from posttrain.experiments.kl_estimators import (answer_products, drifted_copy, logit_gradients,
                                                  regression)
@@ -138,6 +138,7 @@ def test_each_experiment_writes_its_record_and_figure(name, tiny_dir, tmp_path, 
     printed = json.loads(capsys.readouterr().out)
     record = json.loads((out / f"{name}.json").read_text())
     assert printed["record"] == str(out / f"{name}.json") and (out / f"{name}.png").stat().st_size > 10_000
+    assert record["claim"] == experiment_module(name).CLAIM
     assert record["experiment"] == name and record["provenance"]["command"].startswith(
         f"posttrain experiment {name}")
     assert record["numbers"]

@@ -104,11 +104,11 @@ def jackknife(leave_outs: Tensor) -> Tensor | float:
     return float(se) if se.dim() == 0 else se
 
 
-def write_record(out: Path, name: str, numbers: dict[str, Any], command: str,
+def write_record(out: Path, name: str, claim: str, numbers: dict[str, Any], command: str,
                  seconds: float) -> Path:
-    """out/NAME.json: the numbers, the wall time and the provenance."""
+    """out/NAME.json: the claim tested, the numbers, the wall time and the provenance."""
     path = out / f"{name}.json"
-    record = {"experiment": name, "numbers": numbers, "wall_s": round(seconds, 1),
+    record = {"experiment": name, "claim": claim, "numbers": numbers, "wall_s": round(seconds, 1),
               "provenance": provenance(command)}
     path.write_text(json.dumps(record, indent=1))
     return path
@@ -130,7 +130,7 @@ def run_experiment(name: str, overrides: list[str], out: Path, repeats: int | No
     run = setup(cfg, None, None, None, None)
     numbers = module.run(run, out, repeats, progress)
     seconds = time.perf_counter() - t0
-    record = write_record(out, name, numbers, command, seconds)
+    record = write_record(out, name, module.CLAIM, numbers, command, seconds)
     figure = module.plot(numbers, out / f"{name}.png")
     log.info("%s: %s and %s in %.0f s", name, record, figure, seconds)
     return {"record": str(record), "figure": str(figure), "seconds": round(seconds, 1),
