@@ -34,11 +34,13 @@ class ScoredBatch:
     # for the same tokens (ratios, advantages, KL and the truncated IS weights use them)
     trainer_old_logp_B_T: Tensor | None = None
     transcripts: list[str] | None = None  # multi-turn: each whole episode as text (logs)
+    reward_parts: list[dict[str, float]] | None = None   # each reward by source (RewardResult.parts_B)
     # the advantages stage (§2-§8): A_t per response token; PPO also V_old and the GAE returns
     # the value model regresses on (§5)
     adv_B_T: Tensor | None = None
     old_values_B_T: Tensor | None = None
     returns_B_T: Tensor | None = None
+    token_rewards_B_T: Tensor | None = None   # PPO: the per-token rewards GAE read (§5)
 
     def __post_init__(self) -> None:
         """Every per-token log-prob holds 0 past each response's end and on the tokens an

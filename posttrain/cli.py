@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+import threading
 from dataclasses import asdict
 from pathlib import Path
 
@@ -220,6 +221,28 @@ def cmd_plot(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_view(args: argparse.Namespace, overrides: list[str]) -> int:
+    from posttrain.view.server import check_runs, serve
+
+    runs = check_runs(args.runs)   # (a folder that is no run: one line, before a port is taken)
+    try:
+        server = serve(runs, args.host, args.port, background=True)
+    except OSError as e:
+        raise ValueError(f"posttrain view: cannot listen on {args.host}:{args.port} ({e.strerror}); "
+                         "choose another with --port") from None
+    host, port = server.server_address[:2]
+    url = f"http://{'localhost' if host in ('127.0.0.1', '0.0.0.0') else host}:{port}/"
+    print(f"posttrain view: {len(runs)} run(s) at {url}  (Ctrl-C stops)", flush=True)
+    if args.open:
+        import webbrowser
+        webbrowser.open(url)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        server.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="posttrain", description="Post-train language models with RL (REINFORCE, RLOO, PPO, "
@@ -321,6 +344,14 @@ def _add_tools(sub) -> None:
     p = sub.add_parser("plot", help="(re)draw training_curves.png of a run folder")
     p.add_argument("run_dir")
     p.set_defaults(fn=cmd_plot)
+    p = sub.add_parser("view", help="a local web page over run folders: curves, rollouts token by "
+                       "token, held-out answers (docs/viewer.md)")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders (several: curves overlaid)")
+    p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0: any free one)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--open", action="store_true", help="open the page in the default browser")
+    p.set_defaults(fn=cmd_view)
 
 
 def _add_no_progress(p: argparse.ArgumentParser) -> None:
@@ -343,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.fn in (cmd_train, cmd_eval, cmd_generate, cmd_experiment):   # the rest are config overrides
             check_option_names(rest, TrainConfig, _own_flags(parser, args.command))
-        elif args.fn in (cmd_prepare_model, cmd_plot) and rest:
+        elif args.fn in (cmd_prepare_model, cmd_plot, cmd_view) and rest:
             raise ConfigError(f"unexpected arguments {' '.join(rest)} (every option: "
                               f"posttrain {args.command} --help)")
         return args.fn(args, rest)

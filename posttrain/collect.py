@@ -79,8 +79,8 @@ def sample_and_score_round(engine: RolloutEngine, tokenizer, sampler: Sampler, s
     if tallies is not None:   # the environment's and its tools' failures (FailureWatch)
         tallies.update(merge_tallies(tallies, episodes.tallies()))
     per_response = [p for p in problems for _ in range(G)]
-    result, rewards, correct = score_round(episodes, per_response, scorer, sampler, cfg, algo,
-                                           world, stats)
+    result, rewards, correct, parts = score_round(episodes, per_response, scorer, sampler, cfg,
+                                                  algo, world, stats)
     timings["generate"] += t1 - t0
     timings["reward"] += time.perf_counter() - t1
     multi_turn = env.max_turns > 1
@@ -88,7 +88,7 @@ def sample_and_score_round(engine: RolloutEngine, tokenizer, sampler: Sampler, s
         stats.update(episodes.metrics())
     batch = ScoredBatch(episodes.rollout, per_response, episodes.completions, rewards, correct,
                         loss_mask(episodes.rollout, algo),
-                        transcripts=episodes.transcripts if multi_turn else None)
+                        transcripts=episodes.transcripts if multi_turn else None, reward_parts=parts)
     if first:
         first_stats = {"rollout/equal_groups_frac": equal_reward_groups(batch.rewards_P_G).float().mean(),
                        "reward/generated_mean": rewards.mean()}
@@ -122,19 +122,27 @@ def informative_groups(kept: list[tuple[int, ScoredBatch]], n_kept: int, first: 
 
 def score_round(episodes: Episodes, per_response: list[Problem], scorer: Scorer, sampler: Sampler,
                 cfg: TrainConfig, algo: AlgorithmConfig, world: World, stats: Counter):
-    """A round's rewards (verifier, reward functions, the environment's, DAPO's overlong shaping)
-    and verdicts; the prompts to ask again go to the sampler, failed calls to `stats`."""
+    """A round's rewards (verifier, reward functions, the environment's, DAPO's overlong shaping),
+    verdicts and each reward's parts by source; the prompts to ask again go to the sampler,
+    failed calls to `stats`."""
     rollout = episodes.rollout
     result = scorer(per_response, episodes.completions)
     rewards, correct = episode_rewards(result, episodes, rollout.response_mask_B_T.device)
+    parts = [dict(p) for p in result.parts_B]
+    if episodes.env_rewards_B.abs().sum() > 0:
+        for part, r in zip(parts, episodes.env_rewards_B.tolist()):
+            part["environment"] = r
     report_solved(sampler, correct, cfg.rollout.group_size, cfg.data.retry_if, world, stats)
     if algo.overlong == "shape":
         # (an episode: its longest turn, the part max_new_tokens cuts; never the environment's tokens)
-        rewards = rewards + overlong_penalty(rollout.longest_turn_B, cfg.rollout.max_new_tokens,
-                                             algo.overlong_buffer, algo.overlong_penalty)
+        penalty = overlong_penalty(rollout.longest_turn_B, cfg.rollout.max_new_tokens,
+                                   algo.overlong_buffer, algo.overlong_penalty)
+        rewards = rewards + penalty
+        for part, r in zip(parts, penalty.tolist()):
+            part["overlong"] = r
     for k, v in result.failures.items():
         stats[f"reward/failures_{k}"] += v
-    return result, rewards, correct
+    return result, rewards, correct, parts
 
 
 def report_solved(sampler: Sampler, correct_B: Tensor, G: int, retry_if: str, world: World,

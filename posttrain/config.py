@@ -363,6 +363,8 @@ class TrainConfig:
     eval_batch_size: int = 100          # held-out problems per generation batch
     checkpoint: CheckpointConfig = CheckpointConfig()
     log_samples: int = 2                # completions printed per step with --verbose
+    log_tokens: int = 8                 # responses a step whose per-token numbers are recorded
+                                        # (tokens/*.parquet, `posttrain view`; whole groups; 0: none)
     tensorboard: bool = True            # also write TensorBoard events when it is installed
 
     @property
@@ -380,7 +382,8 @@ class TrainConfig:
                         self.critic, self.lora, self.reward, self.env):
             section.validate()
         check_range("steps", self.steps, 0)
-        for name, lo in (("eval_every", 0), ("eval_batch_size", 1), ("log_samples", 0)):
+        for name, lo in (("eval_every", 0), ("eval_batch_size", 1), ("log_samples", 0),
+                         ("log_tokens", 0)):
             check_range(name, getattr(self, name), lo)
         if self.max_minutes is not None:
             check_range("max_minutes", self.max_minutes, 0.0, lo_open=True)

@@ -76,5 +76,5 @@ def evaluate(model, tokenizer, engine: RolloutEngine, problems: list[Problem], s
     if env.max_turns > 1:   # per held-out episode: turns, tool calls, malformed calls, ...
         out.update({f"eval/{k}": v / episodes_here for k, v in sorted(counts.items())})
     out["_samples"] = [{"prompt": p.prompt, "answer": p.answer, "completion": t, "correct": bool(ok)}
-                       for p, t, ok in zip(problems[:5], texts[:5], c[:5, 0].tolist())]
+                       for p, t, ok in zip(problems, texts, c[:, 0].tolist())]
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +16,18 @@ _CONSOLE_KEYS = [("reward/mean", "reward {:.3f}"), ("reward/accuracy", "acc {:.2
                  ("critic/explained_variance", "ev {:+.2f}"), ("perf/step_s", "{:.1f}s")]
 
 
+TOKENS_DIR = "tokens"   # per-token records, one Parquet file a step (token_records.py)
+
+
 class MetricsLogger:
     def __init__(self, run_dir: Path, tensorboard: bool = True, resume: bool = False) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.run_dir = run_dir
         self._file = open(self.path, "a" if resume else "w")
-        if not resume:   # a new run in a used folder: no sample rows of the old one
+        if not resume:   # a new run in a used folder: no sample rows or token records of the old one
             for name in ("samples.jsonl", "eval_samples.jsonl"):
                 (run_dir / name).unlink(missing_ok=True)
+            shutil.rmtree(run_dir / TOKENS_DIR, ignore_errors=True)
         self._tb = None
         if tensorboard:
             try:

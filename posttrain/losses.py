@@ -131,10 +131,13 @@ class ObjectiveParams:
 
 @dataclass(frozen=True)
 class PolicyTerm:
-    """An objective's per-token loss (b, T) and its own metrics (per-row means, tensors)."""
+    """An objective's per-token loss (b, T), its own metrics (per-row means, tensors) and, for an
+    objective that clips, which tokens' gradients its clip removed (`clip_sides`: -1 low side,
+    +1 high side, 0 none; the per-token records show it)."""
 
     loss_B_T: Tensor
     metrics: dict[str, Tensor]
+    clipped_B_T: Tensor | None = None
 
 
 PolicyObjective = Callable[[PolicyInputs, ObjectiveParams], PolicyTerm]
@@ -190,14 +193,26 @@ def clipped_surrogate_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tens
     return loss
 
 
-def clip_fractions(ratio_B_T: Tensor, adv_B_T: Tensor, mask_B_T: Tensor, low: float,
-                   high: float) -> dict[str, Tensor]:
-    """Shares of tokens whose gradient a clip removed: the low side when A < 0 and the ratio is
-    below `low`, the high side when A > 0 and it is above `high`.  §5."""
+def clip_sides(ratio_B_T: Tensor, adv_B_T: Tensor, low: float, high: float) -> Tensor:
+    """(b, T) int8: -1 where a clip removed the token's gradient on the low side (A < 0 and the
+    ratio below `low`), +1 on the high side (A > 0 and the ratio above `high`), else 0.  §5."""
     with torch.no_grad():
-        m = mask_B_T.float()
-        return {"policy/clip_frac_low": masked_mean(((ratio_B_T < low) & (adv_B_T < 0)).float(), m),
-                "policy/clip_frac_high": masked_mean(((ratio_B_T > high) & (adv_B_T > 0)).float(), m)}
+        return ((ratio_B_T > high) & (adv_B_T > 0)).to(torch.int8) - \
+            ((ratio_B_T < low) & (adv_B_T < 0)).to(torch.int8)
+
+
+def clip_fractions(sides_B_T: Tensor, mask_B_T: Tensor) -> dict[str, Tensor]:
+    """Shares of tokens whose gradient a clip removed, per side (`clip_sides`).  §5."""
+    m = mask_B_T.float()
+    return {"policy/clip_frac_low": masked_mean((sides_B_T < 0).float(), m),
+            "policy/clip_frac_high": masked_mean((sides_B_T > 0).float(), m)}
+
+
+def clipped_term(loss_B_T: Tensor, ratio_B_T: Tensor, x: PolicyInputs, low: float,
+                 high: float) -> PolicyTerm:
+    """A clipping objective's term: its loss, clip fractions and per-token clip sides."""
+    sides = clip_sides(ratio_B_T, x.adv_B_T, low, high)
+    return PolicyTerm(loss_B_T, clip_fractions(sides, x.mask_B_T), sides)
 
 
 def _ratio(x: PolicyInputs) -> Tensor:
@@ -221,8 +236,7 @@ def clipped_objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
     """PPO / GRPO / DAPO clipped surrogate (`clipped_surrogate_loss`).  §5-§7."""
     loss = clipped_surrogate_loss(x.logp_B_T, x.old_logp_B_T, x.adv_B_T, clip_low=p.clip_low,
                                   clip_high=p.clip_high, dual_clip=p.dual_clip)
-    return PolicyTerm(loss, clip_fractions(_ratio(x), x.adv_B_T, x.mask_B_T, 1 - p.clip_low,
-                                           1 + p.clip_high))
+    return clipped_term(loss, _ratio(x), x, 1 - p.clip_low, 1 + p.clip_high)
 
 
 def sequence_mean(x_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
@@ -257,8 +271,7 @@ def _gspo(token_level: bool) -> PolicyObjective:
         loss = gspo_loss(x.logp_B_T, x.old_logp_B_T, x.adv_B_T, x.mask_B_T, clip_low=p.clip_low,
                          clip_high=p.clip_high, token_level=token_level)
         s = torch.exp(sequence_mean((x.logp_B_T - x.old_logp_B_T).detach(), x.mask_B_T))[:, None]
-        return PolicyTerm(loss, clip_fractions(s.expand_as(x.logp_B_T), x.adv_B_T, x.mask_B_T,
-                                               1 - p.clip_low, 1 + p.clip_high))
+        return clipped_term(loss, s.expand_as(x.logp_B_T), x, 1 - p.clip_low, 1 + p.clip_high)
     objective.__doc__ = f"GSPO{'-token' if token_level else ''} (`gspo_loss`).  §11."
     return objective
 
@@ -286,8 +299,9 @@ def cispo_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, *, clip_
 def cispo_objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
     """CISPO (`cispo_loss`); the metrics count weights held at a bound.  §11."""
     loss = cispo_loss(x.logp_B_T, x.old_logp_B_T, x.adv_B_T, clip_low=p.clip_low, clip_high=p.clip_high)
-    r, m = _ratio(x), x.mask_B_T.float()
-    return PolicyTerm(loss, {"policy/is_weight_capped_frac": masked_mean((r > 1 + p.clip_high).float(), m)})
+    capped = (_ratio(x) > 1 + p.clip_high).to(torch.int8)   # (the weight held, the gradient kept)
+    return PolicyTerm(loss, {"policy/is_weight_capped_frac": masked_mean(capped.float(), x.mask_B_T.float())},
+                      capped)
 
 
 def sapo_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, *, tau_pos: float,
@@ -337,8 +351,7 @@ def gmpo_objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
     """GMPO (`gmpo_loss`); clip fractions on the token log-ratios.  §11."""
     loss = gmpo_loss(x.logp_B_T, x.old_logp_B_T, x.adv_B_T, x.mask_B_T, clip_low=p.clip_low,
                      clip_high=p.clip_high)
-    return PolicyTerm(loss, clip_fractions(_ratio(x), x.adv_B_T, x.mask_B_T, math.exp(-p.clip_low),
-                                           math.exp(p.clip_high)))
+    return clipped_term(loss, _ratio(x), x, math.exp(-p.clip_low), math.exp(p.clip_high))
 
 
 def centred_covariance(logp_B_T: Tensor, adv_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
@@ -384,8 +397,7 @@ def clip_cov_objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
     loss = clip_cov_loss(x.logp_B_T, x.old_logp_B_T, x.adv_B_T, x.mask_B_T, x.generator,
                          clip_low=p.clip_low, clip_high=p.clip_high, frac=p.cov_frac,
                          cov_low=p.cov_low, cov_high=p.cov_high)
-    return PolicyTerm(loss, clip_fractions(_ratio(x), x.adv_B_T, x.mask_B_T, 1 - p.clip_low,
-                                           1 + p.clip_high))
+    return clipped_term(loss, _ratio(x), x, 1 - p.clip_low, 1 + p.clip_high)
 
 
 def kl_cov_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, mask_B_T: Tensor, *,

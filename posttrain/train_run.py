@@ -28,6 +28,7 @@ from posttrain.data.source import Sampler, build_task
 from posttrain.data.tasks import Problem
 from posttrain.evaluation import evaluate
 from posttrain.logging import MetricsLogger, NullLogger, plot_run, resume_logs
+from posttrain.token_records import drop_after
 from posttrain.memory import estimate as estimate_memory
 from posttrain.models import (add_lora, check_model_folder, load_policy, load_tokenizer,
                               merged_lora_copy, resolve_model_path, save_model)
@@ -162,6 +163,8 @@ def restore(run: Run, state: dict[str, Any]) -> None:
     run.start_step = state["step"]
     run.sampler.load_state(state.get("data", {"position": state["data_position"]}))
     resume_logs(run.logger, state)   # rows a killed run wrote after its checkpoint are redone
+    if run.world.main:
+        drop_after(run.run_dir, state["step"])   # and so are its per-token records
     run.saved_step = state["step"]
     run.train_seconds, run.resumed = state["train_seconds"], True
 

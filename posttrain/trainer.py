@@ -48,6 +48,7 @@ from posttrain.lifecycle import Lifecycle
 from posttrain.batch import ScoredBatch
 from posttrain.update import check_nonfinite_streak, frozen_inputs, update_policy
 from posttrain.collect import generate_and_score
+from posttrain.token_records import TokenTrace, step_rows, traced_rows, write_step
 from posttrain.step_metrics import critic_metrics, per_domain, read_floats, rollout_metrics
 from posttrain.train_run import Run, check_health, checkpoint, finish, run_eval, setup, stopped
 
@@ -139,15 +140,19 @@ def train_step(run: Run, step: int, bar, show_progress: bool) -> None:
         # 4. epochs x minibatches of clipped updates (the critic learns on the same minibatches)
         t0 = time.perf_counter()
         warming_up = run.critic is not None and step <= cfg.critic.warmup_steps
+        tokens = (TokenTrace(traced_rows(len(batch.rewards_B), batch.rollout.group_size,
+                                         cfg.log_tokens)) if world.main and cfg.log_tokens else None)
         update_metrics = update_policy(run.model, run.optimizer, run.scheduler, batch, cfg,
                                        algo, run.generator, run.teachers, run.critic,
-                                       train_policy=not warming_up, world=world)
+                                       train_policy=not warming_up, world=world, tokens=tokens)
         timings["update"] += time.perf_counter() - t0
         run.engine.sync_weights()
 
         # 5. log and evaluate
         metrics.update({**frozen_metrics, **adv_metrics, **update_metrics})
         log_step(run, step, batch, metrics, timings, t_step, bar, show_progress)
+        if tokens is not None:   # the per-token numbers of a few groups (posttrain view)
+            write_step(run.run_dir, step, step_rows(step, batch, tokens, run.tokenizer, algo.gamma))
         run.nonfinite_streak = nonfinite_streak(run.nonfinite_streak, metrics, cfg)
     else:
         log_empty_step(run, step, metrics, t_step, bar, show_progress)
@@ -217,7 +222,8 @@ def compute_advantages(run: Run, batch: ScoredBatch) -> tuple[ScoredBatch, dict[
         AdvantageParams(algo.eps, algo.scale_by_std, algo.gamma, algo.lam, algo.reward_weight,
                         not DISTILL_LOSSES[algo.distill_loss].in_advantage))
     batch = replace(batch, adv_B_T=adv_out.adv_B_T, old_values_B_T=old_values,
-                    returns_B_T=adv_out.returns_B_T if critic is not None else None)
+                    returns_B_T=adv_out.returns_B_T if critic is not None else None,
+                    token_rewards_B_T=token_rewards)
     if critic is not None:   # (before whitening: the advantage as GAE computed it)
         metrics.update(read_floats(critic_metrics(batch, token_rewards)))
     if algo.whiten_advantages:

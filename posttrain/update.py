@@ -36,6 +36,7 @@ from posttrain.losses import (AGGREGATIONS, DISTILL_LOSSES, KL_ESTIMATORS, OFF_P
                               PolicyInputs, PolicyObjective, aggregate, entropy_bonus_loss,
                               kl_penalty_in_loss, masked_mean, ratio_stats, value_loss)
 from posttrain.teachers import Teachers
+from posttrain.token_records import TokenTrace
 
 log = logging.getLogger("posttrain")
 
@@ -51,10 +52,16 @@ class Metrics:
     `update(name, x)` one value per optimizer step (logged averaged over steps), `max` a maximum.
     Sums are float64 (float32 on MPS), the precision the Python floats they replace had."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokens: TokenTrace | None = None) -> None:
         self.row_sums: dict[str, Tensor] = {}
         self.update_sums: dict[str, Tensor] = {}
         self.maxima: dict[str, Tensor] = {}
+        self.tokens = tokens   # per-token values of a few rows (token_records), or None
+
+    def per_token(self, rows: Tensor, **values: Tensor | None) -> None:
+        """Per-token values of the micro-batch's traced rows (their last pass is kept)."""
+        if self.tokens is not None:
+            self.tokens.record(rows, **values)
 
     @staticmethod
     def widen(x: Tensor) -> Tensor:
@@ -218,6 +225,9 @@ def policy_terms(batch: ScoredBatch, rows: Tensor, fwd: PolicyForward, w_micro: 
     term = terms.objective(x, terms.params)
     for name, value in term.metrics.items():
         metrics.rows(name, value, n)
+    if metrics.tokens is not None:
+        metrics.per_token(rows, logp=fwd.logp, logp_old=old, ratio=torch.exp(fwd.logp.detach() - old),
+                          clip=term.clipped_B_T, entropy=fwd.entropy)
     loss_t = term.loss_B_T
     if terms.correction is not None:
         loss_t = loss_t * correction_weights(batch, rows, old, terms, metrics)
@@ -228,6 +238,7 @@ def policy_terms(batch: ScoredBatch, rows: Tensor, fwd: PolicyForward, w_micro: 
         if terms.kl_in_loss:
             loss_t = kl_penalty_in_loss(loss_t, kl_t, terms.kl_coef)
         metrics.rows("policy/kl_ref", masked_mean(kl_t.detach(), m), n)
+        metrics.per_token(rows, kl_ref=kl_t)
     if terms.entropy_coef > 0:
         loss_t = loss_t + entropy_bonus_loss(fwd.entropy, terms.entropy_coef)
     loss = aggregate(loss_t, w_micro)
@@ -244,6 +255,7 @@ def correction_weights(batch: ScoredBatch, rows: Tensor, old: Tensor, terms: Upd
     metrics.rows("rollout/tis_weight_mean", masked_mean(w, m), n)
     metrics.rows("rollout/tis_capped_frac", masked_mean((w >= terms.tis_cap).float(), m), n)
     metrics.rows("rollout/is_masked_frac", masked_mean((w == 0).float(), m), n)
+    metrics.per_token(rows, is_weight=w)
     return w
 
 
@@ -259,6 +271,7 @@ def distill_term(batch: ScoredBatch, rows: Tensor, logits: Tensor, terms: Update
             t_logits = t_logits * (temperature / cfg.teacher.temperature)
     distill_t, kl_exact = terms.distill.token_loss(logits, t_logits, temperature)
     metrics.rows("distill/reverse_kl_exact", masked_mean(kl_exact, m), n)
+    metrics.per_token(rows, kl_teacher_exact=kl_exact)
     row_domains = [terms.domains[int(r)] for r in rows]
     for d in set(row_domains) if len(set(terms.domains)) > 1 else ():
         k = torch.tensor([rd == d for rd in row_domains])
@@ -349,11 +362,12 @@ def optimizer_step(model, optimizer, scheduler, cfg: TrainConfig, any_rows: bool
 def update_policy(model, optimizer, scheduler, batch: ScoredBatch, cfg: TrainConfig,
                   algo: AlgorithmConfig, generator: torch.Generator,
                   teachers: Teachers | None = None, critic: Critic | None = None,
-                  train_policy: bool = True, world: World = SINGLE) -> dict[str, float]:
+                  train_policy: bool = True, world: World = SINGLE,
+                  tokens: TokenTrace | None = None) -> dict[str, float]:
     """Epochs x minibatches of clipped updates on `batch` and its advantages (`batch.adv_B_T`);
     the critic (PPO) learns on the same minibatches from `batch.returns_B_T`. With
     train_policy=False (critic warm-up) only the critic is updated. Returns the metrics, read
-    from the device once."""
+    from the device once; `tokens` receives the per-token values of its rows (token_records)."""
     check_update_inputs(batch, critic)
     G, mask = batch.rollout.group_size, batch.loss_mask_B_T
     n_groups = len(batch.rewards_B) // G
@@ -363,7 +377,7 @@ def update_policy(model, optimizer, scheduler, batch: ScoredBatch, cfg: TrainCon
     signal = rows_with_signal(batch.adv_B_T, G, terms, critic, world)
     # the policy forward is needed for its loss, or for the hidden states a shared value head reads
     policy_forward = train_policy or (critic is not None and critic.shared)
-    metrics, n_rows, n_first, n_skipped, n_updates, n_steps = Metrics(), 0, 0, 0, 0, 0
+    metrics, n_rows, n_first, n_skipped, n_updates, n_steps = Metrics(tokens), 0, 0, 0, 0, 0
     model.train()
     if critic is not None:
         critic.train()

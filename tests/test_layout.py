@@ -24,10 +24,10 @@ LAYERS = [
      "envs.base"],                                                           # math, data
     ["presets", "config", "options"],                                        # typed configs
     ["data.source", "prompts", "models", "distributed", "memory", "logging", "checkpoint",
-     "rewards.pool", "rewards.verifiers", "run", "lifecycle",
+     "rewards.pool", "rewards.verifiers", "run", "lifecycle", "view", "view.server",
      "envs.tools", "envs.builtin", "envs"],                                 # machinery
     ["rollout", "rollout.hf", "rollout.vllm", "rollout.episodes", "forward",
-     "batch", "step_metrics"],                                               # sampling, forward
+     "batch", "step_metrics", "token_records"],                              # sampling, forward
     ["rewards", "rewards.model", "teachers", "critic", "evaluation", "collect"],  # scores, teachers
     ["update"],                                                              # the policy update
     ["stages", "stages.common", "train_run"],                                # one run's lifecycle

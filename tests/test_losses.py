@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from posttrain.losses import (AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate,
-                              bradley_terry_loss, clip_fractions, clipped_surrogate_loss, distillation_advantage,
+                              bradley_terry_loss, clip_fractions, clip_sides, clipped_surrogate_loss, distillation_advantage,
                               dpo_loss, entropy_from_logits, exact_kl_from_logits,
                               explained_variance, forward_kl_from_logits,
                               importance_sampled_pg_loss, kl_penalized_rewards,
@@ -109,7 +109,9 @@ def test_ratio_stats_counts_clipped_tokens_and_kl():
     adv = t([-1.0, 1.0, 1.0, 1.0])
     mask = t([1.0, 1.0, 1.0, 0.0])
     s = ratio_stats(logp, old, mask)
-    fr = clip_fractions(torch.exp(logp - old), adv, mask, 0.8, 1.2)
+    sides = clip_sides(torch.exp(logp - old), adv, 0.8, 1.2)
+    assert sides.tolist() == [[-1, 0, 1, 0]]   # (the masked 4th token: ratio 1, inside the band)
+    fr = clip_fractions(sides, mask)
     close(fr["policy/clip_frac_low"], torch.tensor(1 / 3))
     close(fr["policy/clip_frac_high"], torch.tensor(1 / 3))
     close(s.approx_kl_old, torch.tensor(((0.5 - 1 - math.log(0.5)) + (1.5 - 1 - math.log(1.5))) / 3))

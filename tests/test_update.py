@@ -100,7 +100,9 @@ def _batch(T: int, with_optional: bool) -> ScoredBatch:
                        torch.ones(B, T), ref_logp_B_T=opt(-1.0), teacher_logp_B_T=opt(-2.0),
                        teacher_view=r if with_optional else None, trainer_old_logp_B_T=opt(-3.0),
                        transcripts=[f"t{i}" for i in range(B)] if with_optional else None,
-                       adv_B_T=opt(0.5), old_values_B_T=opt(0.25), returns_B_T=opt(0.75))
+                       adv_B_T=opt(0.5), old_values_B_T=opt(0.25), returns_B_T=opt(0.75),
+                       token_rewards_B_T=opt(0.125),
+                       reward_parts=[{"verifier": float(i)} for i in range(B)] if with_optional else None)
 
 
 def test_a_scored_batch_is_immutable_and_select_merge_keep_every_field():
@@ -111,6 +113,7 @@ def test_a_scored_batch_is_immutable_and_select_merge_keep_every_field():
     for f in dataclasses.fields(ScoredBatch):
         assert getattr(s, f.name) is not None, f.name
     assert s.completions == ["c2", "c3"] and s.rewards_B.tolist() == [2.0, 3.0]
+    assert s.reward_parts == [{"verifier": 2.0}, {"verifier": 3.0}]
     assert s.trainer_old_logp_B_T.shape == (2, 5) and s.teacher_view.response_ids_B_T.shape == (2, 5)
     m = merge([_batch(5, True), _batch(3, True)], pad_id=0)
     assert m.ref_logp_B_T.shape == (8, 5) and (m.ref_logp_B_T[4:, 3:] == 0).all()

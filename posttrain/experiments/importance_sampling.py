@@ -26,7 +26,7 @@ from torch import Tensor
 from posttrain.advantages import grpo_advantage
 from posttrain.experiments.common import progress_range, sample_batch
 from posttrain.forward import frozen_logprobs, group_chunks, sequence_logprobs
-from posttrain.losses import (POLICY_LOSSES, PolicyInputs, clip_fractions, masked_mean,
+from posttrain.losses import (POLICY_LOSSES, PolicyInputs, clip_fractions, clip_sides, masked_mean,
                               ratio_stats)
 
 CLAIM = ("a batch from pi_old can be reused through the ratio pi_theta / pi_old while the ratio "
@@ -44,7 +44,7 @@ def drift(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, eps: tuple[float
     ratio = (logp - old).exp()
     on = mask > 0
     seq_w = ((logp - old) * mask).sum(-1).exp().double()
-    clipped = clip_fractions(ratio, adv, mask, 1 - eps[0], 1 + eps[1])
+    clipped = clip_fractions(clip_sides(ratio, adv, 1 - eps[0], 1 + eps[1]), mask)
     return {"ratio_mean": float(stats.ratio_mean), "ratio_sd": float(ratio[on].std()),
             "ratio_min": float(stats.ratio_min), "ratio_max": float(stats.ratio_max),
             "outside_band": float(((ratio[on] < 1 - eps[0]) | (ratio[on] > 1 + eps[1])).float().mean()),

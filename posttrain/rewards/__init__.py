@@ -26,6 +26,9 @@ class RewardResult:
     correct_B: Tensor                   # verifier verdict, bool
     failures: Counter = field(default_factory=Counter)   # 'timeout' / 'error' / 'nonfinite' / 'crash' counts
     model_scores_B: Tensor | None = None   # reward model scores (normalised), when one is used
+    # each response's reward by source ("verifier", "format", a function's spec, "reward_model"),
+    # summing to rewards_B (the per-token records show them)
+    parts_B: list[dict[str, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,8 @@ class Scorer:
             scores = self.reward_model([p.prompt for p in problems], completions)
             result.model_scores_B = scores
             result.rewards_B = result.rewards_B + self.cfg.model_weight * scores
+            for part, score in zip(result.parts_B, (self.cfg.model_weight * scores).tolist()):
+                part["reward_model"] = score
         return result
 
     def verify_and_functions(self, problems: list[Problem], completions: list[str]) -> RewardResult:
@@ -121,6 +126,7 @@ class Scorer:
             outcomes = [self._in_process(kind, target, kw) for kind, target, kw in calls]
         rewards = [0.0] * len(completions)
         correct = [False] * len(completions)
+        parts: list[dict[str, float]] = [{} for _ in completions]
         failures: Counter = Counter()
         for (kind, target, _), i, out in zip(calls, owners, outcomes):
             source = f"verifier {target!r}" if kind == "verify" else f"reward function {target!r}"
@@ -129,14 +135,18 @@ class Scorer:
                 failures[out.status if kind == "function" else f"verifier_{out.status}"] += 1
             if kind == "verify":
                 correct[i] = out.status == "ok" and out.value == 1.0
-                rewards[i] += self.cfg.correct_reward * correct[i]
+                parts[i]["verifier"] = self.cfg.correct_reward * correct[i]
             else:
-                rewards[i] += out.value if out.status == "ok" else self.cfg.fallback
+                value = out.value if out.status == "ok" else self.cfg.fallback
+                parts[i][target] = parts[i].get(target, 0.0) + value
         if self.cfg.format_weight:
             for i, text in enumerate(completions):
-                rewards[i] += self.cfg.format_weight * is_bare_answer(text)
+                parts[i]["format"] = self.cfg.format_weight * is_bare_answer(text)
+        for i, part in enumerate(parts):   # (summed in order, as the reward always was)
+            for value in part.values():
+                rewards[i] += value
         return RewardResult(torch.tensor(rewards, dtype=torch.float32),
-                            torch.tensor(correct, dtype=torch.bool), failures)
+                            torch.tensor(correct, dtype=torch.bool), failures, parts_B=parts)
 
     def _calls(self, problems: list[Problem], completions: list[str]):
         """(kind, target, kwargs) of every call, and the response each belongs to."""

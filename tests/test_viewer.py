@@ -1,0 +1,129 @@
+"""`posttrain view`: its data answers on a tiny run, its server, and the page in a real headless
+Chromium (Debian's package, driven by Playwright; .ci/run installs both)."""
+
+import json
+import shutil
+import urllib.request
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from posttrain.cli import main
+from posttrain.trainer import train
+from posttrain.view.server import ViewError, Viewer, check_runs, run_names, serve
+from tests.conftest import make_tiny_model
+from tests.test_trainer import toy_config
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tokenizer):
+    """Three GRPO steps on a tiny model, with held-out evaluations before, at step 2 and after."""
+    out = tmp_path_factory.mktemp("view")
+    cfg = toy_config(out, "--steps", "3", "--log_tokens", "8", "--optim.minibatches", "2",
+                     "--optim.lr", "0.05", "--data.eval_size", "5", "--eval_every", "2")
+    train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    return out / "run"
+
+
+def get(url: str):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read()
+
+
+def test_runs_are_checked_before_serving(tmp_path):
+    with pytest.raises(ViewError, match="is not a folder"):
+        check_runs([tmp_path / "missing"])
+    with pytest.raises(ViewError, match="has no metrics.jsonl"):
+        check_runs([tmp_path])
+    assert main(["view", str(tmp_path / "missing")]) == 2
+    assert run_names([Path("a/run"), Path("b/run"), Path("c/x")]) == ["a/run", "b/run", "x"]
+
+
+def test_viewer_answers_from_the_run_folder(tiny_run):
+    v = Viewer([tiny_run])
+    assert [r["preset"] for r in v.answer("runs", {})] == ["grpo"]
+    assert [r["step"] for r in v.answer("metrics", {"run": "0"}) if "reward/mean" in r] == [1, 2, 3]
+    assert v.answer("steps", {"run": "0"}) == [1, 2, 3]
+    rows = v.answer("rollouts", {"run": "0", "step": "2"})
+    stored = pq.read_table(tiny_run / "tokens" / "step_000002.parquet").to_pylist()
+    assert [r["adv"] for r in rows] == [r["adv"] for r in stored] and len(rows) == 8
+    assert [e["label"] for e in v.answer("evals", {"run": "0"})] == ["before", "step 2", "after"]
+    assert len(v.answer("evals", {"run": "0"})[0]["samples"]) == 5   # every held-out answer
+    # a line being written when the page asks is skipped, not an error
+    with open(tiny_run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "reward/me')
+    try:
+        assert len(v.answer("metrics", {"run": "0"})) == len(tiny_run.joinpath("metrics.jsonl").read_text().splitlines()) - 1
+    finally:
+        text = (tiny_run / "metrics.jsonl").read_text()
+        (tiny_run / "metrics.jsonl").write_text(text[:text.rindex("\n") + 1])
+
+
+def test_server_serves_the_page_its_assets_and_data_only(tiny_run):
+    server = serve([tiny_run], port=0, background=True)
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert b"posttrain view" in get(base + "/")
+        assert len(get(base + "/vendor/uPlot.iife.min.js")) > 40_000      # from the package, no CDN
+        assert json.loads(get(base + "/api/steps?run=0")) == [1, 2, 3]
+        for bad in ("/../../pyproject.toml", "/api/nothing", "/api/rollouts?run=7&step=1"):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                get(base + bad)
+            assert e.value.code == 404
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium (apt-get install chromium; .ci/run does)")
+def test_page_in_a_real_browser(tiny_run, tmp_path):
+    """Loads the page, switches the per-token quantity, filters, hovers a token, compares two
+    evaluations; no error in the browser console."""
+    playwright = pytest.importorskip("playwright.sync_api")
+    stored = pq.read_table(tiny_run / "tokens" / "step_000003.parquet").to_pylist()
+    server = serve([tiny_run, tiny_run], port=0, background=True)
+    errors = []
+    try:
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.goto(f"http://127.0.0.1:{server.server_address[1]}/")
+            page.wait_for_selector("body[data-ready='1']", timeout=20_000)
+            titles = page.locator(".chart h3").all_inner_texts()
+            assert "rollout reward" in titles and "held-out accuracy" in titles
+            assert page.locator(".chart").first.locator(".u-legend tr").count() == 3   # 2 runs overlaid
+
+            page.click("nav button[data-tab=rollouts]")
+            assert page.input_value("#r-step") == "3"
+            assert page.locator(".card").count() == len(stored)
+            first_updated = next(r for r in stored if r["updated"])
+            token = page.locator(f".card[data-row='{first_updated['row']}'] .tok").first
+            by_adv = token.evaluate("e => e.style.background")
+            page.select_option("#r-quantity", "entropy")
+            assert token.evaluate("e => e.style.background") != by_adv
+            assert "entropy" in page.inner_text("#legend")
+            token.hover()
+            tip = page.inner_text("#tip")
+            assert "adv" in tip and "ratio" in tip and f"{first_updated['adv'][0]:.4f}" in tip
+            page.select_option("#r-filter", "correct")
+            assert page.locator(".card").count() == sum(r["correct"] for r in stored)
+            page.select_option("#r-filter", "wrong")
+            assert page.locator(".card").count() == sum(not r["correct"] for r in stored)
+            page.fill("#r-search", stored[0]["prompt"])
+            assert page.locator(".card").count() == sum(
+                r["prompt"] == stored[0]["prompt"] and not r["correct"] for r in stored)
+            page.screenshot(path=str(tmp_path / "rollouts.png"))
+
+            page.click("nav button[data-tab=evals]")
+            assert page.locator("#e-table tr").count() == 1 + 5
+            assert "before" in page.inner_text("#e-summary")
+            browser.close()
+    finally:
+        server.shutdown()
+    assert errors == []
