@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.8.0"
+__version__ = "0.9.0"
 
 # name -> the module that defines it
 _PUBLIC = {

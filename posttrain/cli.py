@@ -228,8 +228,8 @@ def cmd_view(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         server = serve(runs, args.host, args.port, background=True)
     except OSError as e:
-        raise ValueError(f"posttrain view: cannot listen on {args.host}:{args.port} ({e.strerror}); "
-                         "choose another with --port") from None
+        raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); "
+                         "choose another with --port (0: any free one)") from None
     host, port = server.server_address[:2]
     url = f"http://{'localhost' if host in ('127.0.0.1', '0.0.0.0') else host}:{port}/"
     print(f"posttrain view: {len(runs)} run(s) at {url}  (Ctrl-C stops)", flush=True)

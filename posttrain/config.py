@@ -18,6 +18,7 @@ from posttrain.checks import check_choice, check_range, coerce, did_you_mean, ty
 from posttrain.errors import ConfigError  # noqa: F401 (re-exported: posttrain.config.ConfigError)
 from posttrain.losses import OFF_POLICY_CORRECTIONS, objective_reads
 from posttrain.presets import PRESETS, AlgorithmConfig
+from posttrain.trackers import TRACKERS, missing_package
 
 
 @dataclass(frozen=True)
@@ -340,6 +341,16 @@ class CheckpointConfig:
         check_range("checkpoint.keep", self.keep, 1)
 
 
+def check_trackers(report_to: tuple[str, ...]) -> None:
+    """Every tracker named exists and its package is installed (before any model loads)."""
+    for name in report_to:
+        check_choice("report_to", name, TRACKERS.names())
+        package = missing_package(name)
+        if package is not None:
+            raise ConfigError(f"report_to {name} needs the {package!r} package, which is not "
+                              f"installed: pip install \"posttrain[{name}]\" (or drop it from report_to)")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     preset: str = "grpo"                # the algorithm: a key of PRESETS (reinforce, rloo, grpo, ...)
@@ -366,6 +377,9 @@ class TrainConfig:
     log_tokens: int = 8                 # responses a step whose per-token numbers are recorded
                                         # (tokens/*.parquet, `posttrain view`; whole groups; 0: none)
     tensorboard: bool = True            # also write TensorBoard events when it is installed
+    # trackers beside metrics.jsonl, comma-separated: wandb, trackio, mlflow, tensorboard (each an
+    # optional extra, e.g. pip install "posttrain[wandb]"; offline unless configured: trackers.py)
+    report_to: tuple[str, ...] = ()
 
     @property
     def algo(self) -> AlgorithmConfig:
@@ -389,6 +403,7 @@ class TrainConfig:
             check_range("max_minutes", self.max_minutes, 0.0, lo_open=True)
         if self.threads is not None:
             check_range("threads", self.threads, 1)
+        check_trackers(self.report_to)
         self._check_sampling(algo)
         self._check_updates(algo)
         self._check_models(algo)

@@ -1,4 +1,5 @@
-"""What a user sees: one JSONL line per step, TensorBoard when installed, a console line, plots."""
+"""What a user sees: one JSONL line per step, the trackers it reports to (TensorBoard when
+installed, wandb / trackio / mlflow on request: trackers.py), a console line, plots."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import math
 import shutil
 from pathlib import Path
 from typing import Any
+
+from posttrain.trackers import TRACKERS, TrackerContext, missing_package
 
 _CONSOLE_KEYS = [("reward/mean", "reward {:.3f}"), ("reward/accuracy", "acc {:.2f}"),
                  ("loss/policy", "loss {:+.4f}"), ("policy/kl_ref", "kl {:.4f}"),
@@ -20,7 +23,8 @@ TOKENS_DIR = "tokens"   # per-token records, one Parquet file a step (token_reco
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, tensorboard: bool = True, resume: bool = False) -> None:
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resume: bool = False,
+                 report_to: tuple[str, ...] = (), config: dict[str, Any] | None = None) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.run_dir = run_dir
         self._file = open(self.path, "a" if resume else "w")
@@ -28,13 +32,11 @@ class MetricsLogger:
             for name in ("samples.jsonl", "eval_samples.jsonl"):
                 (run_dir / name).unlink(missing_ok=True)
             shutil.rmtree(run_dir / TOKENS_DIR, ignore_errors=True)
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
-            except ImportError:  # tensorboard is an optional extra
-                self._tb = None
+        names = list(dict.fromkeys((["tensorboard"] if tensorboard else []) + list(report_to)))
+        if "tensorboard" in names and "tensorboard" not in report_to and missing_package("tensorboard"):
+            names.remove("tensorboard")   # on by default, an optional extra: skipped when absent
+        ctx = TrackerContext(run_dir, run_dir.resolve().name, config or {}, resume)
+        self.trackers = [TRACKERS[name](ctx) for name in names]
 
     def truncate_after(self, step: int) -> None:
         """Drop the rows of steps after `step` from metrics.jsonl and the sample files (a run
@@ -67,16 +69,19 @@ class MetricsLogger:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for k, v in metrics.items():
-                v = v.item() if hasattr(v, "item") else v
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(k, v, step)   # (NaN and Inf as TensorBoard shows them)
+        for tracker in self.trackers:
+            tracker.log(step, {k: v for k, v in record.items() if k != "step"})
+
+    def log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A table of the step's first responses (prompt, completion, reward, correct,
+        advantage) to each tracker."""
+        for tracker in self.trackers:
+            tracker.log_completions(step, rows)
 
     def close(self) -> None:
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 class NullLogger:
@@ -92,6 +97,9 @@ class NullLogger:
         pass
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
         pass
 
     def close(self) -> None:

@@ -329,8 +329,8 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
     optimizer, scheduler = optimizer_and_schedule(cfg, model, world)
     if world.main:   # only rank 0 writes files; every rank computes and reduces the metrics
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
-    logger = (MetricsLogger(run_dir, cfg.tensorboard, resume=ckpt is not None) if world.main
-              else NullLogger())
+    logger = (MetricsLogger(run_dir, cfg.tensorboard, ckpt is not None, cfg.report_to, cfg.to_dict())
+              if world.main else NullLogger())
     log.info("run folder %s; algorithm %s", run_dir, algo)
     sampler = Sampler(task, cfg.seed, retries=cfg.data.retry_unsolved,
                       max_waiting=cfg.rollout.prompts_per_step)

@@ -254,10 +254,22 @@ def log_step(run: Run, step: int, batch: ScoredBatch, metrics: dict[str, Any],
                 {"prompt": p.prompt, "completion": c, "reward": r}
                 for p, c, r in zip(batch.problems[:n], shown[:n],
                                    batch.rewards_B[:n].tolist())]}) + "\n")
+        run.logger.log_completions(step, completion_rows(batch, n))
     bar.set_postfix_str(console_line(step, cfg.steps, metrics).split(" | ", 1)[-1])
     bar.update(1)
     if not show_progress and world.main:
         log.info(console_line(step, cfg.steps, metrics))
+
+
+def completion_rows(batch: ScoredBatch, n: int) -> list[dict[str, Any]]:
+    """The step's first n responses for the trackers' completions table; the advantage is the
+    mean over each response's tokens in the loss (one value for outcome rewards)."""
+    shown = batch.transcripts or batch.completions
+    mask = batch.loss_mask_B_T[:n]
+    adv = ((batch.adv_B_T[:n] * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
+    return [{"prompt": p.prompt, "completion": c, "reward": r, "correct": bool(ok), "advantage": a}
+            for p, c, r, ok, a in zip(batch.problems[:n], shown[:n], batch.rewards_B[:n].tolist(),
+                                      batch.correct_B[:n].tolist(), adv)]
 
 
 def nonfinite_streak(streak: int, metrics: dict[str, Any], cfg: TrainConfig) -> int:

@@ -68,3 +68,15 @@ def test_an_edited_experiment_record_changes_its_table(tmp_path, name, record, e
     path.write_text(json.dumps(data))
     after = tables.TABLES[name](tmp_path)
     assert after != before and "0.12" in after and "0.123" not in before
+
+
+def test_an_edited_viewer_record_changes_its_table(tmp_path):
+    tables = _tables()
+    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    before = tables.TABLES["viewer"](tmp_path)
+    path = tmp_path / tables.VIEWER / "viewer.json"
+    record = json.loads(path.read_text())
+    record["figures"]["page_ready_s"] = 12.3
+    path.write_text(json.dumps(record))
+    after = tables.TABLES["viewer"](tmp_path)
+    assert "12.30 s" in after and "12.30 s" not in before

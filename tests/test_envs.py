@@ -326,6 +326,15 @@ def test_guess_number_trains_end_to_end(tmp_path, tokenizer):
     held_out = json.loads(open(tmp_path / "run" / "eval_samples.jsonl").readlines()[-1])["samples"]
     assert all(any(m in s["completion"] for m in ("Higher.", "Lower.", "Answer with one number."))
                or s["correct"] for s in held_out)   # evaluation runs the episodes, feedback included
+    # the per-token records tell the environment's tokens from the policy's (posttrain view)
+    import pyarrow.parquet as pq
+    recs = pq.read_table(tmp_path / "run" / "tokens" / "step_000002.parquet").to_pylist()
+    longer = [r for r in recs if 0 in r["policy"]]
+    assert longer, "no recorded episode had a second turn"
+    for r in longer:
+        env_text = "".join(t for t, p in zip(r["tokens"], r["policy"]) if not p)
+        assert any(m in env_text for m in ("Higher.", "Lower.", "Answer with one number."))
+        assert all(not m for m, p in zip(r["in_loss"], r["policy"]) if not p)
 
 
 def test_conversational_prompts_and_extra_columns_reach_rewards(tmp_path, tokenizer):

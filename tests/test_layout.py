@@ -19,7 +19,7 @@ PACKAGE = ROOT / "posttrain"
 # never from a layer above (and never in a cycle, even within a layer).
 LAYERS = [
     ["registry", "perf", "data.tasks", "recipes", "errors", "checks", "envs.sandbox", "health",
-     "usercode", "provenance"],                                                            # plain Python
+     "usercode", "provenance", "trackers"],                                       # plain Python
     ["losses", "advantages", "data", "data.files", "data.preferences", "data.gym", "rollout.base",
      "envs.base"],                                                           # math, data
     ["presets", "config", "options"],                                        # typed configs

@@ -123,7 +123,18 @@ def test_page_in_a_real_browser(tiny_run, tmp_path):
             page.click("nav button[data-tab=evals]")
             assert page.locator("#e-table tr").count() == 1 + 5
             assert "before" in page.inner_text("#e-summary")
+
+            # a run still writing: a new step appears on the next refresh, and the page, which
+            # was on the newest step, follows it
+            page.click("nav button[data-tab=rollouts]")
+            page.select_option("#r-filter", "all")
+            page.fill("#r-search", "")
+            shutil.copyfile(tiny_run / "tokens" / "step_000003.parquet", tiny_run / "tokens" / "step_000004.parquet")
+            page.evaluate("refreshNow()")
+            page.wait_for_function("document.querySelector('#r-step').value === '4'", timeout=10_000)
+            assert page.locator(".card").count() == len(stored)
             browser.close()
     finally:
         server.shutdown()
+        (tiny_run / "tokens" / "step_000004.parquet").unlink(missing_ok=True)
     assert errors == []

@@ -41,10 +41,10 @@ def check_runs(paths: list[str | Path]) -> list[Path]:
     for p in paths:
         path = Path(p)
         if not path.is_dir():
-            raise ViewError(f"posttrain view: {path} is not a folder (give a run folder, e.g. runs/grpo-...)")
+            raise ViewError(f"{path} is not a folder (posttrain view takes run folders, e.g. runs/grpo-...)")
         if not (path / "metrics.jsonl").is_file():
-            raise ViewError(f"posttrain view: {path} has no metrics.jsonl: not a posttrain run "
-                            "folder (its run_dir holds metrics.jsonl once a step has run)")
+            raise ViewError(f"{path} has no metrics.jsonl: not a posttrain run folder (a run's "
+                            "folder holds metrics.jsonl once its first step or evaluation is logged)")
         out.append(path)
     return out
 

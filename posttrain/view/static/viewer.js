@@ -347,6 +347,7 @@ async function main() {
   await loadRollouts();
   await loadEvals();
   setInterval(() => { if ($("live").checked) refresh(); }, 10000);
+  window.refreshNow = refresh;   // (what the timer calls; tests call it without waiting)
   document.body.dataset.ready = "1";
 }
 
