@@ -105,44 +105,48 @@ def wandb_mode() -> str:
     return "online" if netrc.is_file() and "api.wandb.ai" in netrc.read_text() else "offline"
 
 
+class RunTracker:
+    """What wandb and trackio share (trackio copies wandb's API): `self.lib` is the package and
+    `self.run` its run; scalars go to run.log, the completions as a lib.Table."""
+
+    lib: Any
+    run: Any
+    keep_nonfinite = True   # (trackio refuses NaN and Inf)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        values = finite(scalars)
+        if not self.keep_nonfinite:
+            values = {k: v for k, v in values.items() if math.isfinite(v)}
+        self.run.log(values, step=step)
+
+    def log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        table = self.lib.Table(columns=COLUMNS, data=[[r[c] for c in COLUMNS] for r in rows])
+        self.run.log({"completions": table}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 @TRACKERS.register("wandb")
-class WandbTracker:
+class WandbTracker(RunTracker):
     def __init__(self, ctx: TrackerContext) -> None:
         import wandb
-        self.wandb = wandb
+        self.lib = wandb
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=ctx.name,
                               dir=str(ctx.run_dir), config=ctx.config, mode=wandb_mode(),
                               resume="allow" if ctx.resume else None, reinit="finish_previous")
 
-    def log(self, step: int, scalars: dict[str, float]) -> None:
-        self.run.log(finite(scalars), step=step)
-
-    def log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
-        table = self.wandb.Table(columns=COLUMNS, data=[[r[c] for c in COLUMNS] for r in rows])
-        self.run.log({"completions": table}, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
-
 
 @TRACKERS.register("trackio")
-class TrackioTracker:
+class TrackioTracker(RunTracker):
+    keep_nonfinite = False
+
     def __init__(self, ctx: TrackerContext) -> None:
         import trackio
-        self.trackio = trackio
+        self.lib = trackio
         self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", PROJECT), name=ctx.name,
                                 config=ctx.config, resume="allow" if ctx.resume else "never",
                                 embed=False, auto_log_cpu=False, auto_log_gpu=False)
-
-    def log(self, step: int, scalars: dict[str, float]) -> None:
-        self.run.log({k: v for k, v in finite(scalars).items() if math.isfinite(v)}, step=step)
-
-    def log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
-        table = self.trackio.Table(columns=COLUMNS, data=[[r[c] for c in COLUMNS] for r in rows])
-        self.run.log({"completions": table}, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
 
 
 @TRACKERS.register("mlflow")
