@@ -297,6 +297,155 @@ def lecture_kl_table(root: Path) -> str:
                        f"Record: `{LECTURE}/kl-estimators.json`."]) + "\n"
 
 
+SEEDS = (0, 1, 2)   # the experiments read over seeds, one record each
+
+
+def spread(values: list[float], signed: bool = True, digits: int = 2) -> str:
+    """Mean ± sd over seeds."""
+    m = sum(values) / len(values)
+    sd = (sum((v - m) ** 2 for v in values) / max(len(values) - 1, 1)) ** 0.5
+    return f"{m:+.{digits}f} ± {sd:.{digits}f}" if signed else f"{m:.{digits}f} ± {sd:.{digits}f}"
+
+
+def span(values: list[float]) -> str:
+    lo, hi = f"{min(values):.0f}", f"{max(values):.0f}"
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def per_seed(values: list[float], digits: int = 2) -> str:
+    return " / ".join(f"{v:.{digits}f}" for v in values)
+
+
+def lecture_length_table(root: Path) -> str:
+    """Each arm's per-token weight against length (exact) and one small step's effect on the mean
+    lengths of wrong and correct answers and the accuracy: all pairs of the 3 seeds pooled
+    (jackknife SE over pairs), and the change against Dr. GRPO's on the same answers per seed."""
+    import torch
+
+    from posttrain.experiments.length_bias import pooled_change
+
+    runs = seed_records(root, "length-bias")
+    nums = [r["numbers"] for r in runs]
+    ref = nums[0]["reference"]
+    stack = lambda arm: torch.tensor([p for n in nums for p in n["pair_sums"][arm]],  # noqa: E731
+                                     dtype=torch.float64)
+    lines = [f"| arm | first step shared with | per-token weight of a wrong answer "
+             f"per unit of r - group mean ∝ length^slope | Δ mean length, wrong answers (tokens) | Δ mean length, wrong, minus "
+             f"{ref}'s (same answers) | the same, per seed | Δ mean length, correct answers | "
+             f"Δ accuracy (pp) |", "|---" * 8 + "|"]
+    for arm in nums[0]["arms"]:
+        a = [n["arms"][arm] for n in nums]
+        own, vs = pooled_change(stack(arm), stack("before")), pooled_change(stack(arm), stack(ref))
+        slopes = [x["weight_length_slope"] for x in a if x["weight_length_slope"] is not None]
+        slope = f"{sum(slopes) / len(slopes):+.2f}" if slopes else "n/a"
+        per_seed = " / ".join("n/a" if x["vs_reference_len_wrong"] is None
+                              else f"{x['vs_reference_len_wrong']:+.3f}" for x in a)
+        acc = own["accuracy"] or (None, None)
+        lines.append(f"| {arm} | {a[0]['same_step_as'] or '-'} | {slope} | "
+                     f"{pm(*(own['len_wrong'] or (None, None)))} | "
+                     f"{pm(*(vs['len_wrong'] or (None, None)))} | {per_seed} | "
+                     f"{pm(*(own['len_correct'] or (None, None)))} | "
+                     f"{pm(acc[0] and 100 * acc[0], acc[1] and 100 * acc[1], 2)} |")
+    before = [n["before"] for n in nums]
+    n0, pairs = nums[0], sum(n["pairs"] for n in nums)
+    return "\n".join([*lines, "", f"Seeds {', '.join(map(str, SEEDS))}: {pairs} pairs of "
+                       f"batches of {n0['answers_per_batch']} answers (one to step on, one to "
+                       f"measure on), pooled, ± jackknife SE over pairs; a step of L2 length "
+                       f"{n0['step_l2']:g} moves log pi of an answer by "
+                       f"{sum(n['arms']['grpo']['mean_abs_delta_logp'] for n in nums) / len(nums):.3f} "
+                       f"on average (GRPO's). Before the "
+                       f"step, wrong answers averaged "
+                       f"{sum(x['len_wrong'] for x in before) / len(before):.1f} tokens and correct "
+                       f"ones {sum(x['len_correct'] for x in before) / len(before):.1f} (at most "
+                       f"{n0['max_new_tokens']}), accuracy "
+                       f"{100 * sum(x['accuracy'] for x in before) / len(before):.0f}%; "
+                       f"{sum(r['wall_s'] for r in runs) / 60 / len(runs):.1f} minutes a seed. "
+                       f"Records: `{LECTURE}/length-bias-s<seed>/length-bias.json`."]) + "\n"
+
+
+def seed_records(root: Path, name: str) -> list[dict]:
+    """`posttrain experiment NAME --seed S` records, one folder a seed (NAME-s<seed>)."""
+    return [json.loads((root / LECTURE / f"{name}-s{s}" / f"{name}.json").read_text())
+            for s in SEEDS]
+
+
+def training_arms_footer(lines: list[str], runs: list[dict], name: str, setting: str) -> str:
+    """The table of a training-arm experiment with the line under it: seeds, steps, the
+    experiment's own setting, held-out accuracy before, minutes a seed, the records."""
+    nums = [r["numbers"] for r in runs]
+    n0 = nums[0]
+    before = [100 * n["arms"][arm]["eval_before"] for n in nums for arm in n["arms"]]
+    return "\n".join([*lines, "", f"Seeds {', '.join(map(str, SEEDS))} (mean ± sd over "
+                       f"seeds): {n0['steps']} steps of {n0['answers_per_step']} answers, "
+                       f"{setting}, lr {n0['lr']:g} constant, {n0['eval_size']} held-out "
+                       f"problems ({span(before)}% before); "
+                       f"{sum(r['wall_s'] for r in runs) / 60 / len(runs):.1f} minutes a seed. "
+                       f"Records: `{LECTURE}/{name}-s<seed>/{name}.json`."]) + "\n"
+
+
+def lecture_clip_higher_table(root: Path) -> str:
+    """Entropy, clipped shares, reward and held-out accuracy with each upper clip, 3 seeds."""
+    runs = seed_records(root, "clip-higher")
+    nums = [r["numbers"] for r in runs]
+    lines = ["| arm | clip band | entropy, first step with an update | entropy, last quarter of "
+             "the steps | the same, per seed | tokens clipped high (mean over steps) | tokens "
+             "clipped low | training reward, last quarter | held-out accuracy after (%) | the "
+             "same, per seed |", "|---" * 10 + "|"]
+    for arm in nums[0]["arms"]:
+        a = [n["arms"][arm] for n in nums]
+        first = [next(v for v in x["entropy"] if v is not None) for x in a]
+        last = [x["entropy_last_quarter"] for x in a]
+        after = [100 * x["eval_after"] for x in a]
+        lines.append(
+            f"| {arm} | [{1 - a[0]['algorithm']['clip_low']:.2f}, "
+            f"{1 + a[0]['algorithm']['clip_high']:.2f}] | "
+            f"{spread(first, signed=False)} | {spread(last, signed=False)} | {per_seed(last)} | "
+            f"{spread([100 * x['clip_frac_high_mean'] for x in a], signed=False)}% | "
+            f"{spread([100 * x['clip_frac_low_mean'] for x in a], signed=False)}% | "
+            f"{spread([x['reward_last_quarter'] for x in a], signed=False)} | "
+            f"{spread(after, signed=False, digits=1)} | {per_seed(after, 0)} |")
+    n0 = nums[0]
+    return training_arms_footer(lines, runs, "clip-higher",
+                                f"{n0['minibatches']} minibatch updates a step")
+
+
+def reward_within(arm: dict, seconds: float, last: int = 3) -> float:
+    """The mean reward of the answers sampled in the last `last` steps an arm finished within
+    `seconds` of training (the arms compared at equal time)."""
+    done, kept = 0.0, []
+    for step_s, reward in zip(arm["step_s"], arm["generated_reward"]):
+        done += step_s or 0.0
+        if done > seconds:
+            break
+        kept.append(reward)
+    return sum(kept[-last:]) / len(kept[-last:]) if kept else 0.0
+
+
+def lecture_dynamic_table(root: Path) -> str:
+    """All-equal groups, generation, time and learning without and with dynamic sampling."""
+    runs = seed_records(root, "dynamic-sampling")
+    nums = [r["numbers"] for r in runs]
+    lines = ["| dynamic sampling | all-equal groups among those sampled first | answers "
+             "generated a step | seconds a step | reward of the sampled answers, last quarter | "
+             "the same at equal time (last 3 steps within the seconds 'off' trained) | "
+             "held-out accuracy after (%) | the same, per seed |", "|---" * 8 + "|"]
+    budget = [sum(v or 0.0 for v in n["arms"]["off"]["step_s"]) for n in nums]
+    for arm in nums[0]["arms"]:
+        a = [n["arms"][arm] for n in nums]
+        after = [100 * x["eval_after"] for x in a]
+        equal_time = [reward_within(x, t) for x, t in zip(a, budget)]
+        lines.append(
+            f"| {arm} | {spread([100 * x['equal_groups_mean'] for x in a], signed=False, digits=1)}% | "
+            f"{spread([x['generated_per_step'] for x in a], signed=False, digits=0)} | "
+            f"{spread([x['step_s_mean'] for x in a], signed=False, digits=1)} | "
+            f"{spread([x['generated_reward_last_quarter'] for x in a], signed=False)} | "
+            f"{spread(equal_time, signed=False)} | "
+            f"{spread(after, signed=False, digits=1)} | {per_seed(after, 0)} |")
+    n0 = nums[0]
+    return training_arms_footer(lines, runs, "dynamic-sampling",
+                                f"at most {n0['max_refill_rounds']} refill rounds a step")
+
+
 VIEWER = "benchmarks/results/viewer-2026-12-04"
 
 
@@ -320,7 +469,8 @@ def viewer_table(root: Path) -> str:
 
 TABLES: dict[str, Callable[[Path], str]] = {
     "lecture-baselines": lecture_baselines_table, "lecture-is": lecture_is_table,
-    "lecture-kl": lecture_kl_table,
+    "lecture-kl": lecture_kl_table, "lecture-length": lecture_length_table,
+    "lecture-clip-higher": lecture_clip_higher_table, "lecture-dynamic": lecture_dynamic_table,
     "default": default_table, "presets": presets_table, "opd": opd_table,
     "lora": lora_table,
     "objectives": objectives_table, "perstep": perstep_table, "viewer": viewer_table,

@@ -80,3 +80,25 @@ def test_an_edited_viewer_record_changes_its_table(tmp_path):
     path.write_text(json.dumps(record))
     after = tables.TABLES["viewer"](tmp_path)
     assert "12.30 s" in after and "12.30 s" not in before
+
+
+@pytest.mark.parametrize("name, experiment, edit, shown", [
+    ("lecture-length", "length-bias",
+     lambda n: n["arms"]["grpo"].update(weight_length_slope=0.777), "+0.78"),
+    ("lecture-clip-higher", "clip-higher",
+     lambda n: n["arms"]["symmetric"].update(eval_after=0.777), "77.7 ± 0.0"),
+    ("lecture-dynamic", "dynamic-sampling",
+     lambda n: n["arms"]["on"].update(eval_after=0.777), "77.7 ± 0.0"),
+])
+def test_an_edited_seed_record_changes_its_table(tmp_path, name, experiment, edit, shown):
+    """The experiments run once a seed (`--seed S`); their tables read every seed's record."""
+    tables = _tables()
+    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    before = tables.TABLES[name](tmp_path)
+    for seed in tables.SEEDS:
+        path = tmp_path / tables.LECTURE / f"{experiment}-s{seed}" / f"{experiment}.json"
+        data = json.loads(path.read_text())
+        edit(data["numbers"])
+        path.write_text(json.dumps(data))
+    after = tables.TABLES[name](tmp_path)
+    assert shown in after and shown not in before

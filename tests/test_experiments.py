@@ -11,8 +11,13 @@ from tests.conftest import make_tiny_model
 from posttrain.cli import main
 from posttrain.experiments import EXPERIMENTS
 from posttrain.experiments.baselines import arm_statistics, expected_scale, off_diagonal_sums
-from posttrain.experiments.common import CountSketch, experiment_module, jackknife, mean_se
+from posttrain.experiments.common import (CountSketch, experiment_module, jackknife, mean_of,
+                                          mean_se, per_step)
 from posttrain.experiments.importance_sampling import drift
+from posttrain.experiments.length_bias import (ARMS, arm_algorithm, arm_summary,
+                                               least_squares_slope, length_slope, pooled,
+                                               same_weights_as, step_along, token_weights,
+                                               weighted_sums)
 from posttrain.experiments.kl_estimators import (answer_products, drifted_copy, logit_gradients,
                                                  regression)
 from posttrain.losses import exact_kl_from_logits
@@ -142,6 +147,24 @@ def test_each_experiment_writes_its_record_and_figure(name, tiny_dir, tmp_path, 
     assert record["experiment"] == name and record["provenance"]["command"].startswith(
         f"posttrain experiment {name}")
     assert record["numbers"]
+    if name == "clip-higher":   # each arm trained: its metrics and records kept, its weights not
+        for arm in ("symmetric", "clip_higher"):
+            assert (out / "run" / arm / "metrics.jsonl").exists()
+            assert not (out / "run" / arm / "final_model").exists()
+            assert record["numbers"]["arms"][arm]["step"] == [1, 2, 3]
+
+
+def test_a_training_arm_reads_every_step_and_skips_evaluations(tmp_path):
+    rows = [{"step": 0, "eval/accuracy": 0.1},
+            {"step": 1, "policy/entropy": 1.5, "policy/clip_frac_high": 0.25, "reward/mean": 0.0},
+            {"step": 2, "reward/mean": 1.0},   # an all-equal batch: no update, no policy metrics
+            {"step": 2, "eval/accuracy": 0.4}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    got = per_step(path)
+    assert got["step"] == [1, 2] and got["entropy"] == [1.5, None]
+    assert got["clip_frac_high"] == [0.25, None] and got["reward"] == [0.0, 1.0]
+    assert mean_of([None, 1.0, 3.0]) == 2.0 and mean_of([None]) is None
 
 
 def test_an_unknown_experiment_or_too_few_repeats_is_refused(tiny_dir, tmp_path, capsys):
@@ -151,3 +174,90 @@ def test_an_unknown_experiment_or_too_few_repeats_is_refused(tiny_dir, tmp_path,
     assert "needs at least 3" in capsys.readouterr().err and not out.exists()
     with pytest.raises(SystemExit):
         main(["experiment", "no-such-thing"])
+
+
+def _length_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """One group of 4 answers: correct (2 tokens), wrong (1), wrong (3), correct (4); L_max 4."""
+    rewards_P_G = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0, 0], [1.0, 0, 0, 0], [1.0, 1.0, 1.0, 0], [1.0, 1.0, 1.0, 1.0]])
+    return rewards_P_G, mask
+
+
+def test_token_weights_are_the_aggregations_per_token_weights_by_hand():
+    rewards_P_G, mask = _length_batch()
+    logp = torch.full((4, 4), -1.0) * mask
+    # Dr. GRPO: A = r - mean = +-0.5, every token weighs A / (B L_max) = A / 16
+    w = token_weights(arm_algorithm("dr_grpo"), rewards_P_G, mask, logp, 4.0)
+    assert torch.allclose(w, torch.tensor([[0.5], [-0.5], [-0.5], [0.5]]) / 16 * mask)
+    # GRPO: A / (B |o_i|): the 3-token wrong answer's tokens weigh a third of the 1-token one's
+    w = token_weights(arm_algorithm("grpo"), rewards_P_G, mask, logp, 4.0)
+    assert float(w[1, 0] / w[2, 0]) == pytest.approx(3.0) and float(w[1, 0]) < 0
+    assert float((w[1].sum() - w[2].sum()).abs()) < 1e-7   # each answer's total: the same
+    # token mean: A / sum |o| = A / 10 on every token
+    w = token_weights(arm_algorithm("grpo_token_mean"), rewards_P_G, mask, logp, 4.0)
+    assert float(w[2, 0]) == pytest.approx(float(w[1, 0])) and float(w[0, 0]) == pytest.approx(-float(w[1, 0]))
+    assert float(w.abs().sum()) == pytest.approx(float(w[1, 0].abs()) * 10)   # 10 tokens, |A| / 10 each
+
+
+def test_length_slope_is_minus_one_for_grpo_and_zero_without_the_bias():
+    rewards_P_G, mask = _length_batch()
+    logp = torch.full((4, 4), -1.0) * mask
+    wrong = torch.tensor([False, True, True, False])
+    scale = torch.tensor([0.5, -0.5, -0.5, 0.5])   # r - the group's mean
+    slopes = {}
+    for arm in ("grpo", "dr_grpo", "grpo_token_mean", "gspo"):
+        w = token_weights(arm_algorithm(arm), rewards_P_G, mask, logp, 4.0)
+        x, y = length_slope(w, mask, wrong, scale)
+        assert torch.equal(x.exp().round(), torch.tensor([1.0, 3.0]))   # the two wrong answers
+        slopes[arm] = least_squares_slope(x, y)
+    assert slopes["grpo"] == pytest.approx(-1.0) and slopes["gspo"] == pytest.approx(-1.0)
+    assert slopes["dr_grpo"] == pytest.approx(0.0, abs=1e-9)
+    assert slopes["grpo_token_mean"] == pytest.approx(0.0, abs=1e-9)
+    assert least_squares_slope(torch.tensor([1.0]), torch.tensor([2.0])) is None
+
+
+def test_on_policy_gspo_gmpo_step_as_grpo_and_cispo_sapo_as_token_mean():
+    rewards_P_G, mask = _length_batch()
+    logp = torch.tensor([-0.3, -1.2, -2.0, -0.7]).expand(4, 4) * mask
+    weights = {arm: token_weights(arm_algorithm(arm), rewards_P_G, mask, logp, 4.0) for arm in ARMS}
+    twins = {arm: same_weights_as(weights, arm) for arm in ARMS}
+    assert twins == {"grpo": None, "grpo_token_mean": None, "dr_grpo": None, "gspo": "grpo",
+                     "gmpo": "grpo", "cispo": "grpo_token_mean", "sapo": "grpo_token_mean"}
+
+
+def test_importance_weighted_lengths_and_accuracy_by_hand():
+    class Batch:   # lengths 2, 1, 3, 4; answers 0 and 3 correct
+        loss_mask_B_T = _length_batch()[1]
+        correct_B = torch.tensor([1, 0, 0, 1])
+    w = torch.tensor([1.0, 3.0, 1.0, 1.0], dtype=torch.float64)   # the 1-token wrong answer x3
+    after, before = weighted_sums(Batch, w), weighted_sums(Batch, torch.ones(4, dtype=torch.float64))
+    assert before.tolist() == [2.0, 4.0, 2.0, 6.0, 4.0]
+    assert after.tolist() == [4.0, 6.0, 2.0, 6.0, 6.0]
+    p = pooled(after)
+    assert float(p["len_wrong"]) == 1.5 and float(p["len_correct"]) == 3.0
+    assert float(p["accuracy"]) == pytest.approx(1 / 3)
+    # two identical pairs: the change pooled over pairs, no spread between them
+    s = arm_summary(torch.stack([after, after]), torch.stack([before, before]),
+                    torch.stack([before, after]), torch.tensor([0.0]), torch.tensor([0.0]), [0.1, 0.3])
+    assert s["delta_len_wrong"] == pytest.approx(1.5 - 2.0) and s["delta_len_wrong_se"] == 0.0
+    assert s["delta_accuracy"] == pytest.approx(1 / 3 - 1 / 2) and s["mean_abs_delta_logp"] == 0.2
+    # against a reference that moved in one pair of two: pooled 10/6 wrong-answer tokens
+    assert s["vs_reference_len_wrong"] == pytest.approx(1.5 - 10 / 6)
+    assert s["vs_reference_len_wrong_se"] > 0 and s["vs_reference_len_correct"] == 0.0
+
+
+def test_step_along_moves_the_parameters_the_given_distance_along_their_gradient():
+    layer = torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in layer.parameters()]
+    layer(torch.ones(1, 3)).sum().backward()
+    grads = torch.cat([p.grad.flatten() for p in layer.parameters()])
+    step_along(layer, 0.5)
+    moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(layer.parameters(), before)])
+    assert float(moved.norm()) == pytest.approx(0.5)
+    assert torch.allclose(moved, 0.5 * grads / grads.norm())
+    assert all(p.grad is None for p in layer.parameters())
+    for p in layer.parameters():   # a batch with no signal: zero gradient, no step (not NaN)
+        p.grad = torch.zeros_like(p)
+    kept = [p.detach().clone() for p in layer.parameters()]
+    step_along(layer, 0.5)
+    assert all(torch.equal(p, k) for p, k in zip(layer.parameters(), kept))

@@ -34,7 +34,8 @@ LAYERS = [
     ["trainer", "stages.sft", "stages.preference", "stages.generate",        # the loops
      "experiments", "experiments.common"],                                   # (and their measures)
     ["stages.reward_model", "experiments.baselines", "experiments.kl_estimators",
-     "experiments.importance_sampling"],                                     # (read the layer above)
+     "experiments.importance_sampling", "experiments.length_bias",
+     "experiments.clip_higher", "experiments.dynamic_sampling"],              # (read the layer above)
     ["cli", ""],                                                             # entry points
 ]
 

@@ -14,4 +14,7 @@ EXPERIMENTS = {
     "baselines": "baselines",
     "importance-sampling": "importance_sampling",
     "kl-estimators": "kl_estimators",
+    "length-bias": "length_bias",
+    "clip-higher": "clip_higher",
+    "dynamic-sampling": "dynamic_sampling",
 }

@@ -3,12 +3,15 @@ scorer, a flat gradient, a count sketch of it, mean and spread, and the record i
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import logging
 import math
+import shutil
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from posttrain.options import DEFAULT_RECIPE, load_config, recipe_path
 from posttrain.perf import tune_malloc
 from posttrain.provenance import provenance
 from posttrain.train_run import Run, setup
+from posttrain.trainer import train
 
 log = logging.getLogger("posttrain")
 
@@ -102,6 +106,76 @@ def jackknife(leave_outs: Tensor) -> Tensor | float:
     k = len(leave_outs)
     se = ((k - 1) / k * ((leave_outs - leave_outs.mean(0)) ** 2).sum(0)).sqrt()
     return float(se) if se.dim() == 0 else se
+
+
+# what a training arm keeps of each step (metrics.jsonl's keys)
+PER_STEP = {"entropy": "policy/entropy", "clip_frac_high": "policy/clip_frac_high",
+            "clip_frac_low": "policy/clip_frac_low", "reward": "reward/mean",
+            "generated_reward": "reward/generated_mean", "length": "rollout/length_mean",
+            "length_correct": "rollout/length_correct", "length_wrong": "rollout/length_incorrect",
+            "equal_groups": "rollout/equal_groups_frac", "generated": "rollout/generated_responses",
+            "step_s": "perf/step_s"}
+
+
+def per_step(metrics_path: Path) -> dict[str, list]:
+    """Each PER_STEP quantity of every training step in a run's metrics.jsonl (None where a step
+    did not log it: a batch with no signal trains nothing)."""
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "step" in r and not any(k.startswith("eval/") for k in r)]
+    out: dict[str, list] = {"step": [r["step"] for r in rows]}
+    for name, key in PER_STEP.items():
+        out[name] = [r.get(key) for r in rows]
+    return out
+
+
+def mean_of(values: list[float | None]) -> float | None:
+    """The mean of the values present (None if none is)."""
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def train_arm(run: Run, arm: str, algorithm: dict[str, Any], out: Path, steps: int,
+              progress: bool) -> dict[str, Any]:
+    """Train `steps` steps of the run's recipe with `algorithm` changed, from a copy of the
+    run's starting weights and its seed; each step's PER_STEP numbers and held-out accuracy
+    before and after. The arm's run folder (out/run/ARM) keeps its metrics and per-token records
+    (`posttrain view`), not its weights."""
+    # every arm runs all its steps (no time budget) and saves no checkpoint it would not keep
+    cfg = replace(run.cfg, steps=steps, run_dir=str(out / "run" / arm), max_minutes=None,
+                  checkpoint=replace(run.cfg.checkpoint, every_minutes=None, every_steps=0),
+                  algorithm={**run.cfg.algorithm, **algorithm}).validate()
+    summary = train(cfg, model=copy.deepcopy(run.model), tokenizer=run.tokenizer,
+                    show_progress=progress)
+    numbers: dict[str, Any] = per_step(Path(cfg.run_dir) / "metrics.jsonl")
+    for weights in ("final_model", "checkpoints"):
+        shutil.rmtree(Path(cfg.run_dir) / weights, ignore_errors=True)
+    numbers.update(algorithm=algorithm, seconds=sum(v for v in numbers["step_s"] if v),
+                   eval_before=summary.get("eval_before", {}).get("eval/accuracy"),
+                   eval_after=summary.get("eval_after", {}).get("eval/accuracy"))
+    return numbers
+
+
+def plot_per_step(numbers: dict[str, Any], panels: list[tuple[str, str]], label, path: Path) -> Path:
+    """A training-arm experiment's figure: one panel per (key, title), each arm's value per step
+    (`label(arm, numbers)` names its line)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(16, 4.2))
+    for ax, (key, title) in zip(axes, panels):
+        for arm, n in numbers["arms"].items():
+            pts = [(s, v) for s, v in zip(n["step"], n[key]) if v is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", ms=3, label=label(arm, n))
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def write_record(out: Path, name: str, claim: str, numbers: dict[str, Any], command: str,
