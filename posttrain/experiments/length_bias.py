@@ -56,9 +56,10 @@ ARMS: dict[str, tuple[str, dict]] = {
     "grpo": ("grpo", {}), "grpo_token_mean": ("grpo", {"aggregation": "token_mean"}),
     "dr_grpo": ("dr_grpo", {}), "gspo": ("gspo", {}), "gmpo": ("gmpo", {}),
     "cispo": ("cispo", {}), "sapo": ("sapo", {})}
-# the L2 length of every arm's step: small enough that log pi of an answer moves by about 0.1
-# (one AdamW step at the recipe's lr moves the weights 0.23, which along the raw gradient moves
-# log pi of an answer by about 17 nats: far outside where importance weights can be read)
+# the L2 length of every arm's step: small enough that log pi of an answer moves by a few
+# hundredths (the record's mean_abs_delta_logp: 0.027), where importance weights stay near 1.
+# The length of one AdamW step at the recipe's lr (lr x sqrt(parameters) = 0.23) taken along the
+# raw gradient moved log pi of an answer by about 17 nats in a trial: no weight can be read there.
 STEP_L2 = 1e-3
 REFERENCE = "dr_grpo"   # each arm's change is also given against this one's, on the same answers
 SUMS = ("n_wrong", "len_wrong", "n_correct", "len_correct", "n")   # per evaluation batch, w-weighted
