@@ -18,7 +18,7 @@ import torch
 from posttrain.data.preferences import synthetic_preferences
 from posttrain.data.tasks import Problem, make_task
 from posttrain.forward import frozen_logprobs
-from posttrain.losses import sequence_logprob
+from posttrain.losses.common import sequence_logprob
 from posttrain.models import load_policy, load_tokenizer, resolve_model_path
 from posttrain.forward import pack
 from posttrain.prompts import encode_prompts

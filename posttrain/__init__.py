@@ -35,9 +35,9 @@ _PUBLIC = {
     "build_task": "posttrain.data.source",
     "TASKS": "posttrain.data.tasks",
     "ADVANTAGES": "posttrain.advantages",
-    "POLICY_LOSSES": "posttrain.losses",
-    "AGGREGATIONS": "posttrain.losses",
-    "KL_ESTIMATORS": "posttrain.losses",
+    "POLICY_LOSSES": "posttrain.losses.policy",
+    "AGGREGATIONS": "posttrain.losses.aggregation",
+    "KL_ESTIMATORS": "posttrain.losses.kl",
 }
 
 __all__ = ["__version__", *_PUBLIC]

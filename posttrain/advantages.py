@@ -219,7 +219,7 @@ def _reverse_kl(inp: AdvantageInputs, p: AdvantageParams) -> Advantages:
     `distill_loss: exact` or `forward`) the full-vocabulary KL is added to the loss by the trainer
     instead, and only the optional reward part is an advantage.
     """
-    from posttrain.losses import distillation_advantage
+    from posttrain.losses.distill import distillation_advantage
     if p.kl_in_loss:
         adv = torch.zeros_like(inp.mask_B_T)
     else:

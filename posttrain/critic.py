@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import AutoModelForTokenClassification
 
-from posttrain.config import CriticConfig
+from posttrain.sections import CriticConfig
 from posttrain.distributed import (SINGLE, World, average_gradients, clip_grad_norm,
                                    full_state_dict, load_optimizer_state, optimizer_state, wrap)
 from posttrain.forward import group_chunks, response_hidden, sequence_logprobs

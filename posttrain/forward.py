@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from posttrain.losses import entropy_from_logits, token_logprobs
+from posttrain.losses.common import entropy_from_logits, token_logprobs
 from posttrain.models import decoder_and_head
 from posttrain.prompts import after_shared_prefix, common_prefix_length, left_pad
 from posttrain.rollout import Rollout

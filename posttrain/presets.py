@@ -10,8 +10,10 @@ from typing import Literal
 from posttrain.advantages import ADVANTAGES, NEEDS_GROUP, NEEDS_VALUES
 from posttrain.checks import check_choice, check_range
 from posttrain.errors import ConfigError
-from posttrain.losses import (AGGREGATIONS, DISTILL_LOSSES, KL_ESTIMATORS, POLICY_LOSSES,
-                              ObjectiveParams)
+from posttrain.losses.aggregation import AGGREGATIONS
+from posttrain.losses.distill import DISTILL_LOSSES
+from posttrain.losses.kl import KL_ESTIMATORS
+from posttrain.losses.policy import POLICY_LOSSES, ObjectiveParams
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,7 @@ class AlgorithmConfig:
     advantage: str = "group"            # key of advantages.ADVANTAGES
     scale_by_std: bool = True           # GRPO divides by the group std; Dr. GRPO does not (§7)
     eps: float = 1e-6                   # added to the std in the GRPO advantage
-    # key of losses.POLICY_LOSSES: clipped (PPO/GRPO/DAPO), vanilla (REINFORCE), and the
+    # key of losses.policy.POLICY_LOSSES: clipped (PPO/GRPO/DAPO), vanilla (REINFORCE), and the
     # others of docs/algorithms.md §3 and §11 (an unknown name is refused with the list)
     policy_loss: str = "clipped"
     clip_low: float = 0.2               # ratio may fall to 1 - clip_low (gmpo: log-ratio to -clip_low)
@@ -34,9 +36,9 @@ class AlgorithmConfig:
     cov_high: float = 5.0               # clip_cov: upper end of that band
     kl_cov_coef: float = 1.0            # kl_cov: weight of |log pi - log pi_old| on the picked tokens
     entropy_coef: float = 0.0           # entropy bonus: minus coef x the entropy at each token
-    aggregation: str = "seq_mean_token_mean"  # key of losses.AGGREGATIONS
+    aggregation: str = "seq_mean_token_mean"  # key of losses.aggregation.AGGREGATIONS
     kl_in: Literal["loss", "reward", "none"] = "loss"  # where the KL to pi_ref goes (§5 vs §6)
-    kl_estimator: str = "k3"            # key of losses.KL_ESTIMATORS
+    kl_estimator: str = "k3"            # key of losses.kl.KL_ESTIMATORS
     kl_coef: float = 0.04               # beta; 0 builds no reference model at all
     dynamic_sampling: bool = False      # DAPO: refill the batch instead of training on all-equal groups
     max_refill_rounds: int = 4          # extra generation rounds dynamic sampling may use per step
@@ -53,10 +55,10 @@ class AlgorithmConfig:
     # 'forward' = full-vocabulary forward KL(teacher || student) at the student's positions, whose
     # gradient does not vanish where the student is confidently wrong; keeps more entropy (MOPD in
     # docs/distillation.md: no faster than 'exact' there)
-    distill_loss: str = "sampled"       # key of losses.DISTILL_LOSSES
+    distill_loss: str = "sampled"       # key of losses.distill.DISTILL_LOSSES
 
     def objective_params(self) -> ObjectiveParams:
-        """The hyper-parameters the policy objectives read (losses.ObjectiveParams)."""
+        """The hyper-parameters the policy objectives read (losses.policy.ObjectiveParams)."""
         return ObjectiveParams(
             clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
             sapo_tau_pos=self.sapo_tau_pos, sapo_tau_neg=self.sapo_tau_neg, cov_frac=self.cov_frac,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
-F = TypeVar("F")   # a function, or a spec object (losses.DistillLoss)
+F = TypeVar("F")   # a function, or a spec object (losses.distill.DistillLoss)
 
 
 class Registry(Generic[F]):

@@ -10,7 +10,9 @@ import torch
 from torch import Tensor
 
 from posttrain.batch import ScoredBatch
-from posttrain.losses import explained_variance, kl_penalized_rewards, masked_mean
+from posttrain.losses.common import masked_mean
+from posttrain.losses.kl import kl_penalized_rewards
+from posttrain.losses.value import explained_variance
 
 
 def reward_model_metrics(scores_B: Tensor, correct_B: Tensor) -> dict[str, Tensor]:

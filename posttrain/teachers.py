@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from posttrain.config import ConfigError, TeacherConfig
+from posttrain.errors import ConfigError
+from posttrain.sections import TeacherConfig
 from posttrain.models import check_same_tokenizer, load_policy, load_tokenizer, resolve_model_path
 
 SELF = "self"

@@ -42,7 +42,7 @@ from posttrain.distributed import (World, barrier, device_for, full_state_dict,
                                    full_weights_for_generation, global_max, init_world,
                                    load_optimizer_state, wrap)
 from posttrain.lifecycle import resume_command
-from posttrain.update import frozen_inputs
+from posttrain.update_terms import frozen_inputs
 
 
 log = logging.getLogger("posttrain")

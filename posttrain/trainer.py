@@ -38,15 +38,17 @@ from posttrain.presets import AlgorithmConfig
 from posttrain.health import Tally
 from posttrain.evaluation import evaluate
 from posttrain.logging import console_line
-from posttrain.losses import (DISTILL_LOSSES, KL_ESTIMATORS, kl_penalized_rewards, masked_mean,
-                              sampled_reverse_kl)
+from posttrain.losses.common import masked_mean
+from posttrain.losses.distill import DISTILL_LOSSES, sampled_reverse_kl
+from posttrain.losses.kl import KL_ESTIMATORS, kl_penalized_rewards
 from posttrain.prompts import encode_prompts, left_pad
 from posttrain.rollout import Rollout
 from posttrain.distributed import global_max, global_sum, mean_metrics
 from posttrain.forward import frozen_logprobs
 from posttrain.lifecycle import Lifecycle
 from posttrain.batch import ScoredBatch
-from posttrain.update import check_nonfinite_streak, frozen_inputs, update_policy
+from posttrain.update import check_nonfinite_streak, update_policy
+from posttrain.update_terms import frozen_inputs
 from posttrain.collect import generate_and_score
 from posttrain.token_records import TokenTrace, step_rows, traced_rows, write_step
 from posttrain.step_metrics import critic_metrics, per_domain, read_floats, rollout_metrics

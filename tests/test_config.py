@@ -156,7 +156,7 @@ def test_memory_estimate_counts_what_the_run_holds(tmp_path):
 def test_sampling_that_is_not_the_trainers_float32_policy_is_off_the_trainer():
     """bf16 autocast while sampling, or a top-p nucleus: the recorded log-probs are not pi_old,
     so the trainer recomputes pi_old and corrects (truncated IS) as for vLLM."""
-    from posttrain.config import RolloutConfig
+    from posttrain.sections import RolloutConfig
     assert not RolloutConfig().off_trainer
     assert RolloutConfig(autocast="bfloat16").off_trainer
     assert RolloutConfig(top_p=0.9).off_trainer

@@ -137,7 +137,7 @@ def test_opsd_config_errors(overrides, msg):
 
 def test_mopd_routes_each_domain_to_its_teacher_loaded_lazily_and_shared(tmp_path, tokenizer):
     from collections import Counter
-    from posttrain.config import TeacherConfig
+    from posttrain.sections import TeacherConfig
     from posttrain.rewards import Scorer
     from posttrain.rollout import make_engine
     from posttrain.teachers import Teachers
@@ -214,7 +214,7 @@ def test_exact_loss_targets_the_teacher_at_its_own_temperature(tmp_path, tokeniz
     """teacher.temperature: the exact loss is KL(softmax(z_S / T) || softmax(z_T / T_teacher))."""
     from collections import Counter
     from posttrain.forward import response_logits
-    from posttrain.losses import exact_kl_from_logits
+    from posttrain.losses.kl import exact_kl_from_logits
     from posttrain.rewards import Scorer
     from posttrain.rollout import make_engine
     from posttrain.teachers import Teachers

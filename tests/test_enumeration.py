@@ -10,9 +10,11 @@ import itertools
 
 import torch
 
-from posttrain.losses import (AGGREGATIONS, K3_CAP, KL_ESTIMATORS, kl_k3, aggregate, exact_kl_from_logits,
-                              importance_sampled_pg_loss, sampled_reverse_kl, token_logprobs,
-                              vanilla_pg_loss)
+from posttrain.losses.aggregation import AGGREGATIONS, aggregate
+from posttrain.losses.common import token_logprobs
+from posttrain.losses.distill import sampled_reverse_kl
+from posttrain.losses.kl import K3_CAP, KL_ESTIMATORS, kl_k3, exact_kl_from_logits
+from posttrain.losses.policy import importance_sampled_pg_loss, vanilla_pg_loss
 
 V = 3
 RESPONSES = torch.tensor(list(itertools.product(range(V), repeat=2)))  # (9, 2)

@@ -20,7 +20,7 @@ from posttrain.experiments.length_bias import (ARMS, arm_algorithm, arm_summary,
                                                weighted_sums)
 from posttrain.experiments.kl_estimators import (answer_products, drifted_copy, logit_gradients,
                                                  regression)
-from posttrain.losses import exact_kl_from_logits
+from posttrain.losses.kl import exact_kl_from_logits
 
 
 def test_count_sketch_adds_signed_coordinates_into_their_buckets():

@@ -20,16 +20,18 @@ PACKAGE = ROOT / "posttrain"
 LAYERS = [
     ["registry", "perf", "data.tasks", "recipes", "errors", "checks", "envs.sandbox", "health",
      "usercode", "provenance", "trackers"],                                       # plain Python
-    ["losses", "advantages", "data", "data.files", "data.preferences", "data.gym", "rollout.base",
+    ["losses", "losses.common", "losses.policy", "losses.correction", "losses.aggregation",
+     "losses.kl", "losses.value", "losses.distill", "losses.preference",
+     "advantages", "data", "data.files", "data.preferences", "data.gym", "rollout.base",
      "envs.base"],                                                           # math, data
-    ["presets", "config", "options"],                                        # typed configs
+    ["presets", "sections", "config", "options"],                            # typed configs
     ["data.source", "prompts", "models", "distributed", "memory", "logging", "checkpoint",
      "rewards.pool", "rewards.verifiers", "run", "lifecycle", "view", "view.server",
      "envs.tools", "envs.builtin", "envs"],                                 # machinery
     ["rollout", "rollout.hf", "rollout.vllm", "rollout.episodes", "forward",
      "batch", "step_metrics", "token_records"],                              # sampling, forward
     ["rewards", "rewards.model", "teachers", "critic", "evaluation", "collect"],  # scores, teachers
-    ["update"],                                                              # the policy update
+    ["update_terms", "update"],                                              # the policy update
     ["stages", "stages.common", "train_run"],                                # one run's lifecycle
     ["trainer", "stages.sft", "stages.preference", "stages.generate",        # the loops
      "experiments", "experiments.common"],                                   # (and their measures)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from posttrain.config import LoraConfig
+from posttrain.sections import LoraConfig
 from posttrain.options import load_config
 from posttrain.models import add_lora
 from posttrain.rollout import SamplingParams, make_engine

@@ -5,14 +5,18 @@ import math
 import pytest
 import torch
 
-from posttrain.losses import (AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate,
-                              bradley_terry_loss, clip_fractions, clip_sides, clipped_surrogate_loss, distillation_advantage,
-                              dpo_loss, entropy_from_logits, exact_kl_from_logits,
-                              explained_variance, forward_kl_from_logits,
-                              importance_sampled_pg_loss, kl_penalized_rewards,
-                              kl_penalty_in_loss, pairwise_accuracy, ratio_stats,
-                              reverse_kl_from_logits, sampled_reverse_kl, sequence_logprob,
-                              sft_loss, token_logprobs, vanilla_pg_loss, value_loss)
+from posttrain.losses.aggregation import AGGREGATIONS, aggregate
+from posttrain.losses.common import entropy_from_logits, sequence_logprob, token_logprobs
+from posttrain.losses.correction import ratio_stats
+from posttrain.losses.distill import (distillation_advantage, forward_kl_from_logits,
+                                      reverse_kl_from_logits, sampled_reverse_kl)
+from posttrain.losses.kl import (KL_ESTIMATORS, exact_kl_from_logits, kl_penalized_rewards,
+                                 kl_penalty_in_loss)
+from posttrain.losses.policy import (POLICY_LOSSES, clip_fractions, clip_sides,
+                                     clipped_surrogate_loss, importance_sampled_pg_loss,
+                                     vanilla_pg_loss)
+from posttrain.losses.preference import bradley_terry_loss, dpo_loss, pairwise_accuracy, sft_loss
+from posttrain.losses.value import explained_variance, value_loss
 
 close = torch.testing.assert_close
 
@@ -37,7 +41,7 @@ def test_token_logprobs_exact_and_matches_log_softmax():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_token_logprobs_half_precision_inputs_are_chunked_in_float32(dtype, monkeypatch):
-    import posttrain.losses as L
+    import posttrain.losses.common as L
     monkeypatch.setattr(L, "_CHUNK", 3)  # force several chunks
     torch.manual_seed(1)
     z = torch.randn(2, 5, 7).to(dtype)
@@ -196,7 +200,7 @@ def test_kl_estimators_hand_values():
 
 
 def test_k3_is_capped_so_one_drifted_token_cannot_carry_a_step():
-    from posttrain.losses import K3_CAP
+    from posttrain.losses.kl import K3_CAP
     logp, ref = t(0.0, -30.0, -1.0), t(-1.0, 0.0, -1.0)   # pi_ref / pi = e^-1, e^30, 1
     k3 = KL_ESTIMATORS["k3"](logp, ref)
     close(k3, t(math.exp(-1) + 1 - 1, K3_CAP, 0.0))
@@ -209,7 +213,7 @@ def test_a_non_finite_value_where_the_weight_is_zero_cannot_poison_the_loss():
     loss, w = t(2.0, 4.0, float("nan"), float("inf")), t(0.5, 0.5, 0.0, 0.0)
     close(aggregate(loss, w), torch.tensor(3.0))
     x = t(1.0, 3.0, float("nan")).requires_grad_(True)
-    from posttrain.losses import masked_mean
+    from posttrain.losses.common import masked_mean
     m = masked_mean(x, t(1.0, 1.0, 0.0))
     m.backward()
     close(m, torch.tensor(2.0))
@@ -312,7 +316,8 @@ def test_sft_loss_ignores_masked_tokens():
 def test_distillation_losses_are_a_registry_of_how_the_teacher_enters():
     """§8: 'sampled' is an advantage (no token loss); 'exact' adds the reverse KL with its
     gradient; 'forward' adds KL(teacher || student) and logs the reverse KL without a gradient."""
-    from posttrain.losses import DISTILL_LOSSES, exact_kl_from_logits
+    from posttrain.losses.distill import DISTILL_LOSSES
+    from posttrain.losses.kl import exact_kl_from_logits
     assert DISTILL_LOSSES.names() == ["exact", "forward", "sampled"]
     assert DISTILL_LOSSES["sampled"].in_advantage and DISTILL_LOSSES["sampled"].token_loss is None
     torch.manual_seed(0)

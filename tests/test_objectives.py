@@ -7,9 +7,11 @@ import math
 import pytest
 import torch
 
-from posttrain.losses import (AGGREGATIONS, KL_ESTIMATORS, KL_GRADIENT_OF, OFF_POLICY_CORRECTIONS,
-                              POLICY_LOSSES, ObjectiveParams, PolicyInputs, aggregate,
-                              entropy_bonus_loss, entropy_from_logits)
+from posttrain.losses.aggregation import AGGREGATIONS, aggregate
+from posttrain.losses.common import entropy_from_logits
+from posttrain.losses.correction import OFF_POLICY_CORRECTIONS
+from posttrain.losses.kl import KL_ESTIMATORS, KL_GRADIENT_OF, entropy_bonus_loss
+from posttrain.losses.policy import POLICY_LOSSES, ObjectiveParams, PolicyInputs
 
 close = torch.testing.assert_close
 ln = math.log

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForTokenClassification
 
 from posttrain.advantages import ADVANTAGES, AdvantageInputs, AdvantageParams
-from posttrain.config import CriticConfig
+from posttrain.sections import CriticConfig
 from posttrain.options import load_config
 from posttrain.critic import Critic
 from posttrain.rollout import Rollout, SamplingParams, make_engine

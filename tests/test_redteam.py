@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from posttrain import load_config, train
-from posttrain.config import RewardConfig
+from posttrain.sections import RewardConfig
 from posttrain.data.tasks import Problem
 from posttrain.errors import FailingSourceError
 from posttrain.health import FailureWatch, Tally

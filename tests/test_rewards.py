@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from posttrain.config import RewardConfig
+from posttrain.sections import RewardConfig
 from posttrain.data.tasks import Problem, countdown_task
 from posttrain.rewards import Scorer
 from posttrain.usercode import call_with_limits, load_function

@@ -10,7 +10,7 @@ import torch
 
 from posttrain.advantages import grpo_advantage
 from posttrain.forward import frozen_logprobs
-from posttrain.losses import clip_sides
+from posttrain.losses.policy import clip_sides
 from posttrain.options import load_config
 from posttrain.rollout import Rollout
 from posttrain.token_records import TokenTrace, td_residuals, traced_rows

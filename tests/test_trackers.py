@@ -31,7 +31,7 @@ def tiny_run(tmp_path, tokenizer, tracker: str) -> tuple[Path, dict[int, float]]
 def test_unknown_or_missing_trackers_are_refused_before_anything_loads(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="report_to='nope' is not valid; accepted: .*'mlflow'"):
         toy_config(tmp_path, "--report_to", "nope")
-    monkeypatch.setattr("posttrain.config.missing_package", lambda name: name)
+    monkeypatch.setattr("posttrain.sections.missing_package", lambda name: name)
     with pytest.raises(ConfigError, match=r'report_to wandb needs the .wandb. package.*posttrain\[wandb\]'):
         toy_config(tmp_path, "--report_to", "wandb")
 

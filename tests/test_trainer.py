@@ -14,7 +14,7 @@ from posttrain.batch import equal_reward_groups
 from posttrain.distributed import SINGLE
 from posttrain.collect import generate_and_score
 from posttrain.trainer import train
-from posttrain.losses import POLICY_LOSSES, objective_reads
+from posttrain.losses.policy import POLICY_LOSSES, objective_reads
 from posttrain.update import update_policy
 from posttrain.data.source import Sampler, build_task
 from posttrain.prompts import encode_prompts
@@ -48,7 +48,7 @@ def test_every_preset_moves_the_policy_toward_its_own_advantages(tmp_path, token
     from types import SimpleNamespace
 
     from posttrain.forward import sequence_logprobs
-    from posttrain.losses import AGGREGATIONS
+    from posttrain.losses.aggregation import AGGREGATIONS
     from posttrain.trainer import compute_advantages
     from posttrain.update import response_budget
     two = [] if preset == "reinforce" else ["--optim.minibatches", "2"]
@@ -175,7 +175,7 @@ def test_each_objective_moves_the_policy_toward_its_advantages(tmp_path, tokeniz
     advantage-weighted log-likelihood of the batch's own tokens rises, for every objective. To
     first order the change is lr |g|^2 > 0, so a wrong sign or a dropped gradient fails it."""
     from posttrain.forward import sequence_logprobs
-    from posttrain.losses import AGGREGATIONS
+    from posttrain.losses.aggregation import AGGREGATIONS
     cfg = toy_config(tmp_path, "--steps", "1", "--optim.minibatches", "2",
                      "--algorithm.policy_loss", objective, "--algorithm.cov_frac", "0.05")
     model = make_tiny_model(tokenizer, seed=6)
@@ -198,11 +198,11 @@ def test_each_objective_moves_the_policy_toward_its_advantages(tmp_path, tokeniz
 
 
 def test_frozen_inputs_name_only_the_passes_the_terms_read(tmp_path):
-    """update.frozen_inputs: pi_ref only for a KL term, the trainer's own pi_old only where the
+    """update_terms.frozen_inputs: pi_ref only for a KL term, the trainer's own pi_old only where the
     sampler's numbers differ and a term reads pi_old (the ratio over several updates, the KL in
     PPO's rewards, a teacher's advantage)."""
     from posttrain.config import ConfigError
-    from posttrain.update import frozen_inputs
+    from posttrain.update_terms import frozen_inputs
 
     def needs(*args, teachers=False):
         cfg = toy_config(tmp_path, *args)
@@ -342,7 +342,8 @@ def test_bf16_autocast_keeps_logprobs_close_and_head_in_float32(tokenizer, tiny_
 
 def test_skipping_zero_advantage_groups_gives_the_same_update(tmp_path, tokenizer):
     """All-equal groups are not run through the model, yet the step equals the full-batch step."""
-    from posttrain.losses import AGGREGATIONS, aggregate, clipped_surrogate_loss
+    from posttrain.losses.aggregation import AGGREGATIONS, aggregate
+    from posttrain.losses.policy import clipped_surrogate_loss
     from posttrain.forward import sequence_logprobs
     cfg = toy_config(tmp_path, "--steps", "1", "--optim.max_grad_norm", "1e9")
     model = make_tiny_model(tokenizer, seed=8)

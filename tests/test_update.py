@@ -19,7 +19,8 @@ from posttrain.data.tasks import Problem
 from posttrain.rewards import Scorer
 from posttrain.rollout import Rollout, make_engine
 from posttrain.collect import generate_and_score
-from posttrain.update import Metrics, update_policy
+from posttrain.update import update_policy
+from posttrain.update_terms import Metrics
 
 PACKAGE = os.path.dirname(posttrain.__file__) + os.sep
 

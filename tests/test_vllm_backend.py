@@ -13,7 +13,7 @@ import torch
 
 from posttrain.config import ConfigError
 from posttrain.options import load_config
-from posttrain.losses import truncated_is_weights
+from posttrain.losses.correction import truncated_is_weights
 from posttrain.rewards import Scorer
 from posttrain.rollout import make_engine
 from posttrain.rollout.vllm import (Completion, completion_from_openai, completion_from_vllm,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from posttrain.config import ConfigError, DataConfig
+from posttrain.errors import ConfigError
+from posttrain.sections import DataConfig
 from posttrain.data.files import load_problems
 from posttrain.data.tasks import MixedTask, Problem, Task, make_task
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from posttrain.config import ConfigError, EnvConfig
+from posttrain.errors import ConfigError
+from posttrain.sections import EnvConfig
 from posttrain.data.tasks import Task
 from posttrain.envs.base import (BindsTokenizer, Demonstrates, DescribesTools, Environment, Reply,
                                  SingleTurn)

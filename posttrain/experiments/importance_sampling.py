@@ -26,8 +26,9 @@ from torch import Tensor
 from posttrain.advantages import grpo_advantage
 from posttrain.experiments.common import progress_range, sample_batch
 from posttrain.forward import frozen_logprobs, group_chunks, sequence_logprobs
-from posttrain.losses import (POLICY_LOSSES, PolicyInputs, clip_fractions, clip_sides, masked_mean,
-                              ratio_stats)
+from posttrain.losses.common import masked_mean
+from posttrain.losses.correction import ratio_stats
+from posttrain.losses.policy import POLICY_LOSSES, PolicyInputs, clip_fractions, clip_sides
 
 CLAIM = ("a batch from pi_old can be reused through the ratio pi_theta / pi_old while the ratio "
          "stays near 1; the clip bounds how far it drifts (§3, §5)")

@@ -29,7 +29,8 @@ from torch import Tensor
 
 from posttrain.experiments.common import jackknife, mean_se, progress_range, sample_batch
 from posttrain.forward import sequence_logprobs
-from posttrain.losses import KL_ESTIMATORS, exact_kl_from_logits, token_logprobs
+from posttrain.losses.common import token_logprobs
+from posttrain.losses.kl import KL_ESTIMATORS, exact_kl_from_logits
 
 CLAIM = ("k1 and k3 are unbiased for KL(pi || pi_ref), k3 with less variance; in the loss k1's "
          "gradient is 0 in expectation, k2's follows the reverse KL, k3's the forward KL (§6)")

@@ -39,7 +39,9 @@ from posttrain.advantages import ADVANTAGES, AdvantageInputs, AdvantageParams
 from posttrain.config import ConfigError
 from posttrain.experiments.common import jackknife, progress_range, sample_batch
 from posttrain.forward import group_chunks, sequence_logprobs
-from posttrain.losses import AGGREGATIONS, POLICY_LOSSES, PolicyInputs, aggregate, masked
+from posttrain.losses.aggregation import AGGREGATIONS, aggregate
+from posttrain.losses.common import masked
+from posttrain.losses.policy import POLICY_LOSSES, PolicyInputs
 from posttrain.presets import PRESETS, AlgorithmConfig
 
 CLAIM = ("GRPO's 1/|o| aggregation pushes long wrong answers down less per token than short ones, "

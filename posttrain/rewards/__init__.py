@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posttrain.config import RewardConfig
+from posttrain.sections import RewardConfig
 from posttrain.data.tasks import Problem
 from posttrain.health import Tally
 from posttrain.rewards.pool import Outcome, RewardPool

@@ -110,7 +110,7 @@ def log_ratio_scores(policy, reference, prompt_ids: list[list[int]], responses: 
 
     for groups of `group_size` responses to one prompt (as in group_scores)."""
     from posttrain.forward import frozen_logprobs
-    from posttrain.losses import sequence_logprob
+    from posttrain.losses.common import sequence_logprob
     from posttrain.forward import pack
     rollout = pack(_Pad(pad_id), [p for p in prompt_ids for _ in range(group_size)], responses,
                    next(policy.parameters()).device)
@@ -141,7 +141,7 @@ def pair_scores(model, prompt_ids: list[list[int]], chosen_ids: list[list[int]],
     scores = _score_last(model, hidden, tails)
     nll = None
     if chosen_nll:
-        from posttrain.losses import token_logprobs
+        from posttrain.losses.common import token_logprobs
         lengths = torch.tensor([len(t) for t in chosen_ids], device=hidden.device)
         mask = torch.arange(ids.shape[1], device=hidden.device) < lengths[:, None]
         h = hidden[0::2][mask]                                  # chosen response positions only

@@ -132,7 +132,7 @@ class HFRolloutEngine:
     is cast per decoding step, and the body's activations stay in bf16: on a 2-core AVX-512 CPU
     64 responses decode about 1.7x faster than in float32 (1.2x under autocast, measured in the
     training process). The log-probs are then the copy's, not pi_old: the trainer corrects for the
-    difference as for vLLM (losses.truncated_is_weights)."""
+    difference as for vLLM (losses.correction.truncated_is_weights)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                  autocast: str = "none", weights: str = "shared") -> None:

@@ -19,9 +19,10 @@ Two layouts, both behind the same `RolloutEngine` contract as the in-process sam
 
 Either way the engine records each sampled token's log-prob after temperature
 (`processed_logprobs`), which the trainer compares with its own (`rollout/logp_mismatch`) and
-corrects for with truncated importance sampling (`losses.truncated_is_weights`). Group g of prompt
-i is sampled with vLLM's seed `seeds[i * G] + g` (vLLM gives the n children of a request seed
-s+index), so a response depends on its prompt's seed only, as with the in-process sampler.
+corrects for with truncated importance sampling (`losses.correction.truncated_is_weights`).
+Group g of prompt i is sampled with vLLM's seed `seeds[i * G] + g` (vLLM gives the n children of
+a request seed s+index), so a response depends on its prompt's seed only, as with the in-process
+sampler.
 
 Why the weight-transfer engines and not `model.load_weights` through the engine's internals:
 they are vLLM's supported path for RL trainers, handle FSDP's DTensors, and do not depend on

@@ -307,7 +307,7 @@ def held_out_behaviour(model, tokenizer, task, cfg: StageConfig, world: World | 
     """Greedy answers to the task's held-out problems (no stop string: the model must end its
     answer itself): accuracy by the verifier and response length. Under torchrun each rank
     answers a contiguous share (FSDP: with the full weights gathered once)."""
-    from posttrain.config import RewardConfig
+    from posttrain.sections import RewardConfig
     from posttrain.distributed import SINGLE
     from posttrain.rewards import Scorer
     from posttrain.rollout import SamplingParams

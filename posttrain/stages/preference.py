@@ -18,7 +18,8 @@ from posttrain.config import StageConfig
 from posttrain.data import read_rows
 from posttrain.distributed import global_sum
 from posttrain.forward import pack, sequence_logprobs
-from posttrain.losses import dpo_loss, sequence_logprob
+from posttrain.losses.common import sequence_logprob
+from posttrain.losses.preference import dpo_loss
 from posttrain.stages.common import (Stage, check_rows, encode_prompts_of, finish_stage,
                                      held_out_behaviour, length_buckets, response_ids, run_steps,
                                      share_of_batch, sharded_rows, start_stage, synthetic_task,

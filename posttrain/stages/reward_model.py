@@ -37,7 +37,7 @@ def _bradley_terry_step(st: Stage, cfg: StageConfig, step: int, batch: list[int]
                         chosen: list[list[int]]) -> None:
     """One reward-model optimizer step on a global batch of pairs (this rank's share):
     -log sigmoid(r_c - r_r), plus lm_coef x the next-token loss on the chosen responses."""
-    from posttrain.losses import bradley_terry_loss
+    from posttrain.losses.preference import bradley_terry_loss
     world = st.world
     mine, weight = share_of_batch(batch, world)
     c, r, nll = scores(mine)
@@ -116,7 +116,7 @@ class ScoredPairs:
     def evaluate(self, parts: tuple, rows: list[dict]) -> dict[str, float]:
         """Held-out pairwise accuracy and margin (per pair kind); '_mean' and '_std' of the scores
         (the saved normalisation) are private."""
-        from posttrain.losses import pairwise_accuracy
+        from posttrain.losses.preference import pairwise_accuracy
         self.st.model.eval()
         c, r = sharded_rows(lambda idx: self.scores(idx, *parts)[:2], len(rows), 32, self.st.world)
         self.st.model.train()

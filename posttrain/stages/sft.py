@@ -13,7 +13,7 @@ import torch
 from posttrain.config import StageConfig
 from posttrain.distributed import global_sum
 from posttrain.forward import pack, sequence_logprobs
-from posttrain.losses import sft_loss
+from posttrain.losses.preference import sft_loss
 from posttrain.stages.common import (held_out_behaviour, length_buckets, response_ids, run_steps,
                                      share_of_batch, start_stage, synthetic_task, write_summary,
                                      finish_stage)
