@@ -446,6 +446,103 @@ def lecture_dynamic_table(root: Path) -> str:
                                 f"at most {n0['max_refill_rounds']} refill rounds a step")
 
 
+def accuracy_at(arm: dict, step: int) -> float | None:
+    """An arm's held-out accuracy (%) at the evaluation after `step` (None if none there)."""
+    return next((100 * a for s, a in zip(arm["eval_steps"], arm["eval_accuracy"]) if s == step), None)
+
+
+OPD_STEPS = (0, 2, 4, 6, 8, 10, 20, 30)
+
+
+def per_seed_reached(reached: list[dict], show) -> str:
+    """`show(r)` of each seed's first evaluation at the target, or 'not reached'."""
+    return " / ".join("not reached" if r["step"] is None else show(r) for r in reached)   # the evaluations shown (both arms evaluate every 2 steps)
+
+
+def step_seconds(nums: list[dict], arm: str) -> float:
+    """An arm's mean seconds a training step over all seeds' steps."""
+    return sum(n["arms"][arm]["seconds"] for n in nums) / sum(len(n["arms"][arm]["step"]) for n in nums)
+
+
+def lecture_opd_table(root: Path) -> str:
+    """Held-out accuracy by step of GRPO and of OPD taught by GRPO's own result; the step and
+    the training minutes at which each first reaches 90% of that teacher's accuracy."""
+    runs = seed_records(root, "opd-vs-grpo")
+    nums = [r["numbers"] for r in runs]
+    lines = ["| arm | answers a step | " + " | ".join(f"step {s}" for s in OPD_STEPS)
+             + " | first at 90% of the teacher, per seed: step | training minutes | answers "
+             "sampled |", "|---" * (len(OPD_STEPS) + 5) + "|"]
+    for arm in nums[0]["arms"]:
+        a = [n["arms"][arm] for n in nums]
+        cells = []
+        for step in OPD_STEPS:
+            acc = [accuracy_at(x, step) for x in a]
+            cells.append("-" if None in acc else f"{spread(acc, signed=False, digits=1)}%")
+        reached = [x["reached"] for x in a]
+        answers = nums[0]["answers_per_step"][arm]
+        steps = per_seed_reached(reached, lambda r: str(r["step"]))
+        minutes = per_seed_reached(reached, lambda r: f"{r['minutes']:.1f}")
+        sampled = per_seed_reached(reached, lambda r: str(r["step"] * answers))
+        lines.append(f"| {arm} | {answers} | {' | '.join(cells)} | {steps} | {minutes} | {sampled} |")
+    teacher = [100 * n["teacher_accuracy"] for n in nums]
+    n0 = nums[0]
+    return "\n".join([*lines, "", f"Seeds {', '.join(map(str, SEEDS))} (mean ± sd over seeds): "
+                       f"GRPO {n0['rl_steps']} steps of the default recipe, whose final model "
+                       f"(held-out {per_seed(teacher, 0)}% per seed) teaches OPD for "
+                       f"{n0['opd_steps']} steps; {n0['eval_size']} held-out problems, greedy; "
+                       f"training minutes are the step times summed (evaluations left out): "
+                       f"a step took {step_seconds(nums, 'grpo'):.0f} s (GRPO) and "
+                       f"{step_seconds(nums, 'opd'):.0f} s (OPD, with the teacher's forward) on "
+                       f"average; {sum(r['wall_s'] for r in runs) / 60 / len(runs):.1f} minutes a seed "
+                       f"in all. Records: `{LECTURE}/opd-vs-grpo-s<seed>/opd-vs-grpo.json`."]) + "\n"
+
+
+def lecture_hacking_table(root: Path) -> str:
+    """Per seed on record: the reward model's held-out ranking, then the policy trained on its
+    score: the score and the true accuracy of the sampled answers over training, held-out
+    accuracy at each evaluation, the same recipe on the verifier's reward from the same seed
+    (opd-vs-grpo's GRPO arm) where that record exists, and the largest share of one answer."""
+    seeds = [s for s in SEEDS if (root / LECTURE / f"reward-hacking-s{s}" / "reward-hacking.json").exists()]
+    lines = ["| seed | reward model: held-out pairs ranked (correct > wrong) | score of the "
+             "sampled answers, first → last quarter | score of right minus wrong answers, last "
+             "quarter | true accuracy of the sampled answers: first quarter, peak (step), last "
+             "quarter | held-out accuracy at steps 0 / 10 / 20 / 30 / 40 | the same recipe on "
+             "the verifier's reward, steps 10 / 20 / 30 | largest share of held-out problems "
+             "given one answer, at the end |", "|---" * 8 + "|"]
+    runs = []
+    for seed in seeds:
+        r = json.loads((root / LECTURE / f"reward-hacking-s{seed}" / "reward-hacking.json").read_text())
+        runs.append(r)
+        n = r["numbers"]
+        rm, x = n["reward_model"], n["arms"]["policy"]
+        tail = max(len(x["step"]) // 4, 1)
+        gaps = [c - w for c, w in zip(x["model_score_correct"][-tail:], x["model_score_incorrect"][-tail:])
+                if c is not None and w is not None]
+        held = " / ".join(f"{100 * a:.0f}" for a in x["eval_accuracy"])
+        control = root / LECTURE / f"opd-vs-grpo-s{seed}" / "opd-vs-grpo.json"
+        verifier = "-"
+        if control.exists():
+            grpo = json.loads(control.read_text())["numbers"]["arms"]["grpo"]
+            verifier = " / ".join(f"{accuracy_at(grpo, s):.0f}" for s in (10, 20, 30))
+        lines.append(
+            f"| {seed} | {100 * rm['held_out_pairs_ranked']:.0f}% "
+            f"({100 * rm['eval_after']['rm/eval_accuracy@correct>wrong']:.0f}%) | "
+            f"{x['score_first_quarter']:+.2f} → {x['score_last_quarter']:+.2f} | "
+            f"{sum(gaps) / len(gaps):+.2f} | "
+            f"{100 * x['accuracy_first_quarter']:.0f}%, {100 * x['accuracy_peak']:.0f}% "
+            f"({x['accuracy_peak_step']}), {100 * x['accuracy_last_quarter']:.0f}% | "
+            f"{held} | {verifier} | {100 * x['collapse'][-1]['top_share']:.0f}% |")
+    n0 = runs[0]["numbers"]
+    rm0 = n0["reward_model"]
+    return "\n".join([*lines, "", f"Reward model: a score head trained on {rm0['pairs']} "
+                       f"synthetic pairs ({rm0['eval_pairs']} held out); policy: GRPO, "
+                       f"{n0['steps']} steps of {n0['answers_per_step']} answers on the "
+                       f"normalised score alone, no KL; {n0['eval_size']} held-out problems, "
+                       f"greedy (%); scores are the reward model's normalised output; "
+                       f"{sum(r['wall_s'] for r in runs) / 60 / len(runs):.1f} minutes a seed. "
+                       f"Records: `{LECTURE}/reward-hacking-s<seed>/reward-hacking.json` (the "
+                       f"verifier's column: `opd-vs-grpo-s<seed>`)."]) + "\n"
+
 VIEWER = "benchmarks/results/viewer-2026-12-04"
 
 
@@ -471,6 +568,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "lecture-baselines": lecture_baselines_table, "lecture-is": lecture_is_table,
     "lecture-kl": lecture_kl_table, "lecture-length": lecture_length_table,
     "lecture-clip-higher": lecture_clip_higher_table, "lecture-dynamic": lecture_dynamic_table,
+    "lecture-opd": lecture_opd_table, "lecture-hacking": lecture_hacking_table,
     "default": default_table, "presets": presets_table, "opd": opd_table,
     "lora": lora_table,
     "objectives": objectives_table, "perstep": perstep_table, "viewer": viewer_table,

@@ -11,8 +11,10 @@ from tests.conftest import make_tiny_model
 from posttrain.cli import main
 from posttrain.experiments import EXPERIMENTS
 from posttrain.experiments.baselines import arm_statistics, expected_scale, off_diagonal_sums
-from posttrain.experiments.common import (CountSketch, experiment_module, jackknife, mean_of,
-                                          mean_se, per_step)
+from posttrain.experiments.common import (CountSketch, evaluations, experiment_module, jackknife,
+                                          mean_of, mean_se, per_step)
+from posttrain.experiments.opd_vs_grpo import first_reaching
+from posttrain.experiments.reward_hacking import answer_collapse
 from posttrain.experiments.importance_sampling import drift
 from posttrain.experiments.length_bias import (ARMS, arm_algorithm, arm_summary,
                                                least_squares_slope, length_slope, pooled,
@@ -152,6 +154,15 @@ def test_each_experiment_writes_its_record_and_figure(name, tiny_dir, tmp_path, 
             assert (out / "run" / arm / "metrics.jsonl").exists()
             assert not (out / "run" / arm / "final_model").exists()
             assert record["numbers"]["arms"][arm]["step"] == [1, 2, 3]
+    if name == "opd-vs-grpo":   # the teacher is GRPO's own final model, dropped once OPD is done
+        arms = record["numbers"]["arms"]
+        assert not (out / "run" / "grpo" / "final_model").exists()
+        assert arms["grpo"]["eval_steps"] == [0, 2, 3] and arms["opd"]["eval_steps"] == [0, 2, 3]
+        assert json.loads((out / "run" / "opd" / "config.json").read_text())["teacher"]["path"] == str(
+            out / "run" / "grpo" / "final_model")
+    if name == "reward-hacking":   # the policy trained on the reward model's score, not the verifier's
+        policy = json.loads((out / "run" / "policy" / "config.json").read_text())["reward"]
+        assert policy["correct_reward"] == 0.0 and policy["model"].startswith(str(out / "run" / "reward_model"))
 
 
 def test_a_training_arm_reads_every_step_and_skips_evaluations(tmp_path):
@@ -261,3 +272,33 @@ def test_step_along_moves_the_parameters_the_given_distance_along_their_gradient
     kept = [p.detach().clone() for p in layer.parameters()]
     step_along(layer, 0.5)
     assert all(torch.equal(p, k) for p, k in zip(layer.parameters(), kept))
+
+
+def test_evaluations_read_each_held_out_accuracy_with_the_training_minutes_before_it(tmp_path):
+    rows = [{"step": 0, "eval/accuracy": 0.1},
+            {"step": 1, "perf/step_s": 60.0}, {"step": 2, "perf/step_s": 30.0},
+            {"step": 2, "eval/accuracy": 0.4}, {"step": 3, "perf/step_s": 90.0},
+            {"step": 3, "eval/accuracy": 0.5}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    got = evaluations(path, per_step(path))
+    assert got == {"eval_steps": [0, 2, 3], "eval_accuracy": [0.1, 0.4, 0.5],
+                   "eval_minutes": [0.0, 1.5, 3.0]}
+
+
+def test_first_reaching_is_the_first_evaluation_at_or_above_the_target():
+    steps, acc, minutes = [2, 4, 6], [0.5, 0.7, 0.69], [1.0, 2.0, 3.0]
+    assert first_reaching(steps, acc, minutes, 0.7) == {"step": 4, "minutes": 2.0}
+    assert first_reaching(steps, acc, minutes, 0.5) == {"step": 2, "minutes": 1.0}
+    assert first_reaching(steps, acc, minutes, 0.71) == {"step": None, "minutes": None}
+
+
+def test_answer_collapse_is_the_share_of_problems_given_the_commonest_answer(tmp_path):
+    evals = [{"step": 0, "samples": [{"completion": "1 + 2 = 3"}, {"completion": "2 + 2 = 5"}]},
+             {"step": 5, "samples": [{"completion": "100"}, {"completion": " 100\n"},
+                                     {"completion": "7"}, {"completion": "100"}]}]
+    path = tmp_path / "eval_samples.jsonl"
+    path.write_text("\n".join(json.dumps(e) for e in evals) + "\n")
+    got = answer_collapse(path)
+    assert got[0]["top_share"] == 0.5 and got[0]["step"] == 0
+    assert got[1] == {"step": 5, "top_completion": "100", "top_share": 0.75}   # stripped alike

@@ -17,4 +17,6 @@ EXPERIMENTS = {
     "length-bias": "length_bias",
     "clip-higher": "clip_higher",
     "dynamic-sampling": "dynamic_sampling",
+    "opd-vs-grpo": "opd_vs_grpo",
+    "reward-hacking": "reward_hacking",
 }

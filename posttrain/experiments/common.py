@@ -114,7 +114,9 @@ PER_STEP = {"entropy": "policy/entropy", "clip_frac_high": "policy/clip_frac_hig
             "generated_reward": "reward/generated_mean", "length": "rollout/length_mean",
             "length_correct": "rollout/length_correct", "length_wrong": "rollout/length_incorrect",
             "equal_groups": "rollout/equal_groups_frac", "generated": "rollout/generated_responses",
-            "step_s": "perf/step_s"}
+            "accuracy": "reward/accuracy", "model_score": "reward/model_score",
+            "model_score_correct": "reward/model_score_correct",
+            "model_score_incorrect": "reward/model_score_incorrect", "step_s": "perf/step_s"}
 
 
 def per_step(metrics_path: Path) -> dict[str, list]:
@@ -135,24 +137,40 @@ def mean_of(values: list[float | None]) -> float | None:
 
 
 def train_arm(run: Run, arm: str, algorithm: dict[str, Any], out: Path, steps: int,
-              progress: bool) -> dict[str, Any]:
-    """Train `steps` steps of the run's recipe with `algorithm` changed, from a copy of the
-    run's starting weights and its seed; each step's PER_STEP numbers and held-out accuracy
-    before and after. The arm's run folder (out/run/ARM) keeps its metrics and per-token records
-    (`posttrain view`), not its weights."""
+              progress: bool, *, eval_every: int = 0, keep_model: bool = False,
+              **fields: Any) -> dict[str, Any]:
+    """Train `steps` steps of the run's recipe with `algorithm` changed (and any other
+    TrainConfig `fields` replaced), from a copy of the run's starting weights and its seed; each
+    step's PER_STEP numbers and held-out accuracy before, every `eval_every` steps and after.
+    The arm's run folder (out/run/ARM) keeps its metrics and per-token records (`posttrain
+    view`), and its final_model only if `keep_model` (an arm another arm learns from)."""
     # every arm runs all its steps (no time budget) and saves no checkpoint it would not keep
     cfg = replace(run.cfg, steps=steps, run_dir=str(out / "run" / arm), max_minutes=None,
+                  eval_every=eval_every,
                   checkpoint=replace(run.cfg.checkpoint, every_minutes=None, every_steps=0),
-                  algorithm={**run.cfg.algorithm, **algorithm}).validate()
+                  algorithm={**run.cfg.algorithm, **algorithm}, **fields).validate()
     summary = train(cfg, model=copy.deepcopy(run.model), tokenizer=run.tokenizer,
                     show_progress=progress)
-    numbers: dict[str, Any] = per_step(Path(cfg.run_dir) / "metrics.jsonl")
-    for weights in ("final_model", "checkpoints"):
+    metrics = Path(cfg.run_dir) / "metrics.jsonl"
+    numbers: dict[str, Any] = per_step(metrics)
+    for weights in ("checkpoints",) if keep_model else ("final_model", "checkpoints"):
         shutil.rmtree(Path(cfg.run_dir) / weights, ignore_errors=True)
     numbers.update(algorithm=algorithm, seconds=sum(v for v in numbers["step_s"] if v),
                    eval_before=summary.get("eval_before", {}).get("eval/accuracy"),
-                   eval_after=summary.get("eval_after", {}).get("eval/accuracy"))
+                   eval_after=summary.get("eval_after", {}).get("eval/accuracy"),
+                   **evaluations(metrics, numbers))
     return numbers
+
+
+def evaluations(metrics_path: Path, steps: dict[str, list]) -> dict[str, list]:
+    """Each held-out evaluation of a run (its step and accuracy) with the training minutes
+    before it (the step times summed: the evaluations' own time left out)."""
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r and "step" in r]
+    minutes = [sum(s for n, s in zip(steps["step"], steps["step_s"]) if n <= step and s) / 60
+               for step, _ in evals]
+    return {"eval_steps": [s for s, _ in evals], "eval_accuracy": [a for _, a in evals],
+            "eval_minutes": minutes}
 
 
 def plot_per_step(numbers: dict[str, Any], panels: list[tuple[str, str]], label, path: Path) -> Path:
