@@ -359,8 +359,13 @@ def lecture_length_table(root: Path) -> str:
                        f"ones {sum(x['len_correct'] for x in before) / len(before):.1f} (at most "
                        f"{n0['max_new_tokens']}), accuracy "
                        f"{100 * sum(x['accuracy'] for x in before) / len(before):.0f}%; "
-                       f"{sum(r['wall_s'] for r in runs) / 60 / len(runs):.1f} minutes a seed. "
+                       f"{minutes_a_seed(runs):.1f} minutes a seed. "
                        f"Records: `{LECTURE}/length-bias-s<seed>/length-bias.json`."]) + "\n"
+
+
+def minutes_a_seed(runs: list[dict]) -> float:
+    """The mean wall time of an experiment's records, in minutes."""
+    return sum(r["wall_s"] for r in runs) / 60 / len(runs)
 
 
 def seed_records(root: Path, name: str) -> list[dict]:
@@ -379,7 +384,7 @@ def training_arms_footer(lines: list[str], runs: list[dict], name: str, setting:
                        f"seeds): {n0['steps']} steps of {n0['answers_per_step']} answers, "
                        f"{setting}, lr {n0['lr']:g} constant, {n0['eval_size']} held-out "
                        f"problems ({span(before)}% before); "
-                       f"{sum(r['wall_s'] for r in runs) / 60 / len(runs):.1f} minutes a seed. "
+                       f"{minutes_a_seed(runs):.1f} minutes a seed. "
                        f"Records: `{LECTURE}/{name}-s<seed>/{name}.json`."]) + "\n"
 
 
@@ -493,7 +498,7 @@ def lecture_opd_table(root: Path) -> str:
                        f"training minutes are the step times summed (evaluations left out): "
                        f"a step took {step_seconds(nums, 'grpo'):.0f} s (GRPO) and "
                        f"{step_seconds(nums, 'opd'):.0f} s (OPD, with the teacher's forward) on "
-                       f"average; {sum(r['wall_s'] for r in runs) / 60 / len(runs):.1f} minutes a seed "
+                       f"average; {minutes_a_seed(runs):.1f} minutes a seed "
                        f"in all. Records: `{LECTURE}/opd-vs-grpo-s<seed>/opd-vs-grpo.json`."]) + "\n"
 
 
@@ -539,7 +544,7 @@ def lecture_hacking_table(root: Path) -> str:
                        f"{n0['steps']} steps of {n0['answers_per_step']} answers on the "
                        f"normalised score alone, no KL; {n0['eval_size']} held-out problems, "
                        f"greedy (%); scores are the reward model's normalised output; "
-                       f"{sum(r['wall_s'] for r in runs) / 60 / len(runs):.1f} minutes a seed. "
+                       f"{minutes_a_seed(runs):.1f} minutes a seed. "
                        f"Records: `{LECTURE}/reward-hacking-s<seed>/reward-hacking.json` (the "
                        f"verifier's column: `opd-vs-grpo-s<seed>`)."]) + "\n"
 

@@ -43,15 +43,14 @@ def opd_recipe(teacher: Path):
     return load_config(recipe_path(OPD_RECIPE), ["--teacher.path", str(teacher)])
 
 
-def opd_fields(run, teacher: Path) -> dict:
-    """The distillation arm: the OPD recipe's algorithm, batch shape and optimiser on the run's
-    model, data and sampling, with `teacher` as its teacher."""
-    opd = opd_recipe(teacher)
+def opd_fields(run, opd) -> dict:
+    """The distillation arm: the OPD recipe's (`opd`) preset, batch shape, optimiser and teacher
+    on the run's model, data and sampling."""
     rollout = replace(run.cfg.rollout, prompts_per_step=opd.rollout.prompts_per_step,
                       group_size=opd.rollout.group_size)
     optim = replace(run.cfg.optim, lr=opd.optim.lr, schedule=opd.optim.schedule)
     return {"preset": opd.preset, "rollout": rollout, "optim": optim,
-            "teacher": replace(run.cfg.teacher, path=str(teacher))}
+            "teacher": replace(run.cfg.teacher, path=opd.teacher.path)}
 
 
 def first_reaching(steps: list[int], accuracy: list[float], minutes: list[float],
@@ -68,9 +67,10 @@ def run(run, out, repeats: int, progress: bool) -> dict:
     rl = train_arm(run, "grpo", {}, out, repeats, progress,
                    eval_every=EVAL_EVERY_RL, keep_model=True)
     teacher = out / "run" / "grpo" / "final_model"
-    opd_steps = min(opd_recipe(teacher).steps, repeats)
-    fields = opd_fields(run, teacher)
-    opd = train_arm(run, "opd", opd_recipe(teacher).algorithm, out, opd_steps, progress,
+    recipe = opd_recipe(teacher)
+    opd_steps = min(recipe.steps, repeats)
+    fields = opd_fields(run, recipe)
+    opd = train_arm(run, "opd", recipe.algorithm, out, opd_steps, progress,
                     eval_every=EVAL_EVERY_OPD, **fields)
     shutil.rmtree(teacher, ignore_errors=True)   # the record keeps its figures, not its weights
     target = REACHED * rl["eval_after"]
