@@ -150,7 +150,8 @@ def test_each_experiment_writes_its_record_and_figure(name, tiny_dir, tmp_path, 
         f"posttrain experiment {name}")
     assert record["numbers"]
     if name == "clip-higher":   # each arm trained: its metrics and records kept, its weights not
-        for arm in ("symmetric", "clip_higher"):
+        assert list(record["numbers"]["arms"]) == ["symmetric", "clip_higher", "gspo", "cispo", "sapo", "gmpo"]
+        for arm in record["numbers"]["arms"]:
             assert (out / "run" / arm / "metrics.jsonl").exists()
             assert not (out / "run" / arm / "final_model").exists()
             assert record["numbers"]["arms"][arm]["step"] == [1, 2, 3]

@@ -116,7 +116,8 @@ PER_STEP = {"entropy": "policy/entropy", "clip_frac_high": "policy/clip_frac_hig
             "equal_groups": "rollout/equal_groups_frac", "generated": "rollout/generated_responses",
             "accuracy": "reward/accuracy", "model_score": "reward/model_score",
             "model_score_correct": "reward/model_score_correct",
-            "model_score_incorrect": "reward/model_score_incorrect", "step_s": "perf/step_s"}
+            "model_score_incorrect": "reward/model_score_incorrect",
+            "weight_capped": "policy/is_weight_capped_frac", "step_s": "perf/step_s"}
 
 
 def per_step(metrics_path: Path) -> dict[str, list]:
