@@ -300,11 +300,16 @@ def lecture_kl_table(root: Path) -> str:
 SEEDS = (0, 1, 2)   # the experiments read over seeds, one record each
 
 
-def spread(values: list[float], signed: bool = True, digits: int = 2) -> str:
-    """Mean ± sd over seeds."""
-    m = sum(values) / len(values)
-    sd = (sum((v - m) ** 2 for v in values) / max(len(values) - 1, 1)) ** 0.5
-    return f"{m:+.{digits}f} ± {sd:.{digits}f}" if signed else f"{m:.{digits}f} ± {sd:.{digits}f}"
+def spread(values: list[float | None], signed: bool = True, digits: int = 2, unit: str = "") -> str:
+    """Mean ± sd over the seeds that have a value, saying how many where not all do (an arm
+    that trained on nothing in a run's last quarter has no entropy there); '-' where none does."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return "-"
+    m = sum(present) / len(present)
+    sd = (sum((v - m) ** 2 for v in present) / max(len(present) - 1, 1)) ** 0.5
+    text = (f"{m:+.{digits}f} ± {sd:.{digits}f}" if signed else f"{m:.{digits}f} ± {sd:.{digits}f}") + unit
+    return text + (f" ({len(present)} of {len(values)} seeds)" if len(present) < len(values) else "")
 
 
 def span(values: list[float]) -> str:
@@ -312,8 +317,8 @@ def span(values: list[float]) -> str:
     return lo if lo == hi else f"{lo}-{hi}"
 
 
-def per_seed(values: list[float], digits: int = 2) -> str:
-    return " / ".join(f"{v:.{digits}f}" for v in values)
+def per_seed(values: list[float | None], digits: int = 2) -> str:
+    return " / ".join("-" if v is None else f"{v:.{digits}f}" for v in values)
 
 
 def lecture_length_table(root: Path) -> str:
@@ -389,29 +394,40 @@ def training_arms_footer(lines: list[str], runs: list[dict], name: str, setting:
 
 
 def lecture_clip_higher_table(root: Path) -> str:
-    """Entropy, clipped shares, reward and held-out accuracy with each upper clip, 3 seeds."""
+    """Entropy, clipped shares, reward and held-out accuracy with each upper clip and each newer
+    objective, 3 seeds."""
     runs = seed_records(root, "clip-higher")
     nums = [r["numbers"] for r in runs]
-    lines = ["| arm | clip band | entropy, first step with an update | entropy, last quarter of "
-             "the steps | the same, per seed | tokens clipped high (mean over steps) | tokens "
-             "clipped low | training reward, last quarter | held-out accuracy after (%) | the "
-             "same, per seed |", "|---" * 10 + "|"]
+    lines = ["| arm | what bounds the update | entropy, first step with an update | entropy, last "
+             "quarter of the steps | the same, per seed | tokens clipped high (mean over steps) | "
+             "tokens clipped low | training reward, last quarter | held-out accuracy after (%) | "
+             "the same, per seed |", "|---" * 10 + "|"]
     for arm in nums[0]["arms"]:
         a = [n["arms"][arm] for n in nums]
         first = [next(v for v in x["entropy"] if v is not None) for x in a]
         last = [x["entropy_last_quarter"] for x in a]
         after = [100 * x["eval_after"] for x in a]
         lines.append(
-            f"| {arm} | [{1 - a[0]['algorithm']['clip_low']:.2f}, "
-            f"{1 + a[0]['algorithm']['clip_high']:.2f}] | "
+            f"| {arm} | {a[0]['bound']} | "
             f"{spread(first, signed=False)} | {spread(last, signed=False)} | {per_seed(last)} | "
-            f"{spread([100 * x['clip_frac_high_mean'] for x in a], signed=False)}% | "
-            f"{spread([100 * x['clip_frac_low_mean'] for x in a], signed=False)}% | "
+            f"{clipped_share(a, 'high')} | {clipped_share(a, 'low')} | "
             f"{spread([x['reward_last_quarter'] for x in a], signed=False)} | "
             f"{spread(after, signed=False, digits=1)} | {per_seed(after, 0)} |")
     n0 = nums[0]
     return training_arms_footer(lines, runs, "clip-higher",
                                 f"{n0['minibatches']} minibatch updates a step")
+
+
+def clipped_share(arms: list[dict], side: str) -> str:
+    """The share of tokens whose gradient the `side` bound removed (mean over steps, mean ± sd
+    over seeds); CISPO's tokens whose weight was capped (their gradient kept) marked as such;
+    '-' where the objective has no such bound (SAPO's soft gate)."""
+    for key, note in ((f"clip_frac_{side}_mean", ""), ("weight_capped_mean", " capped, kept")):
+        values = [x.get(key) for x in arms]
+        if (side == "high" or not note) and any(v is not None for v in values):
+            return spread([None if v is None else 100 * v for v in values], signed=False,
+                          unit="%") + note
+    return "-"
 
 
 def reward_within(arm: dict, seconds: float, last: int = 3) -> float:

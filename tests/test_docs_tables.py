@@ -87,6 +87,8 @@ def test_an_edited_viewer_record_changes_its_table(tmp_path):
      lambda n: n["arms"]["grpo"].update(weight_length_slope=0.777), "+0.78"),
     ("lecture-clip-higher", "clip-higher",
      lambda n: n["arms"]["symmetric"].update(eval_after=0.777), "77.7 ± 0.0"),
+    ("lecture-clip-higher", "clip-higher",   # CISPO clips no gradient: its capped weights are shown
+     lambda n: n["arms"]["cispo"].update(weight_capped_mean=0.00777), "0.78 ± 0.00% capped, kept"),
     ("lecture-dynamic", "dynamic-sampling",
      lambda n: n["arms"]["on"].update(eval_after=0.777), "77.7 ± 0.0"),
     ("lecture-opd", "opd-vs-grpo",
