@@ -131,6 +131,27 @@ def opd_table(root: Path) -> str:
     ]) + "\n"
 
 
+OPSD = "benchmarks/results/opsd-2026-12-04"
+
+
+def opsd_table(root: Path) -> str:
+    """On-policy self-distillation (the student shown the answer is its own teacher): held-out
+    at each evaluated step (mean ± sd over seeds), training minutes, the 3-digit transfer."""
+    runs = load_runs(root / OPSD)
+    steps = sorted(set.intersection(*(set(r["eval_steps"]) for r in runs)))
+    return "\n".join([
+        "| run | " + " | ".join(f"step {s}" for s in steps) + " | training minutes | 3-digit |",
+        "|---" * (len(steps) + 3) + "|",
+        f"| OPSD ({len(runs)} seeds) | " + " | ".join(pct_at_step(runs, s) for s in steps) +
+        f" | {mean_sd([r['eval_minutes'][-1] for r in runs], digits=1)} | "
+        f"{pct([r['final']['3digit']['accuracy'] for r in runs])} |",
+        "",
+        f"Per seed at step {steps[-1]}: " +
+        " / ".join(f"{100 * at_step(r, steps[-1]):.1f}%" for r in runs) +
+        f". Records: `{OPSD}/posttrain-s<seed>/bench.json`.",
+    ]) + "\n"
+
+
 LORA = "benchmarks/results/lora-2026-12-04"
 
 
@@ -590,7 +611,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "lecture-kl": lecture_kl_table, "lecture-length": lecture_length_table,
     "lecture-clip-higher": lecture_clip_higher_table, "lecture-dynamic": lecture_dynamic_table,
     "lecture-opd": lecture_opd_table, "lecture-hacking": lecture_hacking_table,
-    "default": default_table, "presets": presets_table, "opd": opd_table,
+    "default": default_table, "presets": presets_table, "opd": opd_table, "opsd": opsd_table,
     "lora": lora_table,
     "objectives": objectives_table, "perstep": perstep_table, "viewer": viewer_table,
 }
