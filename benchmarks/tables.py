@@ -425,7 +425,7 @@ def lecture_clip_higher_table(root: Path) -> str:
              "the same, per seed |", "|---" * 10 + "|"]
     for arm in nums[0]["arms"]:
         a = [n["arms"][arm] for n in nums]
-        first = [next(v for v in x["entropy"] if v is not None) for x in a]
+        first = [next((v for v in x["entropy"] if v is not None), None) for x in a]
         last = [x["entropy_last_quarter"] for x in a]
         after = [100 * x["eval_after"] for x in a]
         lines.append(
