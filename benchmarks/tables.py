@@ -111,24 +111,30 @@ def default_table(root: Path) -> str:
 OPD = "benchmarks/results/opd-2026-12-04"
 
 
-def opd_table(root: Path) -> str:
-    """On-policy distillation from the default job's seed-0 model: held-out every 2 student
-    steps (mean ± sd over seeds), training minutes, and the default GRPO job at step 30."""
-    runs, teacher = load_runs(root / OPD), load_runs(root / DEFAULT)[0]
+def distill_table(runs: list[dict], label: str, footer: str) -> str:
+    """A distillation recipe's held-out accuracy at each step every seed evaluated (mean ± sd),
+    training minutes and 3-digit transfer, then each seed's last reading and `footer`."""
     steps = sorted(set.intersection(*(set(r["eval_steps"]) for r in runs)))
     return "\n".join([
         "| run | " + " | ".join(f"step {s}" for s in steps) + " | training minutes | 3-digit |",
         "|---" * (len(steps) + 3) + "|",
-        f"| OPD ({len(runs)} seeds), teacher {100 * teacher['eval_accuracy'][-1]:.1f}% | " +
-        " | ".join(pct_at_step(runs, s) for s in steps) +
+        f"| {label} | " + " | ".join(pct_at_step(runs, s) for s in steps) +
         f" | {mean_sd([r['eval_minutes'][-1] for r in runs], digits=1)} | "
         f"{pct([r['final']['3digit']['accuracy'] for r in runs])} |",
         "",
         f"Per seed at step {steps[-1]}: " +
-        " / ".join(f"{100 * at_step(r, steps[-1]):.1f}%" for r in runs) +
-        f". The default GRPO job at step 30: {pct([at_step(r, 30) for r in load_runs(root / DEFAULT)])}."
-        f" Records: `{OPD}/posttrain-s<seed>/bench.json` (the teacher: `{DEFAULT}`, seed 0).",
+        " / ".join(f"{100 * at_step(r, steps[-1]):.1f}%" for r in runs) + f". {footer}",
     ]) + "\n"
+
+
+def opd_table(root: Path) -> str:
+    """On-policy distillation from the default job's seed-0 model: held-out every 2 student
+    steps (mean ± sd over seeds), training minutes, and the default GRPO job at step 30."""
+    runs, teacher = load_runs(root / OPD), load_runs(root / DEFAULT)[0]
+    return distill_table(
+        runs, f"OPD ({len(runs)} seeds), teacher {100 * teacher['eval_accuracy'][-1]:.1f}%",
+        f"The default GRPO job at step 30: {pct([at_step(r, 30) for r in load_runs(root / DEFAULT)])}."
+        f" Records: `{OPD}/posttrain-s<seed>/bench.json` (the teacher: `{DEFAULT}`, seed 0).")
 
 
 OPSD = "benchmarks/results/opsd-2026-12-04"
@@ -138,18 +144,7 @@ def opsd_table(root: Path) -> str:
     """On-policy self-distillation (the student shown the answer is its own teacher): held-out
     at each evaluated step (mean ± sd over seeds), training minutes, the 3-digit transfer."""
     runs = load_runs(root / OPSD)
-    steps = sorted(set.intersection(*(set(r["eval_steps"]) for r in runs)))
-    return "\n".join([
-        "| run | " + " | ".join(f"step {s}" for s in steps) + " | training minutes | 3-digit |",
-        "|---" * (len(steps) + 3) + "|",
-        f"| OPSD ({len(runs)} seeds) | " + " | ".join(pct_at_step(runs, s) for s in steps) +
-        f" | {mean_sd([r['eval_minutes'][-1] for r in runs], digits=1)} | "
-        f"{pct([r['final']['3digit']['accuracy'] for r in runs])} |",
-        "",
-        f"Per seed at step {steps[-1]}: " +
-        " / ".join(f"{100 * at_step(r, steps[-1]):.1f}%" for r in runs) +
-        f". Records: `{OPSD}/posttrain-s<seed>/bench.json`.",
-    ]) + "\n"
+    return distill_table(runs, f"OPSD ({len(runs)} seeds)", f"Records: `{OPSD}/posttrain-s<seed>/bench.json`.")
 
 
 LORA = "benchmarks/results/lora-2026-12-04"

@@ -71,6 +71,13 @@ def test_an_edited_experiment_record_changes_its_table(tmp_path, name, record, e
     assert after != before and "0.12" in after and "0.123" not in before
 
 
+def test_spread_is_over_the_seeds_that_have_a_value():
+    spread = _tables().spread
+    assert spread([1.0, 2.0, 3.0], signed=False) == "2.00 ± 1.00"
+    assert spread([1.0, None, 2.0], signed=False, unit="%") == "1.50 ± 0.71% (2 of 3 seeds)"
+    assert spread([None, None]) == "-"
+
+
 def test_an_edited_viewer_record_changes_its_table(tmp_path):
     tables = _tables()
     shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")

@@ -13,6 +13,7 @@ from posttrain.experiments import EXPERIMENTS
 from posttrain.experiments.baselines import arm_statistics, expected_scale, off_diagonal_sums
 from posttrain.experiments.common import (CountSketch, evaluations, experiment_module, jackknife,
                                           mean_of, mean_se, per_step)
+from posttrain.experiments.clip_higher import bound
 from posttrain.experiments.opd_vs_grpo import first_reaching
 from posttrain.experiments.reward_hacking import answer_collapse
 from posttrain.experiments.importance_sampling import drift
@@ -150,8 +151,12 @@ def test_each_experiment_writes_its_record_and_figure(name, tiny_dir, tmp_path, 
         f"posttrain experiment {name}")
     assert record["numbers"]
     if name == "clip-higher":   # each arm trained: its metrics and records kept, its weights not
-        assert list(record["numbers"]["arms"]) == ["symmetric", "clip_higher", "gspo", "cispo", "sapo", "gmpo"]
-        for arm in record["numbers"]["arms"]:
+        arms = record["numbers"]["arms"]
+        assert list(arms) == ["symmetric", "clip_higher", "gspo", "cispo", "sapo", "gmpo"]
+        assert arms["cispo"]["bound"] == "weight capped at 5, no gradient clipped"
+        for arm in arms:   # each arm trained with its own objective and bounds
+            trained = json.loads((out / "run" / arm / "config.json").read_text())["algorithm"]
+            assert {k: trained[k] for k in arms[arm]["algorithm"]} == arms[arm]["algorithm"]
             assert (out / "run" / arm / "metrics.jsonl").exists()
             assert not (out / "run" / arm / "final_model").exists()
             assert record["numbers"]["arms"][arm]["step"] == [1, 2, 3]
@@ -164,6 +169,18 @@ def test_each_experiment_writes_its_record_and_figure(name, tiny_dir, tmp_path, 
     if name == "reward-hacking":   # the policy trained on the reward model's score, not the verifier's
         policy = json.loads((out / "run" / "policy" / "config.json").read_text())["reward"]
         assert policy["correct_reward"] == 0.0 and policy["model"].startswith(str(out / "run" / "reward_model"))
+
+
+def test_each_arm_is_labelled_by_what_bounds_its_update():
+    from dataclasses import replace
+    from posttrain.presets import PRESETS
+    grpo = PRESETS["grpo"]
+    assert bound(replace(grpo, clip_high=0.28)) == "ratio in [0.80, 1.28]"
+    assert bound(PRESETS["gspo"]) == "sequence ratio in [1 - 0.0003, 1 + 0.0004]"
+    assert bound(PRESETS["gmpo"]) == "token log-ratio in [-0.4, 0.4]"
+    assert bound(PRESETS["cispo"]) == "weight capped at 5, no gradient clipped"
+    # an objective without a label of its own is named with its bounds (no error after training)
+    assert bound(PRESETS["topr"]) == "topr, clip_low 0.2, clip_high 0.2"
 
 
 def test_a_training_arm_reads_every_step_and_skips_evaluations(tmp_path):

@@ -13,11 +13,10 @@ each of which bounds the update its own way (a sequence-level clip, a capped wei
 every token's gradient, a soft gate, a clip on the token log-ratio). Each step's batch is used
 for 4 successive minibatch updates (`--optim.minibatches 4`), so the ratio leaves 1 and the clip
 acts (with one update per batch the ratio is exactly 1 and no clip ever binds); the learning rate
-is constant. Every
-step's entropy and the share of tokens whose gradient each side of the clip removed (both as the
-update measures them: on the groups whose rewards differ, over its 4 minibatches as the weights
-move), the reward, and held-out accuracy before and after are read back from each run's
-metrics.jsonl (CISPO clips no gradient: its count is the tokens whose weight was capped). A seed
+is constant. Every step's entropy and the share of tokens whose gradient each side of the clip
+removed (both as the update measures them: on the groups whose rewards differ, over its 4
+minibatches as the weights move), the reward, and held-out accuracy before and after are read
+back from each run's metrics.jsonl (CISPO clips no gradient: its count is the tokens whose weight was capped). A seed
 (`--seed S`) is one command; the record keeps each step.
 """
 
