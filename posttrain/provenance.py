@@ -28,16 +28,25 @@ def _cpu_model() -> str:
                 platform.processor())
 
 
+def _gpu() -> str | None:
+    """The first CUDA device's name, or None on a machine without one."""
+    import torch     # here, not at the top: reading a record's provenance needs no torch
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
 def provenance(command: str) -> dict:
     """The command, the commit (and whether the package or the benchmarks had uncommitted
-    changes), the packages' versions, the machine and the date (UTC)."""
+    changes), the packages' versions, the machine (its GPU too) and the date (UTC). A copy of the
+    code without its .git folder (a container, a remote machine) names its commit in
+    $POSTTRAIN_COMMIT."""
     return {
         "command": command,
-        "commit": _git("rev-parse", "HEAD"),
+        "commit": _git("rev-parse", "HEAD") or os.environ.get("POSTTRAIN_COMMIT", ""),
         "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--",
                            "posttrain", "benchmarks", "pyproject.toml")),
         "versions": {name: importlib.metadata.version(name)
                      for name in ("posttrain", "torch", "transformers")},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu": _cpu_model()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu": _cpu_model(),
+                    "gpu": _gpu()},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

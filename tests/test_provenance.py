@@ -1,0 +1,27 @@
+"""A record's provenance: the commit from git, or from $POSTTRAIN_COMMIT where the code runs
+without its .git folder; the GPU's name, or None without one."""
+
+import torch
+
+from posttrain import provenance as prov
+
+
+def test_commit_from_git_in_a_checkout():
+    assert len(prov.provenance("x")["commit"]) == 40
+
+
+def test_commit_from_the_environment_without_git(monkeypatch):
+    monkeypatch.setattr(prov, "_git", lambda *a: "")
+    monkeypatch.setenv("POSTTRAIN_COMMIT", "abc123")
+    record = prov.provenance("posttrain train")
+    assert record["commit"] == "abc123" and record["dirty"] is False
+    monkeypatch.delenv("POSTTRAIN_COMMIT")
+    assert prov.provenance("posttrain train")["commit"] == ""
+
+
+def test_machine_names_its_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert prov.provenance("x")["machine"]["gpu"] is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
+    assert prov.provenance("x")["machine"]["gpu"] == "NVIDIA H200"
