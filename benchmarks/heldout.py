@@ -7,7 +7,7 @@ problems are posttrain's built-in addition held-out set (fixed seed 1234), disjo
 Importable from any virtual environment that has torch, transformers and math-verify (it reads
 posttrain's task and verifier modules from this checkout, which need only those).
 
-    python benchmarks/heldout.py MODEL_DIR [--digits 3 --n 300]
+    python benchmarks/heldout.py MODEL_DIR [--digits 3 --n 300] [--device cpu]
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def greedy_accuracy(model, tokenizer, probs, max_new_tokens: int = 24, batch_siz
             texts = [tokenizer.apply_chat_template([{"role": "user", "content": p.prompt}],
                                                    add_generation_prompt=True, tokenize=False)
                      for p in chunk]
-            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = tokenizer(texts, return_tensors="pt", padding=True,
+                            add_special_tokens=False).to(model.device)
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=pad, temperature=None, top_p=None, top_k=None)
             for p, row in zip(chunk, out[:, enc["input_ids"].shape[1]:]):
@@ -70,12 +71,15 @@ def main() -> None:
     ap.add_argument("--digits", type=int, default=2)
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="auto", help="auto: the GPU where there is one, else cpu")
     args = ap.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    model.to(device)
     print(json.dumps(greedy_accuracy(model, tok, problems(args.digits, args.n))))
 
 
