@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from posttrain.provenance import provenance  # noqa: E402
 
 
 def env_report() -> dict:
@@ -83,7 +87,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("posttrain").setLevel(logging.INFO)
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"env": env_report(), "runs": []}
+    report = {"env": env_report(), "runs": [],
+              "provenance": provenance(" ".join(["python", *sys.argv]))}
     print(json.dumps(report["env"]), flush=True)
     model_dir = random_model(args.model, args.out / "model") if args.random_init else args.model
     report["weights"] = "random (architecture only)" if args.random_init else str(args.model)
@@ -108,7 +113,8 @@ def main() -> None:
                    "trace": traceback.format_exc()[-1500:]}
         report["runs"].append(res)
         print(json.dumps(res), flush=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+        # after every run: a check stopped by a time limit keeps the runs that finished
+        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

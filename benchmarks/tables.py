@@ -171,6 +171,44 @@ def lora_table(root: Path) -> str:
     ]) + "\n"
 
 
+GPU = "benchmarks/results/gpu-h200-2026-12-04"
+
+
+def gpu_table(root: Path) -> str:
+    """One GPU: the default job over the seeds on record (held-out at steps 0-90, its training
+    minutes, median step, 3-digit) and benchmarks/gpu_check.py's larger steps (time a step and
+    its parts, generated tokens a second, peak GPU memory, the trainer-vs-sampler mismatch)."""
+    runs = load_runs(root / GPU / "default")
+    check = json.loads((root / GPU / "gpu_check.json").read_text())
+    env, prov = check["env"], check["provenance"]
+    labels = {"grpo": "GRPO", "ppo": "PPO (value model, GAE, KL 0.05 in the reward)",
+              "lora": "GRPO with LoRA r16 and a KL (reference = adapters off)"}
+
+    def check_row(r: dict) -> str:
+        if "error" in r:
+            return f"| {labels[r['name']]} | not measured: {r['error']} |" + " |" * 5
+        return (f"| {labels[r['name']]} | {r['step_s']:.1f} | {r['generate_s']:.1f} "
+                f"({r['generated_tokens_per_s']:,.0f}) | {r['update_s']:.2f} | "
+                f"{r['peak_gpu_gib']:.1f} GiB | {r['logp_mismatch']:.3f} | {r['is_ratio_max']:.2f} |")
+    seeds = ", ".join(str(r["seed"]) for r in runs)
+    return "\n".join([
+        f"On one {env['gpu']} (torch {env['torch']}, transformers {env['transformers']}):", "",
+        "| the default job (`posttrain train`), seeds | step 0 | step 30 | step 60 | step 90 | "
+        "training minutes | median s a step | 3-digit (never trained) |", "|---" * 8 + "|",
+        f"| {seeds} | " + " | ".join(pct_at_step(runs, s) for s in (0, 30, 60, 90)) + " | " +
+        f"{mean_sd([r['eval_minutes'][-1] for r in runs], digits=1)} | {median_step_s(runs):.2f} | "
+        f"{pct([r['final']['3digit']['accuracy'] for r in runs])} |",
+        "",
+        "| `gpu_check.py`: 32 prompts x 8 answers, up to 128 new tokens, bf16 autocast | s a step | "
+        "generation s (tokens/s) | update s | peak GPU memory | mean abs log-prob mismatch | "
+        "largest trainer/sampler probability ratio |", "|---" * 7 + "|",
+        *[check_row(r) for r in check["runs"]],
+        "",
+        f"Records: `{GPU}/default/posttrain-s<seed>/bench.json`, `{GPU}/gpu_check.json` "
+        f"(commit {prov['commit'][:7]}).",
+    ]) + "\n"
+
+
 PRESET_HEADER = ("| preset | seeds | held-out 2 min | 5 min | after 10 min | per seed after 10 min "
                  "(steps) | step 30 | s/step (median) | 3-digit |", "|---" * 9 + "|")
 PRESETS = ("benchmarks/results/presets-2026-12-02", "benchmarks/results/presets-2026-12-04")
@@ -607,7 +645,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "lecture-clip-higher": lecture_clip_higher_table, "lecture-dynamic": lecture_dynamic_table,
     "lecture-opd": lecture_opd_table, "lecture-hacking": lecture_hacking_table,
     "default": default_table, "presets": presets_table, "opd": opd_table, "opsd": opsd_table,
-    "lora": lora_table,
+    "lora": lora_table, "gpu": gpu_table,
     "objectives": objectives_table, "perstep": perstep_table, "viewer": viewer_table,
 }
 

@@ -35,6 +35,7 @@ def test_every_docs_table_is_what_its_records_render():
     ("opd", "opd-2026-12-04/posttrain-s0/bench.json"),
     ("opsd", "opsd-2026-12-04/posttrain-s2/bench.json"),
     ("lora", "lora-2026-12-04/posttrain-s0/bench.json"),
+    ("gpu", "gpu-h200-2026-12-04/default/posttrain-s0/bench.json"),
     ("objectives", "objectives-2026-12-03/gspo/posttrain-s0/bench.json"),
     ("perstep", "perstep-2026-12-02/trl-s0.json"),
 ])
@@ -69,6 +70,20 @@ def test_an_edited_experiment_record_changes_its_table(tmp_path, name, record, e
     path.write_text(json.dumps(data))
     after = tables.TABLES[name](tmp_path)
     assert after != before and "0.12" in after and "0.123" not in before
+
+
+def test_the_gpu_check_table_reads_its_record(tmp_path):
+    """benchmarks/gpu_check.py's rows come from gpu_check.json: an edited step time and an
+    unfinished run show up as such."""
+    tables = _tables()
+    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    path = tmp_path / tables.GPU / "gpu_check.json"
+    check = json.loads(path.read_text())
+    check["runs"][0]["step_s"] = 12.34
+    check["runs"][1] = {"name": "ppo", "error": "out of memory"}
+    path.write_text(json.dumps(check))
+    text = tables.TABLES["gpu"](tmp_path)
+    assert "| GRPO | 12.3 |" in text and "not measured: out of memory" in text
 
 
 def test_spread_is_over_the_seeds_that_have_a_value():
