@@ -166,9 +166,25 @@ def test_each_experiment_writes_its_record_and_figure(name, tiny_dir, tmp_path, 
         assert arms["grpo"]["eval_steps"] == [0, 2, 3] and arms["opd"]["eval_steps"] == [0, 2, 3]
         assert json.loads((out / "run" / "opd" / "config.json").read_text())["teacher"]["path"] == str(
             out / "run" / "grpo" / "final_model")
+    if name == "length-training":   # each arm trained with its aggregation and advantage
+        arms = record["numbers"]["arms"]
+        assert list(arms) == ["grpo", "grpo_token_mean", "dr_grpo"]
+        expected = {"grpo": ("seq_mean_token_mean", True), "grpo_token_mean": ("token_mean", True),
+                    "dr_grpo": ("seq_mean_token_sum_norm", False)}
+        for arm, (aggregation, by_std) in expected.items():
+            trained = json.loads((out / "run" / arm / "config.json").read_text())["algorithm"]
+            assert (trained["aggregation"], trained["scale_by_std"]) == (aggregation, by_std)
+            assert len(arms[arm]["length_wrong"]) == 3 and "length_wrong_last_quarter" in arms[arm]
     if name == "reward-hacking":   # the policy trained on the reward model's score, not the verifier's
         policy = json.loads((out / "run" / "policy" / "config.json").read_text())["reward"]
         assert policy["correct_reward"] == 0.0 and policy["model"].startswith(str(out / "run" / "reward_model"))
+
+
+def test_quarters_average_the_first_and_last_quarter_of_the_steps_with_a_value():
+    from posttrain.experiments.length_training import quarters
+    assert quarters([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]) == (1.5, 7.5)
+    assert quarters([None, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, None]) == (2.0, 7.0)   # no wrong answer
+    assert quarters([4.0, 6.0]) == (4.0, 6.0)                                   # one step a quarter
 
 
 def test_each_arm_is_labelled_by_what_bounds_its_update():

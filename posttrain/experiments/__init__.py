@@ -15,6 +15,7 @@ EXPERIMENTS = {
     "importance-sampling": "importance_sampling",
     "kl-estimators": "kl_estimators",
     "length-bias": "length_bias",
+    "length-training": "length_training",
     "clip-higher": "clip_higher",
     "dynamic-sampling": "dynamic_sampling",
     "opd-vs-grpo": "opd_vs_grpo",
