@@ -209,6 +209,31 @@ def gpu_table(root: Path) -> str:
     ]) + "\n"
 
 
+DPO = "benchmarks/results/dpo-2026-12-04"
+
+
+def dpo_table(root: Path) -> str:
+    """DPO on the synthetic pairs: held-out pairs ranked by the implicit reward (and by kind),
+    the policy's held-out accuracy and answer length before and after, the minutes."""
+    rec = json.loads((root / DPO / "record.json").read_text())
+    s = rec["summary"]
+    ev, before, after = s["eval_after"], s["behaviour_before"], s["behaviour_after"]
+    kinds = ", ".join(f"{k.split('@')[1]} {100 * v:.0f}%" for k, v in ev.items() if "@" in k)
+    return "\n".join([
+        "| | before | after |", "|---|---|---|",
+        f"| {s['eval_pairs']} held-out pairs ranked by `beta log(pi/pi_ref)` | - | "
+        f"**{100 * ev['dpo/eval_reward_accuracy']:.1f}%** ({kinds}) |",
+        f"| held-out problems, greedy, no stop string | {100 * before['behaviour/accuracy']:.1f}% | "
+        f"**{100 * after['behaviour/accuracy']:.1f}%** |",
+        f"| mean response length (tokens) | {before['behaviour/length_mean']:.1f} | "
+        f"{after['behaviour/length_mean']:.1f} |",
+        "",
+        f"{s['train_pairs']} training pairs, {s['steps']} steps in {s['train_minutes']:.1f} training "
+        f"minutes (+ {s['reference_s'] / 60:.1f} for the reference pass), one seed. Record: "
+        f"`{DPO}/record.json`.",
+    ]) + "\n"
+
+
 PRESET_HEADER = ("| preset | seeds | held-out 2 min | 5 min | after 10 min | per seed after 10 min "
                  "(steps) | step 30 | s/step (median) | 3-digit |", "|---" * 9 + "|")
 PRESETS = ("benchmarks/results/presets-2026-12-02", "benchmarks/results/presets-2026-12-04")
@@ -645,7 +670,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "lecture-clip-higher": lecture_clip_higher_table, "lecture-dynamic": lecture_dynamic_table,
     "lecture-opd": lecture_opd_table, "lecture-hacking": lecture_hacking_table,
     "default": default_table, "presets": presets_table, "opd": opd_table, "opsd": opsd_table,
-    "lora": lora_table, "gpu": gpu_table,
+    "lora": lora_table, "gpu": gpu_table, "dpo": dpo_table,
     "objectives": objectives_table, "perstep": perstep_table, "viewer": viewer_table,
 }
 

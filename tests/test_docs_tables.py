@@ -72,6 +72,18 @@ def test_an_edited_experiment_record_changes_its_table(tmp_path, name, record, e
     assert after != before and "0.12" in after and "0.123" not in before
 
 
+def test_the_dpo_table_reads_its_record(tmp_path):
+    tables = _tables()
+    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    path = tmp_path / tables.DPO / "record.json"
+    rec = json.loads(path.read_text())
+    rec["summary"]["behaviour_after"]["behaviour/accuracy"] = 0.123
+    rec["summary"]["eval_after"]["dpo/eval_reward_accuracy@correct>wrong"] = 0.5
+    path.write_text(json.dumps(rec))
+    text = tables.TABLES["dpo"](tmp_path)
+    assert "**12.3%**" in text and "correct>wrong 50%" in text
+
+
 def test_the_gpu_check_table_reads_its_record(tmp_path):
     """benchmarks/gpu_check.py's rows come from gpu_check.json: an edited step time and an
     unfinished run show up as such."""
