@@ -234,6 +234,45 @@ def dpo_table(root: Path) -> str:
     ]) + "\n"
 
 
+PPO_RECIPE = "benchmarks/results/ppo-recipe-2026-12-04"
+REWARD_MODELS = "benchmarks/results/reward-model-2026-12-04"
+
+
+def explained_variance_span(metrics: Path) -> str:
+    """The range of the critic's explained variance over a PPO run's steps (its first step, before
+    any value update, left out)."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    ev = [r["critic/explained_variance"] for r in rows if r.get("critic/explained_variance") is not None]
+    return f"{min(ev[1:]):+.2f} to {max(ev[1:]):+.2f}"
+
+
+def ppo_rlhf_table(root: Path) -> str:
+    """The PPO recipe (held-out at each evaluation, steps in its minutes, the median step, the
+    critic's explained variance) and the two reward-model forms (held-out pairs ranked, by kind,
+    minutes), each from its record."""
+    ppo = load_runs(root / PPO_RECIPE)
+    r0 = ppo[0]
+    # (the evaluation after training repeats the last step's when the steps end on one)
+    evals = " -> ".join(f"{100 * a:.1f}% (step {s})"
+                        for s, a in dict(zip(r0["eval_steps"], r0["eval_accuracy"])).items())
+    lines = ["| run | command (below) | held-out | time |", "|---|---|---|---|",
+             f"| PPO, separate value model, beta 0.05, not whitened (seed {r0['seed']}) | [PPO](#ppo) | "
+             f"{evals}; critic's explained variance "
+             f"{explained_variance_span(root / PPO_RECIPE / 'posttrain-s0' / 'metrics.jsonl')} | "
+             f"{r0['eval_steps'][-1]} steps in {r0['eval_minutes'][-1]:.1f} min, "
+             f"{median_step_s(ppo):.1f} s a step (median) |"]
+    for form, label in (("score_head", "reward model, score head on the last token (Bradley-Terry)"),
+                        ("log_ratio", "reward model, `--reward_form log_ratio` (r = beta log pi/pi_ref)")):
+        rec = json.loads((root / REWARD_MODELS / form / "record.json").read_text())
+        ev = rec["summary"]["eval_after"]
+        lines.append(f"| {label} | [reward models](#reward-models) | "
+                     f"{100 * ev['rm/eval_accuracy']:.1f}% of {rec['summary']['eval_pairs']} pairs "
+                     f"(correct > wrong {100 * ev['rm/eval_accuracy@correct>wrong']:.0f}%) | "
+                     f"{rec['wall_s'] / 60:.1f} min in all |")
+    return "\n".join([*lines, "", f"Records: `{PPO_RECIPE}/posttrain-s0/` (bench.json, metrics.jsonl), "
+                       f"`{REWARD_MODELS}/<form>/record.json`."]) + "\n"
+
+
 PRESET_HEADER = ("| preset | seeds | held-out 2 min | 5 min | after 10 min | per seed after 10 min "
                  "(steps) | step 30 | s/step (median) | 3-digit |", "|---" * 9 + "|")
 PRESETS = ("benchmarks/results/presets-2026-12-02", "benchmarks/results/presets-2026-12-04")
@@ -670,7 +709,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "lecture-clip-higher": lecture_clip_higher_table, "lecture-dynamic": lecture_dynamic_table,
     "lecture-opd": lecture_opd_table, "lecture-hacking": lecture_hacking_table,
     "default": default_table, "presets": presets_table, "opd": opd_table, "opsd": opsd_table,
-    "lora": lora_table, "gpu": gpu_table, "dpo": dpo_table,
+    "lora": lora_table, "gpu": gpu_table, "dpo": dpo_table, "ppo-rlhf": ppo_rlhf_table,
     "objectives": objectives_table, "perstep": perstep_table, "viewer": viewer_table,
 }
 

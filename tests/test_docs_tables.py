@@ -36,6 +36,7 @@ def test_every_docs_table_is_what_its_records_render():
     ("opsd", "opsd-2026-12-04/posttrain-s2/bench.json"),
     ("lora", "lora-2026-12-04/posttrain-s0/bench.json"),
     ("gpu", "gpu-h200-2026-12-04/default/posttrain-s0/bench.json"),
+    ("ppo-rlhf", "ppo-recipe-2026-12-04/posttrain-s0/bench.json"),
     ("objectives", "objectives-2026-12-03/gspo/posttrain-s0/bench.json"),
     ("perstep", "perstep-2026-12-02/trl-s0.json"),
 ])
@@ -82,6 +83,16 @@ def test_the_dpo_table_reads_its_record(tmp_path):
     path.write_text(json.dumps(rec))
     text = tables.TABLES["dpo"](tmp_path)
     assert "**12.3%**" in text and "correct>wrong 50%" in text
+
+
+def test_the_reward_model_rows_read_their_records(tmp_path):
+    tables = _tables()
+    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    path = tmp_path / tables.REWARD_MODELS / "log_ratio" / "record.json"
+    rec = json.loads(path.read_text())
+    rec["summary"]["eval_after"]["rm/eval_accuracy@correct>wrong"] = 0.123
+    path.write_text(json.dumps(rec))
+    assert "(correct > wrong 12%)" in tables.TABLES["ppo-rlhf"](tmp_path)
 
 
 def test_the_gpu_check_table_reads_its_record(tmp_path):
