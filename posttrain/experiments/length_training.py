@@ -8,7 +8,7 @@ this experiment trains.
 
 Method: training runs from the same weights and seed, one per aggregation, in length-bias's
 setting (1-digit addition, up to 64 new tokens, no stop string: wrong answers ramble on and can
-grow): GRPO as it ships (std-normalised group advantage, 1/|o_i| per answer), the same with the
+grow; 8 prompts x 4 answers a step): GRPO as it ships (std-normalised group advantage, 1/|o_i| per answer), the same with the
 token mean, and Dr. GRPO (no std, the constant L_max). The learning rate is constant and the KL
 off (the recipe's beta 0), so the arms differ in the aggregation (and Dr. GRPO's advantage scale)
 alone. Every step's mean length of the wrong and of the correct answers sampled, their
@@ -25,11 +25,13 @@ from posttrain.presets import PRESETS
 
 CLAIM = ("under GRPO's 1/|o| aggregation wrong answers grow longer over training; token-mean and "
          "Dr. GRPO's constant normaliser do not make them grow (§7)")
-# length-bias's setting (answers that vary in length, wrong ones in every group), a constant lr
-# and 20 held-out problems before and after (1-digit addition has only 81 problems)
+# length-bias's setting (answers that vary in length, wrong ones in every group) at 8 prompts x 4
+# answers a step (64 answers of up to 64 tokens take ~33 s a step here; 32 take half), a
+# constant lr and 20 held-out problems before and after (1-digit addition has only 100 problems)
 OVERRIDES = ["--data.difficulty", "1", "--rollout.max_new_tokens", "64", "--rollout.stop", "",
-             "--optim.schedule", "constant", "--data.eval_size", "20"]
-REPEATS = 20            # training steps per arm: about 5 minutes each
+             "--rollout.prompts_per_step", "8", "--optim.schedule", "constant",
+             "--data.eval_size", "20"]
+REPEATS = 20            # training steps per arm: about 6 minutes each
 KEEP_FREED_MEMORY = False   # answer lengths vary from batch to batch
 MIN_REPEATS = 2
 FIELDS = ("advantage", "scale_by_std", "aggregation", "policy_loss", "clip_low", "clip_high")
