@@ -1,6 +1,8 @@
 """Shared fixtures: the real SmolLM2 tokenizer (from the embedded GGUF) and tiny random models."""
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +10,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def benchmark_module(name: str):
+    """A script under benchmarks/ imported as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")

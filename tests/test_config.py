@@ -100,16 +100,12 @@ def test_every_packaged_recipe_loads_and_validates():
 def test_preset_table_runs_each_preset_as_defined():
     """benchmarks/learning.py --presets runs each algorithm on the default recipe, whose algorithm
     block overrides GRPO's aggregation: every row must get its own preset's loss back."""
-    import importlib.util
     from dataclasses import replace
-    from pathlib import Path
 
     from posttrain.options import DEFAULT_RECIPE, recipe_path
+    from tests.conftest import ROOT, benchmark_module
 
-    root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("learning", root / "benchmarks" / "learning.py")
-    learning = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(learning)
+    learning = benchmark_module("learning")
     default = load_config(recipe_path(DEFAULT_RECIPE))
     assert set(learning.table_presets()) == set(PRESETS) - {"opd"}
     assert set(learning.PRESET_ARGS) <= set(learning.table_presets())
@@ -118,7 +114,7 @@ def test_preset_table_runs_each_preset_as_defined():
         path = recipe_path(DEFAULT_RECIPE)
         if "--config" in args:
             i = args.index("--config")
-            path, args = root / args[i + 1], args[:i] + args[i + 2:]
+            path, args = ROOT / args[i + 1], args[:i] + args[i + 2:]
         cfg = load_config(path, args)
         assert cfg.preset == name
         if name == "grpo":          # the default job: GRPO with token-mean and no KL

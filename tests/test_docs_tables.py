@@ -1,20 +1,18 @@
 """The docs' result tables are what their committed records render (benchmarks/tables.py)."""
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import benchmark_module
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tables():
-    spec = importlib.util.spec_from_file_location("tables", ROOT / "benchmarks" / "tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("tables")
 
 
 def test_every_docs_table_is_what_its_records_render():

@@ -1,17 +1,13 @@
 """benchmarks/record.py: the run folder a command gets, and the record it leaves."""
 
-import importlib.util
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import benchmark_module
 
 
 def _record():
-    spec = importlib.util.spec_from_file_location("record", ROOT / "benchmarks" / "record.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("record")
 
 
 def test_a_run_folder_is_added_only_where_the_command_writes_one(tmp_path):
