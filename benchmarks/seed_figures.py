@@ -23,7 +23,7 @@ from posttrain.experiments.common import experiment_module  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 LECTURE = ROOT / "benchmarks/results/lecture-2026-12-04"
 SEEDS = (0, 1, 2)
-NAMES = ("length-bias", "clip-higher", "dynamic-sampling", "opd-vs-grpo", "reward-hacking")
+NAMES = ("length-bias", "length-training", "clip-higher", "dynamic-sampling", "opd-vs-grpo", "reward-hacking")
 
 
 def stacked(name: str, out: Path, seeds: list[int]) -> Path:

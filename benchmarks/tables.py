@@ -536,6 +536,35 @@ def lecture_clip_higher_table(root: Path) -> str:
                                 f"{n0['minibatches']} minibatch updates a step")
 
 
+def lecture_length_training_table(root: Path) -> str:
+    """The lengths of wrong and correct answers over training under each aggregation, 3 seeds:
+    first and last quarter of the steps, the last quarter's wrong length against Dr. GRPO's
+    (same seed, same start), accuracy sampled and held-out after."""
+    runs = seed_records(root, "length-training")
+    nums = [r["numbers"] for r in runs]
+    ref = "dr_grpo"
+    lines = ["| arm | aggregation | wrong answers' mean length, first quarter of the steps | "
+             "last quarter | the same, per seed | last quarter minus dr_grpo's, per seed | "
+             "correct answers' mean length, first quarter | last quarter | accuracy of the "
+             "answers sampled, last quarter | held-out accuracy after (%) |", "|---" * 10 + "|"]
+    for arm in nums[0]["arms"]:
+        a = [n["arms"][arm] for n in nums]
+        last = [x["length_wrong_last_quarter"] for x in a]
+        gap = [None if v is None or n["arms"][ref]["length_wrong_last_quarter"] is None
+               else v - n["arms"][ref]["length_wrong_last_quarter"] for v, n in zip(last, nums)]
+        lines.append(
+            f"| {arm} | {a[0]['algorithm']['aggregation']} | "
+            f"{spread([x['length_wrong_first_quarter'] for x in a], signed=False, digits=1)} | "
+            f"{spread(last, signed=False, digits=1)} | {per_seed(last, 1)} | "
+            f"{'-' if arm == ref else per_seed(gap, 1)} | "
+            f"{spread([x['length_correct_first_quarter'] for x in a], signed=False, digits=1)} | "
+            f"{spread([x['length_correct_last_quarter'] for x in a], signed=False, digits=1)} | "
+            f"{spread([x['accuracy_last_quarter'] for x in a], signed=False)} | "
+            f"{spread([100 * x['eval_after'] for x in a], signed=False, digits=1)} |")
+    return training_arms_footer(lines, runs, "length-training",
+                                f"up to {nums[0]['max_new_tokens']} new tokens, no stop string")
+
+
 def clipped_share(arms: list[dict], side: str) -> str:
     """The share of tokens whose gradient the `side` bound removed (mean over steps, mean ± sd
     over seeds); CISPO's tokens whose weight was capped (their gradient kept) marked as such;
@@ -706,6 +735,7 @@ def viewer_table(root: Path) -> str:
 TABLES: dict[str, Callable[[Path], str]] = {
     "lecture-baselines": lecture_baselines_table, "lecture-is": lecture_is_table,
     "lecture-kl": lecture_kl_table, "lecture-length": lecture_length_table,
+    "lecture-length-training": lecture_length_training_table,
     "lecture-clip-higher": lecture_clip_higher_table, "lecture-dynamic": lecture_dynamic_table,
     "lecture-opd": lecture_opd_table, "lecture-hacking": lecture_hacking_table,
     "default": default_table, "presets": presets_table, "opd": opd_table, "opsd": opsd_table,
