@@ -37,7 +37,7 @@ LAYERS = [
      "experiments", "experiments.common"],                                   # (and their measures)
     ["stages.reward_model", "experiments.baselines", "experiments.kl_estimators",
      "experiments.importance_sampling", "experiments.length_bias",
-     "experiments.clip_higher", "experiments.dynamic_sampling",
+     "experiments.length_training", "experiments.clip_higher", "experiments.dynamic_sampling",
      "experiments.opd_vs_grpo", "experiments.reward_hacking"],               # (read the layer above)
     ["cli", ""],                                                             # entry points
 ]
