@@ -179,13 +179,15 @@ def gpu_table(root: Path) -> str:
     minutes, median step, 3-digit) and benchmarks/gpu_check.py's larger steps (time a step and
     its parts, generated tokens a second, peak GPU memory, the trainer-vs-sampler mismatch)."""
     runs = load_runs(root / GPU / "default")
-    check = json.loads((root / GPU / "gpu_check.json").read_text())
-    env, prov = check["env"], check["provenance"]
+    checks = [json.loads(f.read_text()) for f in sorted((root / GPU).glob("gpu_check*.json"))]
+    env = checks[0]["env"]
+    measured = {r["name"] for c in checks for r in c["runs"] if "error" not in r}
+    rows = [r for c in checks for r in c["runs"] if "error" not in r or r["name"] not in measured]
     labels = {"grpo": "GRPO", "ppo": "PPO (value model, GAE, KL 0.05 in the reward)",
               "lora": "GRPO with LoRA r16 and a KL (reference = adapters off)"}
 
     def check_row(r: dict) -> str:
-        if "error" in r:
+        if "error" in r:      # a run no record measured
             return f"| {labels[r['name']]} | not measured: {r['error']} |" + " |" * 5
         return (f"| {labels[r['name']]} | {r['step_s']:.1f} | {r['generate_s']:.1f} "
                 f"({r['generated_tokens_per_s']:,.0f}) | {r['update_s']:.2f} | "
@@ -199,13 +201,16 @@ def gpu_table(root: Path) -> str:
         f"{mean_sd([r['eval_minutes'][-1] for r in runs], digits=1)} | {median_step_s(runs):.2f} | "
         f"{pct([r['final']['3digit']['accuracy'] for r in runs])} |",
         "",
+        f"Each seed after training, held-out % (steps): {per_seed_end(runs)}.",
+        "",
         "| `gpu_check.py`: 32 prompts x 8 answers, up to 128 new tokens, bf16 autocast | s a step | "
         "generation s (tokens/s) | update s | peak GPU memory | mean abs log-prob mismatch | "
         "largest trainer/sampler probability ratio |", "|---" * 7 + "|",
-        *[check_row(r) for r in check["runs"]],
+        *[check_row(r) for r in rows],
         "",
-        f"Records: `{GPU}/default/posttrain-s<seed>/bench.json`, `{GPU}/gpu_check.json` "
-        f"(commit {prov['commit'][:7]}).",
+        f"Records: `{GPU}/default/posttrain-s<seed>/bench.json`, "
+        + ", ".join(f"`{GPU}/{f.name}` (commit {c['provenance']['commit'][:7]})"
+                    for f, c in zip(sorted((root / GPU).glob("gpu_check*.json")), checks)) + ".",
     ]) + "\n"
 
 

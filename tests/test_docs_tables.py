@@ -95,7 +95,8 @@ def test_the_reward_model_rows_read_their_records(tmp_path):
 
 def test_the_gpu_check_table_reads_its_record(tmp_path):
     """benchmarks/gpu_check.py's rows come from gpu_check.json: an edited step time and an
-    unfinished run show up as such."""
+    unfinished run show up as such; a run measured in another record (gpu_check_lora.json) is
+    shown from that record."""
     tables = _tables()
     shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
     path = tmp_path / tables.GPU / "gpu_check.json"
@@ -105,6 +106,10 @@ def test_the_gpu_check_table_reads_its_record(tmp_path):
     path.write_text(json.dumps(check))
     text = tables.TABLES["gpu"](tmp_path)
     assert "| GRPO | 12.3 |" in text and "not measured: out of memory" in text
+    check["runs"][2] = {"name": "lora", "error": "time limit"}
+    path.write_text(json.dumps(check))
+    text = tables.TABLES["gpu"](tmp_path)
+    assert "time limit" not in text and "| GRPO with LoRA r16 and a KL (reference = adapters off) | 10.6 |" in text
 
 
 def test_spread_is_over_the_seeds_that_have_a_value():
