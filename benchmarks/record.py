@@ -65,7 +65,10 @@ def main() -> None:
     ap.add_argument("--keep-weights", action="store_true")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- posttrain SUBCOMMAND ...")
     args = ap.parse_args()
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = args.command
+    if command[:1] == ["--keep-weights"]:   # REMAINDER takes options written after OUT
+        args.keep_weights, command = True, command[1:]
+    command = command[1:] if command[:1] == ["--"] else command
     if command[:1] != ["posttrain"] or len(command) < 2:
         ap.error(f"the command must start with 'posttrain SUBCOMMAND', got {' '.join(command)!r}")
     args.out.mkdir(parents=True, exist_ok=True)
