@@ -214,6 +214,55 @@ def gpu_table(root: Path) -> str:
     ]) + "\n"
 
 
+ENVIRONMENTS = "benchmarks/results/environments-2026-12-04"
+
+
+def metrics_of(folder: Path) -> list[dict]:
+    """A run's metrics.jsonl, one dict a line (training steps and evaluations)."""
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def run_footer(record: dict, name: str) -> str:
+    """Steps, training minutes, minutes in all and the record's path, from benchmarks/record.py."""
+    s = record["summary"]
+    return (f"{s['steps']} steps in {s['train_minutes']:.1f} training minutes, "
+            f"{record['wall_s'] / 60:.1f} minutes in all. Record: `{ENVIRONMENTS}/{name}/record.json` "
+            f"(metrics.jsonl and the run's eval_samples.jsonl beside it).")
+
+
+def guess_number_table(root: Path) -> str:
+    """Guess the number (posttrain/recipes/guess_number.yaml): held-out success and turns at each
+    evaluation, invalid guesses per episode in training at that step, training success early and
+    late."""
+    folder = root / ENVIRONMENTS / "guess-number"
+    record, rows = json.loads((folder / "record.json").read_text()), metrics_of(folder)
+    train = [r for r in rows if "reward/accuracy" in r]
+    invalid = {r["step"]: r.get("env/invalid_guesses", 0.0) for r in train}   # absent: none that step
+    lines = ["| step | held-out success (100 secrets, greedy) | turns / episode (held-out) | "
+             "invalid guesses / episode (training, that step; step 1 for the base model) |", "|---" * 4 + "|"]
+    for r in (r for r in rows if "eval/accuracy" in r):
+        lines.append(f"| {r['step'] or '0 (the base model)'} | {100 * r['eval/accuracy']:.0f}% | "
+                     f"{r['eval/turns']:.2f} | {invalid[max(r['step'], 1)]:.2f} |")
+    early, late = ([r["reward/accuracy"] for r in part] for part in (train[:5], train[-5:]))
+    return "\n".join(lines + ["", f"Training success (sampled): {statistics.mean(early):.2f} over steps "
+                              f"{train[0]['step']}-{train[4]['step']}, {statistics.mean(late):.2f} over "
+                              f"steps {train[-5]['step']}-{train[-1]['step']}. " + run_footer(record, "guess-number")]) + "\n"
+
+
+def chain_sum_table(root: Path) -> str:
+    """reasoning-gym chain_sum, 2 terms: held-out accuracy at each evaluation."""
+    folder = root / ENVIRONMENTS / "chain-sum"
+    record, rows = json.loads((folder / "record.json").read_text()), metrics_of(folder)
+    evals = [r for r in rows if "eval/accuracy" in r]
+    head = [str(r["step"]) for r in evals[:-1]] + [f"after {evals[-1]['perf/train_minutes']:.1f} min "
+                                                   f"({evals[-1]['step']} steps)"]
+    return "\n".join([
+        "| held-out (100 problems, greedy), step | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|",
+        "| chain_sum, 2 terms | " + " | ".join(f"{100 * r['eval/accuracy']:.0f}%" for r in evals[:-1])
+        + f" | **{100 * evals[-1]['eval/accuracy']:.0f}%** |", "", run_footer(record, "chain-sum"),
+    ]) + "\n"
+
+
 DPO = "benchmarks/results/dpo-2026-12-04"
 
 
@@ -744,7 +793,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "lecture-clip-higher": lecture_clip_higher_table, "lecture-dynamic": lecture_dynamic_table,
     "lecture-opd": lecture_opd_table, "lecture-hacking": lecture_hacking_table,
     "default": default_table, "presets": presets_table, "opd": opd_table, "opsd": opsd_table,
-    "lora": lora_table, "gpu": gpu_table, "dpo": dpo_table, "ppo-rlhf": ppo_rlhf_table,
+    "lora": lora_table, "gpu": gpu_table, "guess-number": guess_number_table, "chain-sum": chain_sum_table, "dpo": dpo_table, "ppo-rlhf": ppo_rlhf_table,
     "objectives": objectives_table, "perstep": perstep_table, "viewer": viewer_table,
 }
 
