@@ -99,11 +99,13 @@ def test_make_env_picks_the_tasks_environment_and_refuses_bad_names(tokenizer):
 def test_guess_number_answers_higher_lower_and_rewards_the_find():
     env = GuessNumber(max_turns=4)
     secret = env.reset(Problem("", "7"))
-    assert env.step(secret, "5", 1).message["content"] == "Higher."
+    higher = env.step(secret, "5", 1)
+    assert higher.message["content"] == "Higher." and higher.counts == {"invalid_guesses": 0}
     assert env.step(secret, "I guess 9", 2).message["content"] == "Lower."
     assert env.step(secret, "no idea", 3).counts == {"invalid_guesses": 1}
     found = env.step(secret, "7", 4)
     assert found.message is None and found.reward == 1.0 and found.correct is True
+    assert found.counts == {"invalid_guesses": 0}   # a step without an invalid guess logs 0, not nothing
 
 
 # ---------------------------------------------------------------------------------------------

@@ -144,8 +144,8 @@ class GuessNumber:
         if not numbers:
             return Reply({"role": "user", "content": "Answer with one number."}, correct=False,
                          counts={"invalid_guesses": 1})
-        guess = int(numbers[-1])
+        guess, valid = int(numbers[-1]), {"invalid_guesses": 0}   # logged as 0 in a step without one
         if guess == secret:
-            return Reply(None, reward=1.0, correct=True)
+            return Reply(None, reward=1.0, correct=True, counts=valid)
         return Reply({"role": "user", "content": "Higher." if secret > guess else "Lower."},
-                     correct=False)
+                     correct=False, counts=valid)
