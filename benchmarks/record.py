@@ -8,7 +8,8 @@ names its own; every command runs with `--no-progress`. OUT gets
 record.json (the command, its provenance taken before it started: commit, packages, machine,
 date; the wall seconds, the peak resident memory, the exit code and the run folder's
 summary.json) and copies of the run's summary.json and metrics.jsonl; the run's weights
-(final_model, checkpoints) are deleted unless --keep-weights, so OUT can be committed under
+(final_model, checkpoints, PPO's final_value_model and reference_model) are deleted unless
+--keep-weights, so OUT can be committed under
 benchmarks/results/. The log goes to OUT/run.log.
 """
 
@@ -29,7 +30,7 @@ from posttrain.provenance import provenance  # noqa: E402
 
 KEPT = ("summary.json", "metrics.jsonl")
 RUN_FOLDER = {"train", "sft", "dpo", "reward-model"}   # the subcommands that write a run folder
-WEIGHTS = ("final_model", "checkpoints")
+WEIGHTS = ("final_model", "checkpoints", "final_value_model", "reference_model")   # PPO keeps the last two
 
 
 def with_run_dir(command: list[str], out: Path) -> tuple[list[str], Path | None]:

@@ -263,6 +263,43 @@ def chain_sum_table(root: Path) -> str:
     ]) + "\n"
 
 
+RLHF = "benchmarks/results/rlhf-2026-12-04"
+RLHF_ARMS = {"terse": "score head, half the wrong answers terse (`--data.terse_wrong_share 0.5`)",
+             "first": "score head, no terse wrong answers",
+             "log-ratio": "log-ratio (`--reward_form log_ratio`)"}
+
+
+def rlhf_row(folder: Path, arm: str) -> str:
+    """One reward model and PPO on its score: pairs ranked, held-out at each evaluation, the
+    reward model's score and the KL to the start over the first and last 5 steps, step time."""
+    rm = json.loads((folder / f"rm-{arm}" / "record.json").read_text())["summary"]["eval_after"]
+    rows = metrics_of(folder / f"ppo-{arm}")
+    train, evals = [r for r in rows if "reward/model_score" in r], [r for r in rows if "eval/accuracy" in r]
+    first, last = train[:5], train[-5:]
+
+    def mean(key: str, part: list[dict]) -> float:
+        return statistics.mean(r[key] for r in part)
+    return (f"| {RLHF_ARMS[arm]} | {100 * rm['rm/eval_accuracy']:.1f}% "
+            f"({100 * rm['rm/eval_accuracy@correct>wrong']:.0f}%) | "
+            + " -> ".join(f"{100 * r['eval/accuracy']:.1f}%" for r in evals) + f" ({evals[-1]['step']} steps) | "
+            f"{mean('reward/model_score', first):+.2f} -> {mean('reward/model_score', last):+.2f} | "
+            f"{mean('policy/kl_ref', last):.2f} | {statistics.median(r['perf/step_s'] for r in train):.0f} |")
+
+
+def rlhf_table(root: Path) -> str:
+    """RLHF (posttrain/recipes/addition_rlhf.yaml): PPO on each recorded reward model's score alone
+    (the verifier only measures)."""
+    folder = root / RLHF
+    arms = [a for a in RLHF_ARMS if (folder / f"ppo-{a}" / "record.json").exists()]
+    return "\n".join([
+        "| reward model | held-out pairs ranked (correct > wrong) | PPO on its score: held-out accuracy at "
+        "steps 0, 10, 20, ... and the end | reward-model score, first -> last 5 steps | KL to the start, last 5 steps | median s a step |",
+        "|---" * 6 + "|", *[rlhf_row(folder, a) for a in arms], "",
+        f"Records: `{RLHF}/rm-<arm>/record.json` (the reward model) and `{RLHF}/ppo-<arm>/record.json` "
+        "(PPO; metrics.jsonl and the run's eval_samples.jsonl beside it).",
+    ]) + "\n"
+
+
 DPO = "benchmarks/results/dpo-2026-12-04"
 
 
@@ -793,7 +830,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "lecture-clip-higher": lecture_clip_higher_table, "lecture-dynamic": lecture_dynamic_table,
     "lecture-opd": lecture_opd_table, "lecture-hacking": lecture_hacking_table,
     "default": default_table, "presets": presets_table, "opd": opd_table, "opsd": opsd_table,
-    "lora": lora_table, "gpu": gpu_table, "guess-number": guess_number_table, "chain-sum": chain_sum_table, "dpo": dpo_table, "ppo-rlhf": ppo_rlhf_table,
+    "lora": lora_table, "gpu": gpu_table, "guess-number": guess_number_table, "chain-sum": chain_sum_table, "rlhf": rlhf_table, "dpo": dpo_table, "ppo-rlhf": ppo_rlhf_table,
     "objectives": objectives_table, "perstep": perstep_table, "viewer": viewer_table,
 }
 

@@ -24,6 +24,7 @@ def test_the_record_keeps_summary_and_metrics_and_drops_the_weights(tmp_path):
     rec = _record()
     run = tmp_path / "run"
     (run / "final_model").mkdir(parents=True)
+    (run / "final_value_model").mkdir()
     (run / "checkpoints" / "step-3").mkdir(parents=True)
     (run / "summary.json").write_text(json.dumps({"eval_after": {"eval/accuracy": 0.35}}))
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
@@ -34,6 +35,7 @@ def test_the_record_keeps_summary_and_metrics_and_drops_the_weights(tmp_path):
     assert record["provenance"] == {"commit": "abc"} and record["command"] == "posttrain dpo"
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert not (run / "final_model").exists() and not (run / "checkpoints").exists()
+    assert not (run / "final_value_model").exists()   # PPO's value model is weights too
     kept = tmp_path / "kept"
     (kept / "run" / "final_model").mkdir(parents=True)
     rec.write_record(kept, ["posttrain", "sft"], {}, 1.0, 1.0, 0, kept / "run", keep_weights=True)
