@@ -300,6 +300,50 @@ def rlhf_table(root: Path) -> str:
     ]) + "\n"
 
 
+MOPD = "benchmarks/results/mopd-2026-12-04"
+
+
+def printed_json(log: Path) -> dict:
+    """The JSON object a command printed last (posttrain generate's count of kept answers)."""
+    text = log.read_text()
+    return json.loads(text[text.rindex("\n{") + 1:])
+
+
+def domain_row(label: str, r: dict, minutes: str) -> str:
+    return (f"| {label} | {100 * r['eval/accuracy@addition']:.0f}% | "
+            f"{100 * r['eval/accuracy@subtraction']:.0f}% | {minutes} |")
+
+
+def mopd_table(root: Path) -> str:
+    """MOPD from the base model and after an SFT warm-up on both teachers' verified answers:
+    held-out accuracy per domain (100 problems each), the teachers and the answers kept."""
+    folder = root / MOPD
+    rec = {name: json.loads((folder / name / "record.json").read_text())
+           for name in ("teacher-a", "teacher-b", "sft-mix", "sft-then-mopd", "mopd")}
+    mopd = [r for r in metrics_of(folder / "mopd") if "eval/accuracy@addition" in r]
+    warm = [r for r in metrics_of(folder / "sft-then-mopd") if "eval/accuracy@addition" in r]
+    sft_min = rec["sft-mix"]["summary"]["train_minutes"]
+    kept = {d: printed_json(folder / f"generate-{d}" / "run.log") for d in "ab"}
+    teacher_a = rec["teacher-a"]["summary"]["eval_after"]["eval/accuracy"]
+    teacher_b = rec["teacher-b"]["summary"]["behaviour_after"]["behaviour/accuracy"]
+    return "\n".join([
+        "| model | addition | subtraction | training minutes |", "|---" * 4 + "|",
+        domain_row("SmolLM2-135M-Instruct", mopd[0], "-"),
+        *[domain_row(f"MOPD, step {r['step']}", r, f"{r['perf/train_minutes']:.1f}")
+          for r in mopd[1:] if r["step"] in (16, mopd[-1]["step"])],
+        domain_row("SFT on both teachers' verified answers (their token ids)", warm[0], f"{sft_min:.1f}"),
+        domain_row(f"**... then MOPD, {warm[-1]['step']} steps, lr 1e-5**", warm[-1],
+                   f"{sft_min:.1f} + {warm[-1]['perf/train_minutes']:.1f}"),
+        "",
+        f"Teachers: A {100 * teacher_a:.1f}% on 200 addition problems (the default job, 90 steps), "
+        f"B {100 * teacher_b:.1f}% on 200 subtraction problems (SFT). Warm-up data: "
+        f"{kept['a']['written']} of A's {kept['a']['generated']} answers kept, "
+        f"{kept['b']['written']} of B's {kept['b']['generated']} (verified). "
+        f"Records: `{MOPD}/<step>/record.json` (teacher-a, teacher-b, generate-a, generate-b, "
+        "sft-mix, sft-then-mopd, mopd).",
+    ]) + "\n"
+
+
 DPO = "benchmarks/results/dpo-2026-12-04"
 
 
