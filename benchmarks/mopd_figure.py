@@ -22,10 +22,13 @@ MOPD = ROOT / "benchmarks/results/mopd-2026-12-04"
 DOMAINS = ("addition", "subtraction")
 
 
+def metrics(run: str) -> list[dict]:
+    return [json.loads(line) for line in (MOPD / run / "metrics.jsonl").read_text().splitlines() if line]
+
+
 def evaluations(run: str) -> list[dict]:
     """The per-domain evaluations in a run's metrics.jsonl."""
-    rows = [json.loads(line) for line in (MOPD / run / "metrics.jsonl").read_text().splitlines() if line]
-    return [r for r in rows if "eval/accuracy@addition" in r]
+    return [r for r in metrics(run) if "eval/accuracy@addition" in r]
 
 
 def teachers() -> dict[str, float]:
@@ -36,7 +39,7 @@ def teachers() -> dict[str, float]:
 
 
 def draw(out: Path) -> Path:
-    warm_up = json.loads((MOPD / "sft-mix/record.json").read_text())["summary"]["train_minutes"]
+    warm_up = sum(r["perf/step_s"] for r in metrics("sft-mix") if "perf/step_s" in r) / 60   # its steps' times
     runs = {"MOPD from the base model": (evaluations("mopd"), 0.0),
             "SFT warm-up, then MOPD": (evaluations("sft-then-mopd"), warm_up)}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)

@@ -309,6 +309,11 @@ def printed_json(log: Path) -> dict:
     return json.loads(text[text.rindex("\n{") + 1:])
 
 
+def sft_minutes(folder: Path) -> float:
+    """An SFT run's training minutes: its steps' times summed (its summary has no clock)."""
+    return sum(r["perf/step_s"] for r in metrics_of(folder) if "perf/step_s" in r) / 60
+
+
 def domain_row(label: str, r: dict, minutes: str) -> str:
     return (f"| {label} | {100 * r['eval/accuracy@addition']:.0f}% | "
             f"{100 * r['eval/accuracy@subtraction']:.0f}% | {minutes} |")
@@ -322,7 +327,7 @@ def mopd_table(root: Path) -> str:
            for name in ("teacher-a", "teacher-b", "sft-mix", "sft-then-mopd", "mopd")}
     mopd = [r for r in metrics_of(folder / "mopd") if "eval/accuracy@addition" in r]
     warm = [r for r in metrics_of(folder / "sft-then-mopd") if "eval/accuracy@addition" in r]
-    sft_min = rec["sft-mix"]["summary"]["train_minutes"]
+    sft_min = sft_minutes(folder / "sft-mix")
     kept = {d: printed_json(folder / f"generate-{d}" / "run.log") for d in "ab"}
     teacher_a = rec["teacher-a"]["summary"]["eval_after"]["eval/accuracy"]
     teacher_b = rec["teacher-b"]["summary"]["behaviour_after"]["behaviour/accuracy"]
