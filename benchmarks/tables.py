@@ -879,7 +879,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "lecture-clip-higher": lecture_clip_higher_table, "lecture-dynamic": lecture_dynamic_table,
     "lecture-opd": lecture_opd_table, "lecture-hacking": lecture_hacking_table,
     "default": default_table, "presets": presets_table, "opd": opd_table, "opsd": opsd_table,
-    "lora": lora_table, "gpu": gpu_table, "guess-number": guess_number_table, "chain-sum": chain_sum_table, "rlhf": rlhf_table, "dpo": dpo_table, "ppo-rlhf": ppo_rlhf_table,
+    "lora": lora_table, "gpu": gpu_table, "guess-number": guess_number_table, "chain-sum": chain_sum_table, "rlhf": rlhf_table, "mopd": mopd_table, "dpo": dpo_table, "ppo-rlhf": ppo_rlhf_table,
     "objectives": objectives_table, "perstep": perstep_table, "viewer": viewer_table,
 }
 

@@ -177,3 +177,17 @@ def test_a_run_table_reads_its_metrics(tmp_path, name, folder, run):
     after = tables.TABLES[name](tmp_path)
     shown = ("12%", "12.3%")
     assert any(x in after for x in shown) and not any(x in before for x in shown)
+
+
+def test_the_mopd_table_reads_each_domain(tmp_path):
+    """MOPD's rows are per domain from the runs' metrics.jsonl: the last subtraction reading of the
+    run from the base model set to 12.3% shows up as 12%."""
+    tables = _tables()
+    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    path = tmp_path / tables.MOPD / "mopd" / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    before = tables.TABLES["mopd"](tmp_path)
+    rows[-1]["eval/accuracy@subtraction"] = 0.123
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    after = tables.TABLES["mopd"](tmp_path)
+    assert "| MOPD, step 48 | 82% | 12% |" in after and "12%" not in before
