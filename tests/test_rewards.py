@@ -1,5 +1,6 @@
 """Verifiers, format reward, overlong shaping and the safe calling of user reward functions."""
 
+import logging
 import os
 import threading
 
@@ -164,3 +165,16 @@ def test_one_training_run_survives_every_kind_of_reward_failure(tmp_path, tokeni
     for r in rows:   # 4 responses a step, one call each of every function
         assert (r["reward/failures_error"], r["reward/failures_timeout"], r["reward/failures_nonfinite"],
                 r["reward/failures_crash"]) == (4, 4, 4, 8), r
+
+
+def test_scoring_in_the_trainers_process_is_announced(caplog):
+    """reward.workers 0 runs what scores the model's answers in the trainer's own process: a
+    warning says so; the default pool says nothing."""
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        Scorer(RewardConfig(verifier="none", workers=0))
+    assert "reward.workers 0" in caplog.text and "debugging only" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        pooled = Scorer(RewardConfig(verifier="none", workers=1))
+        pooled.close()
+    assert "reward.workers 0" not in caplog.text

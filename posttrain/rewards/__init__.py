@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,8 @@ from posttrain.health import Tally
 from posttrain.rewards.pool import Outcome, RewardPool
 from posttrain.usercode import call_with_limits, load_function
 from posttrain.rewards.verifiers import VERIFIERS, is_bare_answer, overlong_penalty
+
+log = logging.getLogger("posttrain")
 
 __all__ = ["RewardResult", "Scorer", "overlong_penalty"]
 
@@ -85,6 +88,10 @@ class Scorer:
         self._by_spec = dict(self.functions)
         self.styles = {spec: call_style(fn) for spec, fn in self.functions}
         self.pool = RewardPool(tuple(cfg.functions), cfg.workers, cfg.timeout_s) if cfg.workers else None
+        if self.pool is None:
+            log.warning("reward.workers 0: the verifier and reward functions run in the trainer's "
+                        "process on answers the model wrote (no crash isolation; a timeout the "
+                        "callee can cancel): for debugging only")
         self.tallies: dict[str, Tally] = {}
         self.system_prompt, self.autocast = system_prompt, autocast
         self._reward_model = None
