@@ -219,7 +219,7 @@ ENVIRONMENTS = "benchmarks/results/environments-2026-12-04"
 
 def metrics_of(folder: Path) -> list[dict]:
     """A run's metrics.jsonl, one dict a line (training steps and evaluations)."""
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line]
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def run_footer(record: dict, name: str) -> str:
@@ -378,10 +378,10 @@ PPO_RECIPE = "benchmarks/results/ppo-recipe-2026-12-04"
 REWARD_MODELS = "benchmarks/results/reward-model-2026-12-04"
 
 
-def explained_variance_span(metrics: Path) -> str:
+def explained_variance_span(folder: Path) -> str:
     """The range of the critic's explained variance over a PPO run's steps (its first step, before
     any value update, left out)."""
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = metrics_of(folder)
     ev = [r["critic/explained_variance"] for r in rows if r.get("critic/explained_variance") is not None]
     return f"{min(ev[1:]):+.2f} to {max(ev[1:]):+.2f}"
 
@@ -398,7 +398,7 @@ def ppo_rlhf_table(root: Path) -> str:
     lines = ["| run | command (below) | held-out | time |", "|---|---|---|---|",
              f"| PPO, separate value model, beta 0.05, not whitened (seed {r0['seed']}) | [PPO](#ppo) | "
              f"{evals}; critic's explained variance "
-             f"{explained_variance_span(root / PPO_RECIPE / 'posttrain-s0' / 'metrics.jsonl')} | "
+             f"{explained_variance_span(root / PPO_RECIPE / 'posttrain-s0')} | "
              f"{r0['eval_steps'][-1]} steps in {r0['eval_minutes'][-1]:.1f} min, "
              f"{median_step_s(ppo):.1f} s a step (median) |"]
     for form, label in (("score_head", "reward model, score head on the last token (Bradley-Terry)"),
