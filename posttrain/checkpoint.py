@@ -2,19 +2,23 @@
 
 A checkpoint folder holds the model (Hugging Face format), the optimizer and scheduler state, every
 RNG state, the data position and the resolved config. It is written under a temporary name, every
-file and folder fsynced, a COMPLETE marker listing each file's size written last, and only then
-renamed into place and the parent folder fsynced; older checkpoints are deleted after that. So a
-crash or a power loss at any moment leaves the previous checkpoint intact.
+file and folder fsynced, a COMPLETE marker listing each file's size and SHA-256 written last, and
+only then renamed into place and the parent folder fsynced; older checkpoints are deleted after
+that. So a crash or a power loss at any moment leaves the previous checkpoint intact.
 
-`trainer_state.pt` is loaded with `torch.load(weights_only=True)`: tensors and plain containers
-only (RNG states are stored as lists and tensors), so a tampered file is refused instead of
-running its pickle. Resuming takes the newest checkpoint that is complete (marker present, every
-file its recorded size) and loads; one that does not is named in a warning and the previous one
-is used.
+Resuming trusts nothing the run did not write: every file of the checkpoint must have its
+recorded size and hash (a truncated, flipped or edited file is refused, and the resume falls back
+to the previous checkpoint), and the config it continues with is the checkpoint's own copy, not
+the run folder's config.json (which names modules to import). `trainer_state.pt` is loaded with
+`torch.load(weights_only=True)`: tensors and plain containers only (RNG states are stored as
+lists and tensors), so a tampered file is refused instead of running its pickle. The hashes make
+edits evident; they are no signature: whoever can rewrite the COMPLETE marker too can make a
+checkpoint that loads (docs/safety.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -65,28 +69,65 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def seal(folder: Path, step: int) -> None:
-    """Make a written folder durable: fsync every file and subfolder, then write the COMPLETE
-    marker (each file's size) and fsync it and the folder."""
-    sizes = {}
+    """Make a written folder durable and verifiable: fsync every file and subfolder, then write
+    the COMPLETE marker (each file's size and SHA-256) and fsync it and the folder."""
+    sizes, hashes = {}, {}
     for path in sorted(folder.rglob("*")):
         if path.is_file():
-            sizes[str(path.relative_to(folder))] = path.stat().st_size
+            name = str(path.relative_to(folder))
+            sizes[name], hashes[name] = path.stat().st_size, sha256_of(path)
         fsync_path(path)
     marker = folder / _COMPLETE
-    marker.write_text(json.dumps({"step": step, "files": sizes}, indent=1))
+    marker.write_text(json.dumps({"step": step, "files": sizes, "sha256": hashes}, indent=1))
     fsync_path(marker)
     fsync_path(folder)
 
 
+def _record(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / _COMPLETE).read_text())
+
+
 def is_complete(folder: Path) -> bool:
     """The COMPLETE marker is there and every file it lists has its recorded size (a truncated
-    or missing file fails this; a checkpoint never sealed has no marker)."""
+    or missing file fails this; a checkpoint never sealed has no marker). Cheap: no hashing."""
     try:
-        files = json.loads((folder / _COMPLETE).read_text())["files"]
+        files = _record(folder)["files"]
         return all((folder / name).stat().st_size == size for name, size in files.items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
+
+
+def problem_with(folder: Path, only: tuple[str, ...] | None = None) -> str | None:
+    """Why the folder's files (or `only` these) are not the ones sealed into it: a missing or
+    unreadable marker, a marker without hashes (an older posttrain), a file of another size or
+    hash, a file the marker does not list. None: every file is as written."""
+    try:
+        record = _record(folder)
+        sizes, hashes = record["files"], record["sha256"]
+    except (OSError, ValueError, TypeError):
+        return "incomplete (no readable COMPLETE marker)"
+    except KeyError:
+        return "sealed without file hashes (written by posttrain before 0.10): cannot be verified"
+    names = only if only is not None else sorted(
+        str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != _COMPLETE)
+    for name in names:
+        path = folder / name
+        if name not in hashes:
+            return f"{name} is not one of the files it was sealed with"
+        if not path.is_file() or path.stat().st_size != sizes.get(name):
+            return f"{name} is missing or not the size it was written with"
+        if sha256_of(path) != hashes[name]:
+            return f"{name} is not the file it was written as (SHA-256 differs)"
+    return None
 
 
 def step_of(folder: Path) -> int:
@@ -236,6 +277,10 @@ def resume_point(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
         if not is_complete(ckpt):
             refused.append(f"{ckpt}: incomplete (no COMPLETE marker, or a file of another size)")
             continue
+        problem = problem_with(ckpt)
+        if problem is not None:
+            refused.append(f"{ckpt}: {problem}")
+            continue
         try:
             check_files(ckpt)
             state = load_trainer_state(ckpt)
@@ -249,3 +294,19 @@ def resume_point(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
         raise CheckpointError(f"no checkpoint under {run_dir / 'checkpoints'} loads: "
                               + "; ".join(refused))
     return None
+
+
+def checkpoint_config(run_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """The config a resumed run continues with: the newest checkpoint's own config.json whose
+    hash matches its COMPLETE record (never the run folder's config.json, which anyone who can
+    write the folder can edit). CheckpointError when no checkpoint has one."""
+    refused = []
+    for ckpt in reversed(step_folders(run_dir)):
+        problem = problem_with(ckpt, only=("config.json",)) if is_complete(ckpt) else "incomplete"
+        if problem is None:
+            return ckpt, json.loads((ckpt / "config.json").read_text())
+        refused.append(f"{ckpt.name}: {problem}")
+    if not refused:
+        raise CheckpointError(f"no complete checkpoint under {run_dir / 'checkpoints'}")
+    raise CheckpointError(f"no checkpoint under {run_dir / 'checkpoints'} has a config that "
+                          "verifies: " + "; ".join(refused))

@@ -72,11 +72,33 @@ def _config_and_resume(args: argparse.Namespace, config_file, overrides: list[st
             log.info("--resume auto: continuing %s", found)
         return cfg, found
     if args.resume is not None:
-        saved = Path(args.resume) / "config.json"
-        if not saved.is_file():
-            raise ConfigError(f"--resume {args.resume}: {saved} not found")
-        return load(config_file, overrides, base=json.loads(saved.read_text())), Path(args.resume)
+        run = Path(args.resume)
+        if not (run / "config.json").is_file():
+            raise ConfigError(f"--resume {args.resume}: {run / 'config.json'} not found")
+        from posttrain.checkpoint import CheckpointError, checkpoint_config
+
+        try:   # the checkpoint's own, hash-checked copy of the config: never the folder's
+            ckpt, saved = checkpoint_config(run)
+        except CheckpointError as e:
+            raise ConfigError(f"--resume {args.resume}: {e}") from None
+        _say_if_edited(run, ckpt, saved)
+        return load(config_file, overrides, base=saved), run
     return load(config_file, overrides), None
+
+
+def _say_if_edited(run: Path, ckpt: Path, saved: dict) -> None:
+    """Warn when the run folder's config.json is not the config its checkpoint recorded (an
+    edit, or overrides of a resume that had not checkpointed yet): the checkpoint's is used."""
+    try:
+        folder = json.loads((run / "config.json").read_text())
+    except (OSError, ValueError):
+        folder = {}
+    changed = sorted(k for k in set(folder) | set(saved)
+                     if not k.startswith("_") and folder.get(k) != saved.get(k))
+    if changed:
+        log.warning("%s differs from the config checkpoint %s recorded (in %s): resuming with the "
+                    "checkpoint's (pass overrides again to change it)", run / "config.json",
+                    ckpt.name, ", ".join(changed))
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -131,7 +153,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
     from posttrain.models import load_policy, load_tokenizer, resolve_model_path
-    from posttrain.rewards import Scorer
+    from posttrain.rewards.scorer import Scorer
     from posttrain.rollout import make_engine
     from posttrain.distributed import SINGLE
     from posttrain.data.source import build_task

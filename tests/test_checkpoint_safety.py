@@ -139,3 +139,63 @@ def test_kill9_and_a_truncated_newest_checkpoint_still_end_bit_identical(tmp_pat
     assert int(result["fell_back_to"][5:]) < int(result["killed_after"][5:]), result
     assert result["weights"] == 0 and result["optimizer"] == 0 and result["metrics_rows"] == 0, result
     assert result["n_weights"] > 0 and result["n_rows"] >= 6
+
+
+# ---------------------------------------------------------------------------------------------
+# resume trusts nothing it did not write
+# ---------------------------------------------------------------------------------------------
+
+def test_an_edited_run_config_is_not_what_resumes(tmp_path, tokenizer, caplog, monkeypatch):
+    """The attack: add a module to import to a finished run's config.json. The resume continues
+    with the checkpoint's own config: the module is never imported, the edit is named."""
+    import argparse
+    from posttrain.cli import _config_and_resume
+    _run(tmp_path, tokenizer, 2)
+    run = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pwn.py").write_text(f"open({str(tmp_path / 'PWNED')!r}, 'w')\ndef f(**kw): return 0.0\n")
+    config = json.loads((run / "config.json").read_text())
+    config["reward"]["functions"] = ["pwn:f"]
+    (run / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("WARNING", logger="posttrain"):
+        cfg, resume = _config_and_resume(argparse.Namespace(resume=str(run)), None, [],
+                                         load_config, lambda c: c.to_dict())
+    assert cfg.reward.functions == ("tests.toy_rewards:first_letter_a_to_e",) and resume == run
+    assert "differs from the config checkpoint step_000002 recorded (in reward)" in caplog.text
+    assert not (tmp_path / "PWNED").exists()
+
+
+@pytest.mark.parametrize("victim", ["config.json", "trainer_state.pt", "model/model.safetensors"])
+def test_a_file_changed_in_place_is_refused_and_the_resume_falls_back(tmp_path, tokenizer, victim):
+    """One byte changed, size kept (an edit, a flipped bit): the checkpoint's hash record refuses
+    it with one line naming the file, and the resume takes the previous checkpoint."""
+    _run(tmp_path, tokenizer, 2)
+    run = tmp_path / "run"
+    newest = ckpt.latest_checkpoint(run)
+    path = newest / victim
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert ckpt.is_complete(newest)                  # sizes alone cannot tell
+    assert ckpt.problem_with(newest) == f"{victim} is not the file it was written as (SHA-256 differs)"
+    point, _ = ckpt.resume_point(run)
+    assert point.name == "step_000001"
+
+
+def test_a_checkpoint_without_hashes_is_refused(tmp_path, tokenizer):
+    _run(tmp_path, tokenizer, 1)
+    newest = ckpt.latest_checkpoint(tmp_path / "run")
+    record = json.loads((newest / "COMPLETE").read_text())
+    del record["sha256"]
+    (newest / "COMPLETE").write_text(json.dumps(record))
+    with pytest.raises(ckpt.CheckpointError, match="sealed without file hashes"):
+        ckpt.resume_point(tmp_path / "run")
+    with pytest.raises(ckpt.CheckpointError, match="has a config that verifies"):
+        ckpt.checkpoint_config(tmp_path / "run")
+
+
+def test_the_minimum_torch_is_the_first_whose_weights_only_holds():
+    """weights_only=True could be bypassed before torch 2.6 (CVE-2025-32434)."""
+    import tomllib
+    deps = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    assert "torch>=2.6" in deps["project"]["dependencies"]

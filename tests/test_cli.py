@@ -50,11 +50,15 @@ def test_stage_commands_read_a_yaml_config_and_the_command_line_wins(tmp_path, m
     assert cfg.optim.beta2 == 0.999   # the stages' own default, kept under a partial optim section
     f.write_text("data:\n  synthetic: subtraction\noptim:\n  lrr: 3.0e-5\n")
     assert main(["sft", "--config", str(f)]) == 2
-    # --resume RUN: the run's own config.json, then the command line
+    # --resume RUN: the config its checkpoint recorded (hash-checked), then the command line
+    from posttrain.checkpoint import seal
     run = tmp_path / "run"
-    run.mkdir()
-    (run / "config.json").write_text(json.dumps({"data": {"synthetic": "addition"}, "optim": {"lr": 2e-5},
-                                                 "run_dir": str(run)}))
+    step = run / "checkpoints" / "step_000001"
+    step.mkdir(parents=True)
+    saved = json.dumps({"data": {"synthetic": "addition"}, "optim": {"lr": 2e-5}, "run_dir": str(run)})
+    for folder in (run, step):
+        (folder / "config.json").write_text(saved)
+    seal(step, 1)
     assert main(["sft", "--resume", str(run), "--batch_size", "2"]) == 0
     cfg = seen["cfg"]
     assert (cfg.data.synthetic, cfg.optim.lr, cfg.batch_size, seen["resume"]) == ("addition", 2e-5, 2, run)
