@@ -79,6 +79,24 @@ def test_server_serves_the_page_its_assets_and_data_only(tiny_run):
         server.shutdown()
 
 
+def test_a_request_for_another_host_is_refused(tiny_run):
+    """DNS rebinding: a page on evil.example whose name now points at 127.0.0.1 sends
+    `Host: evil.example:PORT`; the viewer refuses it, and still answers its own names."""
+    server = serve([tiny_run], port=0, background=True)
+    port = server.server_address[1]
+    try:
+        for host, code in ((f"evil.example:{port}", 403), (f"127.0.0.1:{port}", 200),
+                           (f"localhost:{port}", 200), ("localhost:1", 403), ("", 403)):
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/api/runs", headers={"Host": host})
+            try:
+                got = urllib.request.urlopen(request, timeout=10).status
+            except urllib.error.HTTPError as e:
+                got = e.code
+            assert got == code, host
+    finally:
+        server.shutdown()
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium (apt-get install chromium; .ci/run does)")
 def test_page_in_a_real_browser(tiny_run, tmp_path):
     """Loads the page, switches the per-token quantity, filters, hovers a token, compares two

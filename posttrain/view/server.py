@@ -13,13 +13,19 @@ installed package: no CDN, it works offline.
     GET /api/steps?run=I               the steps with per-token records
     GET /api/rollouts?run=I&step=S     that step's records (tokens/step_S.parquet)
     GET /api/evals?run=I               eval_samples.jsonl's rows (every held-out answer)
+
+A request whose `Host` header is not the address the viewer serves is refused (403): a page on
+another site that points a DNS name at 127.0.0.1 (DNS rebinding) would otherwise read every
+rollout through the browser of whoever runs the viewer.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import mimetypes
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -123,9 +129,31 @@ class Viewer:
         raise KeyError(route)
 
 
+def host_allowed(header: str, bound: str, port: int) -> bool:
+    """Is `header` (a request's Host) a name of the address the viewer serves? Loopback names
+    with its port; on a wildcard address (--host 0.0.0.0, on purpose) also any IP literal and
+    this machine's own names, never another DNS name."""
+    name, sep, given = header.rpartition(":") if not header.endswith("]") else (header, "", "")
+    if not sep or given != str(port):
+        return False
+    name = name.strip("[]").lower()
+    if name in ("localhost", "127.0.0.1", "::1", bound.lower()):
+        return True
+    if bound not in ("0.0.0.0", "::", ""):
+        return False
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return name in (socket.gethostname().lower(), socket.getfqdn().lower())
+
+
 def make_handler(viewer: Viewer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:   # noqa: N802 (http.server's name)
+            bound, port = self.server.server_address[:2]
+            if not host_allowed(self.headers.get("Host", ""), str(bound), port):
+                return self.send_error(403, "Host is not the address this viewer serves")
             url = urlparse(self.path)
             if url.path.startswith("/api/"):
                 query = {k: v[0] for k, v in parse_qs(url.query).items()}
