@@ -16,7 +16,8 @@ from posttrain.presets import AlgorithmConfig
 from posttrain.health import Tally, merge_tallies
 from posttrain.data.source import Sampler
 from posttrain.data.tasks import Problem
-from posttrain.rewards import Scorer, overlong_penalty
+from posttrain.rewards.scorer import Scorer
+from posttrain.rewards.verifiers import overlong_penalty
 from posttrain.envs import Environment, SingleTurn
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, episode_settings
 from posttrain.rollout.episodes import Episodes, run_episodes

@@ -13,7 +13,7 @@ from posttrain.config import TrainConfig
 from posttrain.data.tasks import Problem
 from posttrain.distributed import SINGLE, World, gather_objects
 from posttrain.envs import Environment, SingleTurn
-from posttrain.rewards import Scorer
+from posttrain.rewards.scorer import Scorer
 from posttrain.rollout import RolloutEngine, SamplingParams, episode_settings
 from posttrain.rollout.episodes import run_episodes
 

@@ -80,9 +80,10 @@ def resume_command(command: str, run_dir: Path) -> str:
 
 
 def _same_config(saved: dict[str, Any], config: dict[str, Any]) -> bool:
-    """Equal as written to config.json (tuples read back as lists), run_dir aside."""
+    """Equal as written to config.json (tuples read back as lists), run_dir aside, and the
+    records that are not config fields (`_isolation`) aside."""
     config = json.loads(json.dumps(config, default=str))
-    return ({k: v for k, v in saved.items() if k != "run_dir"}
+    return ({k: v for k, v in saved.items() if k != "run_dir" and not k.startswith("_")}
             == {k: v for k, v in config.items() if k != "run_dir"})
 
 

@@ -90,6 +90,8 @@ def build_config(cls: type, data: dict[str, Any], where: str, base: Any = None) 
     kwargs = {}
     for key, value in data.items():
         name = f"{where}.{key}" if where else key
+        if not where and key.startswith("_"):   # a record beside the fields (config.json's _isolation)
+            continue
         if key not in known:
             raise ConfigError(f"{name} is not a config field; known: {sorted(known)}"
                               f"{did_you_mean(key, known)}")

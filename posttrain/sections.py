@@ -147,10 +147,12 @@ class EnvConfig:
     max_tool_calls_per_turn: int = 4    # tool calls one reply may make; calls past a cap get an error, not run
     max_tool_calls_per_episode: int = 16   # tool calls one episode may make in all
     tool_seconds_per_episode: float = 30.0   # tool time one episode may use in all
+    tool_seconds_per_step: float = 120.0     # tool time all of a step's episodes may use in all
     tool_max_output: int = 2000         # characters of a python tool call's output kept
     # where the python tool runs the model's code (docs/safety.md): 'bwrap' (bubblewrap: own
     # namespaces, no network, no view of the trainer or the run folder), 'fallback' (own
-    # session, limits, empty environment), 'auto' (bwrap where it can start)
+    # session, limits, empty environment; as root that is the machine: asked for by name only),
+    # 'auto' (bwrap where it can start; else fallback with a warning, or an error for root)
     sandbox: Literal["auto", "bwrap", "fallback"] = "auto"
     python_memory_mb: int = 512         # address-space limit of the python tool's processes
     python_max_procs: int = 32          # processes the python tool may run at once
@@ -162,6 +164,7 @@ class EnvConfig:
             check_range(f"env.{name}", getattr(self, name), 1)
         check_range("env.tool_timeout_s", self.tool_timeout_s, 0.0, lo_open=True)
         check_range("env.tool_seconds_per_episode", self.tool_seconds_per_episode, 0.0, lo_open=True)
+        check_range("env.tool_seconds_per_step", self.tool_seconds_per_step, 0.0, lo_open=True)
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,12 @@ class RewardConfig:
     # trainer's process, where the timeout is a SIGALRM that the callee can cancel and a crash
     # ends the run (unsafe with answers a model wrote: for debugging only)
     workers: int = 2
+    # where those workers run (docs/safety.md): 'auto' / 'bwrap' / 'fallback' as env.sandbox
+    # (no network, no files but their own code, an empty environment, bounded memory and
+    # processes); 'off': with your files, network and environment, for reward functions that
+    # need them (the answers' scorers then run uncontained: say so by choosing it)
+    sandbox: Literal["auto", "bwrap", "fallback", "off"] = "auto"
+    memory_mb: int = 4096               # the reward workers' memory in all, and each one's address space
     fallback: float = 0.0               # reward given when a function raises, hangs or returns NaN
     # a verifier, reward function, tool or environment that fails on most of its calls for this
     # many steps in a row stops the run with its first failure's traceback (0: never stop)
@@ -252,6 +261,7 @@ class RewardConfig:
 
     def validate(self) -> None:
         check_range("reward.workers", self.workers, 0)
+        check_range("reward.memory_mb", self.memory_mb, 256)
         check_range("reward.max_failing_steps", self.max_failing_steps, 0)
         check_range("reward.timeout_s", self.timeout_s, 0.0, lo_open=True)
         if self.model is not None and not Path(self.model).is_dir():

@@ -32,7 +32,7 @@ from posttrain.token_records import drop_after
 from posttrain.memory import estimate as estimate_memory
 from posttrain.models import (add_lora, check_model_folder, load_policy, load_tokenizer,
                               merged_lora_copy, resolve_model_path, save_model)
-from posttrain.rewards import Scorer
+from posttrain.rewards.scorer import Scorer
 from posttrain.envs import Environment, SingleTurn, for_tokenizer, make_env
 from posttrain.rollout import HFRolloutEngine, RolloutEngine, make_engine, vllm_options
 from posttrain.run import make_adamw, make_scheduler, seed_everything
@@ -281,6 +281,25 @@ def optimizer_and_schedule(cfg: TrainConfig, model, world: World):
     return optimizer, scheduler
 
 
+def isolation(scorer: Scorer, env) -> dict[str, str]:
+    """Where the model's text is handled: the reward scorers' sandbox, and each tool that runs
+    the model's code (docs/safety.md); written to the start line, config.json and summary.json."""
+    out = {"rewards": scorer.sandbox or "trainer process (reward.workers 0)"}
+    for tool in getattr(env, "tools", ()):
+        if tool.sandbox is not None:
+            out[f"tool {tool.name}"] = tool.sandbox
+    return out
+
+
+def start_scorer(cfg: TrainConfig, verifier: str, env) -> Scorer:
+    """The reward scorer with its sandbox started, and where the model's text runs said once."""
+    scorer = Scorer(cfg.reward, verifier, cfg.data.system_prompt, cfg.model.autocast)
+    scorer.start()
+    log.info("the model's text runs in: %s",
+             ", ".join(f"{k} {v}" for k, v in isolation(scorer, env).items()))
+    return scorer
+
+
 def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher) -> Run:
     """Check the inputs (before any model loads), load the policy, pi_ref, teachers and value
     model, place and wrap them, build the engine and optimizer, and restore a checkpoint."""
@@ -294,7 +313,7 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
     if teacher is None and cfg.algo.advantage in NEEDS_TEACHER:   # so do missing teachers
         for where, path in teacher_paths(cfg.teacher):
             check_model_folder(path, where)
-    scorer = Scorer(cfg.reward, task.verifier, cfg.data.system_prompt, cfg.model.autocast)
+    scorer = start_scorer(cfg, task.verifier, env)   # so does a function its sandbox cannot import
     run_dir = Path(resume) if resume else Path(
         cfg.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     point = resume_point(run_dir) if resume else None   # the newest checkpoint that loads
@@ -328,7 +347,8 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
                          cfg.rollout.weights, **vllm_options(cfg, path, model, world))
     optimizer, scheduler = optimizer_and_schedule(cfg, model, world)
     if world.main:   # only rank 0 writes files; every rank computes and reduces the metrics
-        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
+        record = {**cfg.to_dict(), "_isolation": isolation(scorer, env)}   # (not a config field)
+        (run_dir / "config.json").write_text(json.dumps(record, indent=2, default=str))
     logger = (MetricsLogger(run_dir, cfg.tensorboard, ckpt is not None, cfg.report_to, cfg.to_dict())
               if world.main else NullLogger())
     log.info("run folder %s; algorithm %s", run_dir, algo)

@@ -52,7 +52,8 @@ from posttrain.update_terms import frozen_inputs
 from posttrain.collect import generate_and_score
 from posttrain.token_records import TokenTrace, step_rows, traced_rows, write_step
 from posttrain.step_metrics import critic_metrics, per_domain, read_floats, rollout_metrics
-from posttrain.train_run import Run, check_health, checkpoint, finish, run_eval, setup, stopped
+from posttrain.train_run import (Run, check_health, checkpoint, finish, isolation, run_eval, setup,
+                                 stopped)
 
 log = logging.getLogger("posttrain")
 
@@ -86,7 +87,8 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
     run = setup(cfg, resume, model, tokenizer, teacher)
     world = run.world
     summary: dict[str, Any] = {"run_dir": str(run.run_dir), "preset": cfg.preset,
-                               "setup_s": time.perf_counter() - t_setup}
+                               "setup_s": time.perf_counter() - t_setup,
+                               "isolation": isolation(run.scorer, run.env)}
     if run.eval_problems and not run.resumed:
         summary["eval_before"] = run_eval(run, 0, "before")
     bar = tqdm(total=cfg.steps, initial=run.start_step, desc="train", dynamic_ncols=True,

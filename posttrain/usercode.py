@@ -17,12 +17,14 @@ class RewardTimeout(Exception):
     pass
 
 
-def load_function(spec: str) -> Callable[..., Any]:
-    """'package.module:function' -> the function; errors name the part that is wrong."""
+def load_function(spec: str, add_cwd: bool = True) -> Callable[..., Any]:
+    """'package.module:function' -> the function; errors name the part that is wrong.
+    `add_cwd`: 'mymod:fn' may name mymod.py in the working directory (as TRL's do); the reward
+    sandbox passes False (its working directory holds nothing of the user's)."""
     if ":" not in spec:
         raise ValueError(f"reward function {spec!r} must look like 'module:function'")
     module_name, _, attr = spec.partition(":")
-    if os.getcwd() not in sys.path:   # 'mymod:fn' with mymod.py in the working directory (as TRL)
+    if add_cwd and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)

@@ -30,19 +30,23 @@ def returns_huge(prompt: str, completion: str, answer: str):
 
 
 class SideEffect:
-    """A return value whose conversion to float writes a file naming the process it ran in."""
+    """A return value whose conversion to float tries to write a file and gives the pid of the
+    process it ran in (the trainer's, were it converted there)."""
 
     def __init__(self, path):
         self.path = path
 
     def __float__(self):
-        with open(self.path, "w") as f:
-            f.write(str(os.getpid()))
-        return 1.0
+        try:
+            with open(self.path, "w") as f:
+                f.write(str(os.getpid()))
+        except OSError:
+            pass
+        return float(os.getpid())
 
 
 def returns_side_effect(prompt: str, completion: str, answer: str):
-    """(The completion names the file: the workers' environment is the fork server's.)"""
+    """(The completion names the file.)"""
     return SideEffect(completion)
 
 
@@ -78,3 +82,30 @@ def forks_then_hangs(prompt: str, completion: str, answer: str) -> float:
             os._exit(0)
     while True:
         time.sleep(1)
+
+
+def gym_unguarded(prompt: str, completion: str, answer: str, reasoning_gym: str, entry: dict) -> float:
+    """reasoning-gym's own scorer on the answer with posttrain's literal gate left out: what a
+    user's reward function that calls `score_answer` itself does. Only the sandbox stands between
+    an answer that `parse_expr` or `eval` runs and the machine."""
+    import reasoning_gym as rg
+    scorer = rg.create_dataset(reasoning_gym_name(reasoning_gym, entry), seed=0, size=1)
+    return float(scorer.score_answer(answer=completion, entry=entry))
+
+
+def reasoning_gym_name(name: str, entry: dict) -> str:
+    return entry.get("metadata", {}).get("source_dataset", name) if name == "composite" else name
+
+
+def hogs_memory_in_processes(prompt: str, completion: str, answer: str) -> float:
+    """'hog': six processes of 300 MB each (touched, so resident), each under the per-process
+    limit, then a long sleep; anything else: 1."""
+    if completion != "hog":
+        return 1.0
+    for _ in range(5):
+        if os.fork() == 0:
+            break
+    block = bytearray(300 << 20)
+    block[::4096] = b"x" * len(range(0, 300 << 20, 4096))
+    time.sleep(30)
+    return 0.0

@@ -18,19 +18,20 @@ PACKAGE = ROOT / "posttrain"
 # The pipeline, lowest layer first. A module may import from its own layer and the ones below,
 # never from a layer above (and never in a cycle, even within a layer).
 LAYERS = [
-    ["registry", "perf", "data.tasks", "recipes", "errors", "checks", "envs.sandbox", "health",
-     "usercode", "provenance", "trackers"],                                       # plain Python
+    ["registry", "perf", "data.tasks", "recipes", "errors", "checks", "health",
+     "usercode", "provenance", "trackers",
+     "sandbox", "sandbox.seccomp", "sandbox.procs", "sandbox.launch", "sandbox.run"],  # plain Python
     ["losses", "losses.common", "losses.policy", "losses.correction", "losses.aggregation",
      "losses.kl", "losses.value", "losses.distill", "losses.preference",
      "advantages", "data", "data.files", "data.preferences", "data.gym", "rollout.base",
      "envs.base"],                                                           # math, data
     ["presets", "sections", "config", "options"],                            # typed configs
     ["data.source", "prompts", "models", "distributed", "memory", "logging", "checkpoint",
-     "rewards.pool", "rewards.verifiers", "run", "lifecycle", "view", "view.server",
+     "rewards.host", "rewards.pool", "rewards.verifiers", "run", "lifecycle", "view", "view.server",
      "envs.tools", "envs.builtin", "envs"],                                 # machinery
     ["rollout", "rollout.hf", "rollout.vllm", "rollout.episodes", "forward",
      "batch", "step_metrics", "token_records"],                              # sampling, forward
-    ["rewards", "rewards.model", "teachers", "critic", "evaluation", "collect"],  # scores, teachers
+    ["rewards", "rewards.scorer", "rewards.model", "teachers", "critic", "evaluation", "collect"],  # scores, teachers
     ["update_terms", "update"],                                              # the policy update
     ["stages", "stages.common", "train_run"],                                # one run's lifecycle
     ["trainer", "stages.sft", "stages.preference", "stages.generate",        # the loops

@@ -6,6 +6,9 @@ process, files and other processes untouched, the call answered within its deadl
 
 import json
 import os
+import socket
+import subprocess
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -19,11 +22,14 @@ from posttrain.data.tasks import Problem
 from posttrain.errors import FailingSourceError
 from posttrain.health import FailureWatch, Tally
 from posttrain.rewards import Scorer
-from posttrain.rewards.pool import process_groups
+from posttrain.rewards.pool import Outcome
+from posttrain.sandbox.procs import processes
 from posttrain.rollout import make_engine
 from tests.conftest import make_tiny_model
 
-EVAL_TASKS = ["spiral_matrix", "string_insertion", "binary_matrix", "n_queens"]
+EVAL_TASKS = ["spiral_matrix", "string_insertion", "binary_matrix", "n_queens"]     # Python's eval
+SYMPY_TASKS = ["puzzle24", "countdown", "polynomial_multiplication", "simple_integration",
+               "intermediate_integration"]                                       # sympy's parse_expr
 
 
 def hostile_answers(marker: Path) -> list[str]:
@@ -39,7 +45,7 @@ def hostile_answers(marker: Path) -> list[str]:
 def sleepers() -> list[int]:
     """Processes left by tests.hostile_rewards:forks_and_leaves (`sleep 61.5`)."""
     found = []
-    for pid in process_groups():
+    for pid in processes():
         try:
             if b"61.5" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 found.append(pid)
@@ -52,10 +58,11 @@ def sleepers() -> list[int]:
 def gym():
     pytest.importorskip("reasoning_gym")
     from posttrain.data.gym import reasoning_gym_task
-    return {name: reasoning_gym_task(name, {}, 2, 7, 4).eval_problems[0] for name in EVAL_TASKS}
+    return {name: reasoning_gym_task(name, {}, 2, 7, 4).eval_problems[0]
+            for name in EVAL_TASKS + SYMPY_TASKS}
 
 
-@pytest.mark.parametrize("name", EVAL_TASKS)
+@pytest.mark.parametrize("name", EVAL_TASKS + SYMPY_TASKS)
 def test_eval_answers_to_reasoning_gym_scorers_run_nothing(gym, name, tmp_path):
     marker = tmp_path / "PWNED"
     answers = hostile_answers(marker)
@@ -68,6 +75,25 @@ def test_eval_answers_to_reasoning_gym_scorers_run_nothing(gym, name, tmp_path):
     assert time.perf_counter() - t0 < 20           # 9**9**9**9 never reached eval
     # the true answer still scores: the literal-only check refuses code, not answers
     assert Scorer(RewardConfig(), "reasoning_gym")([gym[name]], [gym[name].answer]).correct_B.item()
+
+
+def test_the_nine_evaluating_tasks_are_exactly_the_gated_ones():
+    """Read from reasoning-gym's source: every task whose scorer reaches eval or parse_expr is
+    gated, and the gate is chosen by the task an entry came from (a composite's too)."""
+    from posttrain.data.gym import EVAL_SCORERS, SYMPY_SCORERS, gate, safe_for_eval, safe_for_sympy
+    assert EVAL_SCORERS == set(EVAL_TASKS) and SYMPY_SCORERS == set(SYMPY_TASKS)
+    assert gate("composite", {"metadata": {"source_dataset": "countdown"}}) is safe_for_sympy
+    assert gate("composite", {"metadata": {"source_dataset": "n_queens"}}) is safe_for_eval
+    assert gate("leg_counting", {}) is None
+
+
+def test_the_arithmetic_check_passes_answers_and_refuses_code():
+    from posttrain.data.gym import safe_for_sympy
+    assert all(map(safe_for_sympy, ["10*(8 - 5) - 6", "-896*x**3 + 2240*x**2 + 3584*x",
+                                    "-4*(-2*x - 8)**(3/2)/3 + C", "-2*x**3*cos(x) + 12*sin(x) + C"]))
+    assert not any(map(safe_for_sympy, ["__import__('os').system('x')", "9**9**9**9", "x^2", "3!",
+                                        "((9**16)**16)**16", "x**(10**9)", "exp(x).__class__",
+                                        "sin(x, evaluate=False)", "[0]*10**9", "a_b", "lambda: 1"]))
 
 
 def test_literal_check_passes_literals_and_refuses_code():
@@ -117,8 +143,9 @@ def test_a_hostile_reward_function_is_contained_and_the_pool_goes_on(spec, tmp_p
     assert all(o.status == "ok" for o in outcomes[1::2]) and os.getpid() not in pids
     if spec.endswith("raises_unpicklable"):   # the traceback crossed as text
         assert "Unpicklable" in outcomes[0].error
-    if spec.endswith("side_effect"):          # __float__ ran in a worker, never in the trainer
-        assert int((tmp_path / "float_ran_in").read_text()) != os.getpid()
+    if spec.endswith("side_effect"):          # __float__ ran in a worker, never in the trainer,
+        assert outcomes[0].value != os.getpid()   # and its file write never left the sandbox
+        assert not (tmp_path / "float_ran_in").exists()
     if "forks" in spec:                       # the call's leftover child was killed
         assert scorer.pool.leftovers_killed >= 1
     again = scorer([Problem("q", "1")], [str(tmp_path / "again")])   # the pool still answers
@@ -128,18 +155,176 @@ def test_a_hostile_reward_function_is_contained_and_the_pool_goes_on(spec, tmp_p
     assert not sleepers()
 
 
-def test_a_broken_pool_is_rebuilt_and_a_missed_deadline_returns():
-    from pebble.pool.base_pool import PoolStatus
+def test_a_missed_deadline_returns_and_the_host_rebuilds_its_pool():
     scorer = Scorer(RewardConfig(verifier="none", timeout_s=30.0, workers=1,
                                  functions=("tests.hostile_rewards:never_returns",)))
     scorer.pool.deadline = lambda n: 1.0          # the batch's deadline, far below the call's timeout
     t0 = time.perf_counter()
     assert scorer([Problem("q", "1")], ["a"]).failures == {"timeout": 1}
     assert time.perf_counter() - t0 < 6 and scorer.pool.rebuilds == 1
-    scorer.pool._started()._context.status = PoolStatus.ERROR   # as pebble marks a broken pool
-    scorer.pool.deadline = lambda n: 1.0
-    assert scorer([Problem("q", "1")], ["a"]).failures == {"timeout": 1}
-    assert scorer.pool.rebuilds >= 2
+    scorer.close()
+
+
+def test_a_broken_worker_pool_is_rebuilt():
+    """Inside the host: a pool that pebble marks broken is stopped and a new one answers."""
+    from pebble.pool.base_pool import PoolStatus
+    from posttrain.rewards.host import WorkerPool
+    pool = WorkerPool(("tests.toy_rewards:always_one",), 1, 5.0)
+    call = ("function", "tests.toy_rewards:always_one", {"prompt": "", "completion": "", "answer": ""})
+    assert pool.map([call], 10.0) == [(1.0, "ok", None)]
+    pool._started()._context.status = PoolStatus.ERROR   # as pebble marks a broken pool
+    assert pool.map([call], 10.0) == [(1.0, "ok", None)] and pool.rebuilds == 1
+    pool.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# the sandbox alone: answers that sympy's parse_expr runs, with posttrain's gate left out
+# ---------------------------------------------------------------------------------------------
+
+SECRET = "hunter2-reward-secret"
+
+
+def payloads(marker: Path, port: int, pid: int) -> dict[str, str]:
+    """What an answer can make parse_expr (it evaluates Python, builtins included) do."""
+    return {
+        "writes a file": f"__import__('pathlib').Path('{marker}').write_text('x')",
+        # (SystemExit passes the scorers' own `except Exception`: its text comes back as the error)
+        "reads the environment": (f"__import__('sys').exit(open('/proc/{pid}/environ').read()[:100] + "
+                                  "__import__('os').environ.get('POSTTRAIN_TEST_SECRET', 'no'))"),
+        # (the port as a string: parse_expr turns number literals, and int(), into sympy objects)
+        "opens a socket": (f"__import__('socket').create_connection(('127.0.0.1', "
+                           f"__import__('builtins').int('{port}')))"),
+        "allocates 8 GB": "len(bytearray(8 * 2**30))",
+        "forks and hangs": ("[__import__('os').fork() and 0, __import__('os').execvp('sleep', "
+                            "['sleep', '61.5'])][0] if __import__('os').fork() == 0 else "
+                            "__import__('time').sleep(60)"),
+        "kills its parent": "__import__('os').kill(__import__('os').getppid(), 9)",
+    }
+
+
+@pytest.fixture(scope="module")
+def unguarded(gym):
+    """A scorer whose reward function calls reasoning-gym's scorer itself (no gate), started
+    while the trainer's environment holds a secret; and a loopback server counting connections."""
+    os.environ["POSTTRAIN_TEST_SECRET"] = SECRET
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(0.2)
+    scorer = Scorer(RewardConfig(verifier="none", timeout_s=1.0, workers=2, max_failing_steps=0,
+                                 functions=("tests.hostile_rewards:gym_unguarded",)))
+    scorer.start()
+    del os.environ["POSTTRAIN_TEST_SECRET"]
+    yield scorer, server
+    scorer.close()
+    server.close()
+
+
+def _connections(server) -> int:
+    n = 0
+    while True:
+        try:
+            server.accept()[0].close()
+            n += 1
+        except OSError:
+            return n
+
+
+@pytest.mark.parametrize("payload", ["writes a file", "reads the environment", "opens a socket",
+                                     "allocates 8 GB", "forks and hangs", "kills its parent"])
+@pytest.mark.parametrize("task", SYMPY_TASKS)
+def test_the_sandbox_contains_what_parse_expr_runs(unguarded, gym, task, payload, tmp_path):
+    """With the gate left out, each answer runs inside the sandbox: nothing written, nothing
+    read, no connection, the 8 GB refused, the fork and hang killed, the trainer alive, the call
+    counted as failed, and the next batch answered."""
+    scorer, server = unguarded
+    marker = tmp_path / "PWNED"
+    answer = payloads(marker, server.getsockname()[1], os.getpid())[payload]
+    t0 = time.perf_counter()
+    outcome = scorer.pool.map(scorer._calls([gym[task]], [answer])[0])[0]
+    assert time.perf_counter() - t0 < 15
+    assert outcome.value != 1.0                        # (the scorer's own 0.01 for a wrong answer)
+    assert not marker.exists() and _connections(server) == 0
+    assert SECRET not in (outcome.error or "")
+    if payload == "forks and hangs":                   # killed at reward.timeout_s, counted
+        assert outcome.status == "timeout"
+    time.sleep(0.2)
+    assert not sleepers()
+    # the trainer is alive (this line runs) and the sandbox answers the next batch
+    again = scorer.pool.map(scorer._calls([gym[task]], [gym[task].answer])[0])[0]
+    assert again.status == "ok" and again.value == 1.0
+
+
+def test_the_payloads_do_what_they_say_outside_the_sandbox(gym, tmp_path, monkeypatch):
+    """Not vacuous: scored with reward.sandbox off, the same answers write the file, name the
+    secret and connect (so the sandboxed runs above would show each if it got out)."""
+    monkeypatch.setenv("POSTTRAIN_TEST_SECRET", SECRET)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(0.5)
+    marker = tmp_path / "PWNED"
+    scorer = Scorer(RewardConfig(verifier="none", timeout_s=2.0, workers=1, sandbox="off",
+                                 functions=("tests.hostile_rewards:gym_unguarded",)))
+    live = payloads(marker, server.getsockname()[1], os.getpid())
+    answers = [live[k] for k in ("writes a file", "reads the environment", "opens a socket")]
+    outcomes = scorer.pool.map(scorer._calls([gym["countdown"]] * 3, answers)[0])
+    scorer.close()
+    assert marker.exists() and SECRET in outcomes[1].error, outcomes
+    assert _connections(server) == 1, outcomes
+    server.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer's side: it never trusts what comes out of the sandbox
+# ---------------------------------------------------------------------------------------------
+
+FAKE_HOSTS = {   # what a host taken over by an answer could send back after its ready line
+    "infinite reward": "print('{\"outcomes\": [[1e999, \"ok\", null]], \"rebuilds\": 0, \"leftovers_killed\": 0}')",
+    "a pickle": "sys.stdout.write(__import__('pickle').dumps(print).hex() + chr(10))",
+    "endless": "sys.stdout.write('[' * 10**7)",
+    "nothing": "time.sleep(60)",
+    "too many rows": ("print(json.dumps({'outcomes': [[1.0, 'ok', None]] * 5, 'rebuilds': 0, "
+                      "'leftovers_killed': 0}))"),
+    "nested": "print('[' * 100000 + ']' * 100000)",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FAKE_HOSTS))
+def test_a_host_that_answers_garbage_is_killed_and_replaced(kind, monkeypatch):
+    import posttrain.rewards.pool as pool_module
+    fake = ("import json, sys, time; print(json.dumps({'ready': True})); sys.stdout.flush(); "
+            "sys.stdin.buffer.read(8); " + FAKE_HOSTS[kind] + "; sys.stdout.flush(); time.sleep(60)")
+    pool = pool_module.RewardPool(("tests.toy_rewards:always_one",), 1, 1.0, "off")
+    pool.deadline = lambda n: 0.5
+    monkeypatch.setattr(pool_module, "BACKSTOP_S", 1.0)
+    real_spawn = pool._spawn
+    monkeypatch.setattr(pool, "_spawn", lambda: pool_module.spawn(
+        [sys.executable, "-c", fake], "off", pool.limits, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL))
+    call = ("function", "tests.toy_rewards:always_one", {"prompt": "", "completion": "", "answer": ""})
+    t0 = time.perf_counter()
+    out = pool.map([call])
+    host = pool._host
+    assert time.perf_counter() - t0 < 5 and host is None and pool.rebuilds == 1
+    assert out[0].value is None and out[0].status in ("crash", "timeout")
+    monkeypatch.setattr(pool, "_spawn", real_spawn)   # a real host answers the next batch
+    assert pool.map([call])[0] == Outcome(1.0, "ok")
+    pool.close()
+
+
+def test_the_sandbox_memory_in_all_is_bounded(tmp_path):
+    """Six processes of 300 MB each stay under the per-process limit; together they pass
+    reward.memory_mb: the sandbox is killed, the batch counted as crashed, the next one fine."""
+    scorer = Scorer(RewardConfig(verifier="none", timeout_s=20.0, workers=1, memory_mb=1024,
+                                 functions=("tests.hostile_rewards:hogs_memory_in_processes",)))
+    t0 = time.perf_counter()
+    result = scorer([Problem("q", "1")] * 2, ["hog", "x"])
+    assert time.perf_counter() - t0 < 15
+    assert result.failures == {"crash": 2} and scorer.pool.rebuilds == 1
+    assert "more than 1024 MB in all" in scorer.tallies[
+        "reward function 'tests.hostile_rewards:hogs_memory_in_processes'"].first_error
+    assert scorer([Problem("q", "1")], ["x"]).rewards_B.tolist() == [1.0]
     scorer.close()
 
 
@@ -270,3 +455,145 @@ def test_a_broken_tool_stops_the_run_and_bad_arguments_do_not(tmp_path, tokenize
         rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
         assert all(r["env/tool_failures"] == r["env/tool_calls"] > 0 and r["env/tools_broken"] == 0.0
                    for r in rows if "env/tool_failures" in r)
+
+
+# ---------------------------------------------------------------------------------------------
+# tool calls the model wrote wrong: its errors, never a broken environment
+# ---------------------------------------------------------------------------------------------
+
+MALFORMED_CALLS = {
+    "name is a list": '<tool_call>{"name": ["calculator"], "arguments": {}}</tool_call>',
+    "name is a number": '<tool_call>{"name": 7, "arguments": {}}</tool_call>',
+    "call is a list": '<tool_call>["calculator", {"expression": "1+1"}]</tool_call>',
+    "arguments are a list": '<tool_call>{"name": "calculator", "arguments": [1, 2]}</tool_call>',
+    "arguments are bad JSON text": '<tool_call>{"name": "calculator", "arguments": "{x"}</tool_call>',
+    "nested 100,000 deep": '<tool_call>{"name": "calculator", "arguments": ' + "[" * 100_000 + "</tool_call>",
+    "a huge number": '<tool_call>{"name": "calculator", "arguments": {"expression": ' + "9" * 5000 + "}}</tool_call>",
+    "a number past 2**63": '<tool_call>{"name": "calculator", "arguments": {"expression": 1e400}}</tool_call>',
+    "unknown tool": '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+    "no closing tag": '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}',
+    "an argument of the wrong type": '<tool_call>{"name": "calculator", "arguments": {"expression": 5}}</tool_call>',
+    "unknown argument": '<tool_call>{"name": "calculator", "arguments": {"x": "1"}}</tool_call>',
+    "tag format, deep JSON": "<calculator>" + "{" * 50_000 + "</calculator>",
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_CALLS))
+def test_a_malformed_tool_call_is_the_models_error(case):
+    from posttrain.envs.builtin import ToolEnv
+    from posttrain.envs.tools import make_tools
+    fmt = "tag" if case.startswith("tag") else "json"
+    env = ToolEnv(tuple(make_tools(("calculator",))), format=fmt)
+    reply = env.step(env.reset(None), MALFORMED_CALLS[case], 1)        # (never raises)
+    assert reply.message["content"].startswith("error") and reply.counts["tools_broken"] == 0
+    assert reply.counts["malformed_calls"] + reply.counts["tool_failures"] >= 1
+
+
+def test_a_policy_writing_malformed_calls_cannot_stop_the_run(tmp_path, tokenizer, monkeypatch):
+    """Four steps of nothing but malformed calls (the failure watch stops a run after 3 steps
+    of a broken environment): the run finishes, every call counted as the model's error."""
+    import posttrain.train_run as train_run
+    model = make_tiny_model(tokenizer)
+    texts = [MALFORMED_CALLS[k] for k in ("name is a list", "call is a list", "a number past 2**63",
+                                          "arguments are a list")]
+    monkeypatch.setattr(train_run, "make_engine", lambda *a, **k: HostileWriter(model, tokenizer, texts))
+    cfg = load_config(None, [*TINY, "--run_dir", str(tmp_path / "run"), "--steps", "4",
+                             "--env.tools", "calculator", "--env.tool_format", "json",
+                             "--env.max_turns", "2", "--env.max_tokens", "96"])
+    assert train(cfg, model=model, tokenizer=tokenizer, show_progress=False)["steps"] == 4
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    steps = [r for r in rows if "env/malformed_calls" in r]
+    assert len(steps) == 4 and all(r["env/malformed_calls"] > 0 and r["env/tools_broken"] == 0
+                                   for r in steps)
+
+
+def test_tool_time_is_capped_per_step_across_episodes():
+    """Each episode stays within its own 30 s, but the batch's episodes together get 0.5 s: the
+    later ones are answered that the step's tool time is used up (and start_batch restarts it)."""
+    from posttrain.envs.builtin import ToolEnv
+    from posttrain.envs.tools import Tool
+    nap = Tool("nap", "sleeps", {"type": "object", "properties": {"s": {"type": "string"}}},
+               lambda s: time.sleep(float(s)) or "woke")
+    env = ToolEnv((nap,), format="tag", timeout_s=5.0, seconds_per_episode=30.0, seconds_per_batch=0.5)
+    env.start_batch()
+    replies = [env.step(env.reset(None), "<nap>0.2</nap>", 1) for _ in range(4)]
+    texts = [r.message["content"] for r in replies]
+    assert texts[:2] == ["woke", "woke"] and "step's 0.5 s of tool time are used up" in texts[3]
+    env.start_batch()
+    assert env.step(env.reset(None), "<nap>0.1</nap>", 1).message["content"] == "woke"
+
+
+# ---------------------------------------------------------------------------------------------
+# no backtracking on model text in the trainer's process
+# ---------------------------------------------------------------------------------------------
+
+N = 100_000
+ADVERSARIAL = {   # 100,000 characters each
+    "number, spaces, letter": "1" + " " * (N - 2) + "x",      # 10 s at 2,000 with the old format regex
+    "boxed number, spaces": "\\boxed{1" + " " * (N - 10) + "}x",
+    "digits": "1" * N, "digits and commas": "1," * (N // 2), "spaces and dots": " ." * (N // 2),
+    "open tool calls": "<tool_call>" * (N // 11), "open tags": "<calculator>" * (N // 12),
+    "braces": "{" * N, "brackets": "[" * N, "newlines": "\n" * N, "unicode": "é " * (N // 2),
+    "minus signs": "-" * N,
+}
+
+
+def _trainer_side_parsers(tokenizer):
+    """Every function of the trainer's own process that reads a whole answer the model wrote."""
+    from posttrain.envs.builtin import GuessNumber, ToolEnv
+    from posttrain.envs.tools import make_tools, parse_calls
+    from posttrain.rewards.verifiers import is_bare_answer
+    tools = {t.name: t for t in make_tools(("calculator",))}
+    json_env = ToolEnv(tuple(tools.values()), format="json")
+    tag_env = ToolEnv(tuple(tools.values()), format="tag")
+    return {
+        "format reward (is_bare_answer)": is_bare_answer,
+        "tool calls, json": lambda t: parse_calls(t, tools, "json"),
+        "tool calls, tag": lambda t: parse_calls(t, tools, "tag"),
+        "tool environment turn, json": lambda t: json_env.step(json_env.reset(None), t, 1),
+        "tool environment turn, tag": lambda t: tag_env.step(tag_env.reset(None), t, 1),
+        "guess-number turn": lambda t: GuessNumber().step(5, t, 1),
+        "tokenizer (reward model, environment replies)": lambda t: tokenizer(t)["input_ids"],
+    }   # (stop strings are looked for in the last few tokens only: rollout/hf.py stop_window)
+
+
+def test_every_trainer_side_parser_reads_100k_adversarial_characters_in_under_a_second(tokenizer):
+    slow = {}
+    for pname, parse in _trainer_side_parsers(tokenizer).items():
+        for aname, text in ADVERSARIAL.items():
+            assert len(text) >= N - 12
+            t0 = time.perf_counter()
+            parse(text)
+            if (took := time.perf_counter() - t0) > 1.0:
+                slow[f"{pname} on {aname}"] = round(took, 2)
+    assert not slow, slow
+
+
+def test_the_format_check_is_the_pattern_it_replaced():
+    """is_bare_answer without the backtracking regex says what the regex said, on every string
+    of up to 5 pieces of the alphabet that matters (111,110 strings)."""
+    import itertools
+    import re
+    from posttrain.rewards.verifiers import is_bare_answer
+    old = re.compile(r"^\s*(\\boxed\{)?\s*-?[\d,]+(\.\d+)?\s*\}?\s*\.?\s*$")
+    alphabet = ["1", "2", ",", ".", "-", " ", "}", "\\boxed{", "x", "\n"]
+    for k in range(1, 6):
+        for parts in itertools.product(alphabet, repeat=k):
+            text = "".join(parts)
+            assert is_bare_answer(text) == bool(old.match(text)), text
+
+
+def test_a_reused_pid_is_never_taken_for_a_worker():
+    """reap kills what is left in a worker's process group; a group whose leader pid now names a
+    process started later (the kernel reused the pid) is somebody else's and is left alone."""
+    from posttrain.sandbox.procs import reap_groups, start_time
+    other = subprocess.Popen(["sleep", "61.3"], start_new_session=True)   # leads its own group
+    try:
+        time.sleep(0.1)
+        killed, forget = reap_groups({other.pid: start_time(other.pid) - 1}, leaders_too=True)
+        assert killed == 0 and forget == {other.pid} and other.poll() is None
+        killed, forget = reap_groups({other.pid: start_time(other.pid)}, leaders_too=True)
+        assert killed == 1 and other.wait(timeout=5) == -9
+    finally:
+        other.kill()
+        other.wait()

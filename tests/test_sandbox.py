@@ -11,6 +11,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from posttrain.envs.builtin import ToolEnv
-from posttrain.envs.sandbox import Limits, bwrap_works, run_python_code, sandbox_mode
+from posttrain.sandbox.launch import Limits, bwrap_works
+from posttrain.sandbox.run import run_python_code
 from posttrain.envs.tools import make_tools, run_python
 
 SECRET = "hunter2-posttrain-secret"
@@ -70,12 +73,53 @@ def rss_kb() -> int:
 
 # --- what bwrap contains -------------------------------------------------------------------------
 
-def test_the_trainers_environment_is_out_of_reach(bwrap, secret_env):
-    pid = os.getpid()
-    out = tool(f"import os\nfor p in ('/proc/{pid}/environ', '/proc/self/environ', '/proc/1/environ'):\n"
-               f"    try: print(open(p).read())\n    except OSError as e: print(type(e).__name__)\n"
-               f"print(os.environ)", bwrap)
-    assert SECRET not in out and "FileNotFoundError" in out
+TRAINER = """
+import os, subprocess, sys
+code = sys.argv[1].replace("TRAINER_PID", str(os.getpid()))
+if sys.argv[2] == "unsandboxed":   # the control: a plain child of the trainer
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
+else:
+    from posttrain.envs.tools import run_python
+    out = run_python(code, mode=sys.argv[2], timeout_s=5.0)
+print("OUT:" + out)
+print("TRAINER ALIVE")
+"""
+
+
+def as_trainer(code: str, mode: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `code` through the python tool from a separate trainer process (started with `env`,
+    so its /proc/PID/environ holds it from its first instruction; TRAINER_PID in the code is its
+    pid), so that a program that signals its parent cannot take the test runner with it."""
+    return subprocess.run([sys.executable, "-c", TRAINER, code, mode], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **(env or {})},
+                          cwd=str(Path(__file__).resolve().parent.parent))
+
+
+READ_ENVIRON = ("import os\nfor p in ('/proc/TRAINER_PID/environ', '/proc/%d/environ' % os.getppid(), "
+                "'/proc/self/environ'):\n"
+                "    try: print(open(p).read())\n    except OSError as e: print(type(e).__name__)\n"
+                "print(os.environ)")
+
+
+def test_the_trainers_environment_is_out_of_reach(bwrap):
+    """A secret in the trainer's environment from its start: the program reads the trainer's
+    environ by pid, its parent's, its own and os.environ, and finds none of it. The same program
+    run as a plain child of the trainer does (the check is live)."""
+    res = as_trainer(READ_ENVIRON, "bwrap", {"POSTTRAIN_TEST_SECRET": SECRET})
+    assert res.returncode == 0 and "TRAINER ALIVE" in res.stdout, res.stderr
+    assert SECRET not in res.stdout and "FileNotFoundError" in res.stdout
+    control = as_trainer(READ_ENVIRON, "unsandboxed", {"POSTTRAIN_TEST_SECRET": SECRET})
+    assert control.stdout.count(SECRET) >= 3
+
+
+def test_a_program_that_kills_its_parent_leaves_the_trainer_alive(bwrap):
+    res = as_trainer("import os, signal\nfor pid in (os.getppid(), TRAINER_PID, -1):\n"
+                     "    try: os.kill(pid, signal.SIGKILL); print('sent to', pid)\n"
+                     "    except OSError as e: print(type(e).__name__)", "bwrap")
+    assert res.returncode == 0 and "TRAINER ALIVE" in res.stdout, res.stderr
+    # its parent is bubblewrap's own (refused), the trainer's pid is not in its namespace
+    assert res.stdout.split("OUT:")[1].split()[:3] == ["PermissionError", "ProcessLookupError",
+                                                        "ProcessLookupError"], res.stdout
 
 
 def test_the_run_folder_home_and_etc_are_invisible(bwrap, run_folder):
@@ -124,6 +168,17 @@ def _accept(server):
         return None
 
 
+def test_forks_stop_at_the_process_limit(bwrap):
+    """The program counts the processes it manages to start (each sleeps): the count stops at
+    python_max_procs, far below the 60 it tries."""
+    code = ("import os, time\nn = 0\nfor i in range(60):\n    try: pid = os.fork()\n"
+            "    except OSError: break\n    if pid == 0:\n        time.sleep(5)\n        os._exit(0)\n"
+            "    n += 1\nprint('forked', n)")
+    out = tool(code, bwrap, max_procs=12)
+    forked = int(out.split("forked")[1].split()[0])
+    assert 0 < forked < 12, out
+
+
 def test_a_fork_bomb_is_bounded_and_leaves_nothing(bwrap):
     t0 = time.monotonic()
     # every forked copy carries the code, marker included, on its command line (python -c CODE)
@@ -156,10 +211,35 @@ def test_signals_to_the_trainer_reach_nothing(bwrap):
                            "ProcessLookupError"], out
 
 
-def test_the_sandbox_tmp_is_bounded(bwrap):
-    out = tool("f = open('/tmp/fill', 'wb')\nfor i in range(1024): f.write(b'x' * (1 << 20))",
+@pytest.mark.parametrize("where", ["/tmp", "/dev/shm"])
+def test_the_sandbox_tmp_and_shm_are_bounded(bwrap, where):
+    """Many small files (each far below the 16 MB file limit) fill the tmpfs: 'No space left'."""
+    out = tool(f"for i in range(4096): open('{where}/f%d' % i, 'wb').write(b'x' * (1 << 16))",
                bwrap, tmp_mb=8)
-    assert "No space left" in out or "File too large" in out
+    assert "No space left" in out, out
+
+
+def test_dev_is_read_only_and_new_namespaces_are_refused(bwrap):
+    """No file can be made in /dev; unshare(CLONE_NEWUSER) and mount are refused by the seccomp
+    filter (EPERM); the program still forks and starts threads."""
+    out = tool("import ctypes, os, threading\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+               "try: open('/dev/x', 'w'); print('made /dev/x')\nexcept OSError as e: print(type(e).__name__)\n"
+               "print('unshare', libc.unshare(0x10000000), ctypes.get_errno())\n"
+               "print('mount', libc.mount(b'none', b'/tmp', b'tmpfs', 0, None), ctypes.get_errno())\n"
+               "t = threading.Thread(target=print, args=('thread',)); t.start(); t.join()\n"
+               "pid = os.fork()\nif pid == 0: os._exit(7)\nprint('child', os.waitpid(pid, 0)[1] >> 8)", bwrap)
+    assert "made /dev/x" not in out and "unshare -1 1" in out and "mount -1 1" in out, out
+    assert "thread" in out and "child 7" in out
+
+
+def test_only_the_interpreter_and_its_library_of_the_prefix_are_there(bwrap):
+    """Python's prefix minus lib/ and the interpreter (a conda env's conda-meta and etc/ hold its
+    settings): nothing else of it is in the sandbox."""
+    import sys as host_sys
+    prefix = os.path.realpath(host_sys.base_prefix)
+    others = sorted(p.name for p in Path(prefix).iterdir() if p.name not in ("lib", "bin"))
+    out = tool(f"import os\nprint(sorted(os.listdir({prefix!r})))", bwrap)
+    assert ast.literal_eval(out.strip().splitlines()[-1]) in (["bin", "lib"], ["lib"]), (out, others)
 
 
 # --- what both modes do --------------------------------------------------------------------------
@@ -213,13 +293,60 @@ def test_the_whole_process_group_dies_with_the_call(mode):
     assert not sleeping("61.8")
 
 
-def test_auto_picks_bwrap_where_it_works_and_bwrap_demanded_without_it_is_refused(monkeypatch):
-    assert sandbox_mode("fallback") == "fallback"
-    assert sandbox_mode("auto") == ("bwrap" if bwrap_works() else "fallback")
-    import posttrain.envs.sandbox as sandbox
-    monkeypatch.setattr(sandbox, "bwrap_works", lambda: False)
-    with pytest.raises(ValueError, match="apt-get install bubblewrap"):
-        sandbox.sandbox_mode("bwrap")
+def test_auto_is_bwrap_where_bubblewrap_starts_a_sandbox():
+    """Decided by starting one (bwrap_problem runs print(6*7) in the real sandbox)."""
+    from posttrain.sandbox.launch import bwrap_problem, decide
+    assert (decide("auto", "x", "env.sandbox") == "bwrap") == (bwrap_problem() is None)
+    assert decide("fallback", "x", "env.sandbox") == "fallback"
+
+
+@pytest.fixture
+def no_bwrap(monkeypatch):
+    """A machine where bubblewrap cannot start (a container without user namespaces)."""
+    from posttrain.sandbox import launch
+    monkeypatch.setenv("POSTTRAIN_FORCE_NO_BWRAP", "1")
+    launch.bwrap_problem.cache_clear()
+    yield launch
+    launch.bwrap_problem.cache_clear()
+
+
+def test_without_bubblewrap_root_is_refused_and_a_user_is_warned(no_bwrap, monkeypatch, caplog):
+    launch = no_bwrap
+    with pytest.raises(launch.SandboxError, match="env.sandbox=bwrap but bubblewrap cannot start"):
+        launch.decide("bwrap", "the python tool", "env.sandbox")
+    monkeypatch.setattr(launch, "is_root", lambda: True)
+    with pytest.raises(launch.SandboxError, match="would run as root without a namespace sandbox.*"
+                                                  "set env.sandbox fallback"):
+        launch.decide("auto", "the python tool", "env.sandbox")
+    assert launch.decide("fallback", "the python tool", "env.sandbox") == "fallback"   # said by name
+    monkeypatch.setattr(launch, "is_root", lambda: False)
+    with caplog.at_level("WARNING", logger="posttrain"):
+        assert launch.decide("auto", "the python tool", "env.sandbox") == "fallback"
+    assert "SANDBOX FALLBACK: the python tool runs without bubblewrap" in caplog.text
+
+
+def test_a_sandbox_that_cannot_start_is_the_tools_failure_not_program_output(monkeypatch):
+    """bubblewrap refusing its own options (here a bogus one) never reaches the model as the
+    program's output: the call raises, and the tool counts as broken."""
+    from posttrain.envs.tools import Call, run_call
+    from posttrain.sandbox import launch
+    assert launch.bwrap_problem() is None   # (decided, and cached, before the options break)
+    real = launch.bwrap_argv
+    monkeypatch.setattr(launch, "bwrap_argv", lambda *a: real(*a)[:1] + ["--no-such-option"] + real(*a)[1:])
+    tools = {t.name: t for t in make_tools(("python",), type("C", (), {"sandbox": "bwrap"})())}
+    text, status = run_call(Call("python", {"code": "print(1)"}), tools, 5.0)
+    assert status == "failed" and "bubblewrap could not start the sandbox" in text
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_memory_is_bounded_over_all_the_programs_processes(mode):
+    """Four processes of 200 MB each, each under the 512 MB per-process limit: 800 MB in all is
+    past python_memory_mb and the call is killed."""
+    code = ("import os, time\nfor _ in range(3):\n    if os.fork() == 0: break\n"
+            "b = bytearray(200 << 20)\nb[::4096] = b'x' * len(range(0, 200 << 20, 4096))\ntime.sleep(4)")
+    t0 = time.monotonic()
+    out = tool(code, _mode(mode), timeout_s=5.0, memory_mb=512)
+    assert "more than 512 MB in all" in out and time.monotonic() - t0 < 4, out
 
 
 # --- caps per turn and per episode ---------------------------------------------------------------
@@ -305,3 +432,58 @@ def test_a_training_run_whose_policy_writes_hostile_python_finishes(bwrap, secre
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert all(r["env/capped_calls"] > 0 for r in rows)    # the 20 calls in one turn ran 4
     assert all(r["env/tools_broken"] == 0 for r in rows)   # the model's loops are not the tool's fault
+
+
+# --- the decision, end to end: said at the start, in config.json and summary.json --------------
+
+def test_without_bubblewrap_a_run_as_root_is_refused_before_any_model_loads(no_bwrap, monkeypatch,
+                                                                            tmp_path, tokenizer):
+    from posttrain import load_config, train
+    from tests.test_redteam import TINY
+    monkeypatch.setattr(no_bwrap, "is_root", lambda: True)
+    cfg = load_config(None, [*TINY, "--run_dir", str(tmp_path / "run"), "--steps", "1"])
+    with pytest.raises(no_bwrap.SandboxError, match="reward scorers .* would run as root without"):
+        train(cfg, show_progress=False)               # (no model passed: none was loaded)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_fallback_asked_for_by_name_is_recorded(no_bwrap, monkeypatch, tmp_path, tokenizer):
+    import json
+    from posttrain import load_config, train
+    from tests.conftest import make_tiny_model
+    from tests.test_redteam import TINY
+    monkeypatch.setattr(no_bwrap, "is_root", lambda: True)
+    cfg = load_config(None, [*TINY, "--run_dir", str(tmp_path / "run"), "--steps", "1",
+                             "--reward.sandbox", "fallback", "--env.tools", "python",
+                             "--env.sandbox", "fallback", "--env.max_turns", "2"])
+    summary = train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    isolation = {"rewards": "fallback", "tool python": "fallback"}
+    assert summary["isolation"] == isolation
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["_isolation"] == isolation
+
+
+def test_without_bubblewrap_a_normal_user_is_warned_once_at_start(no_bwrap, monkeypatch, tmp_path,
+                                                                  tokenizer, caplog):
+    from posttrain import load_config, train
+    from tests.conftest import make_tiny_model
+    from tests.test_redteam import TINY
+    monkeypatch.setattr(no_bwrap, "is_root", lambda: False)
+    cfg = load_config(None, [*TINY, "--run_dir", str(tmp_path / "run"), "--steps", "1"])
+    with caplog.at_level("INFO", logger="posttrain"):
+        summary = train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    assert summary["isolation"] == {"rewards": "fallback"}
+    assert caplog.text.count("SANDBOX FALLBACK: the reward scorers") == 1
+    assert "the model's text runs in: rewards fallback" in caplog.text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the refusal is for root; as a normal user the run "
+                    "goes on with the warning (test_without_bubblewrap_a_normal_user_is_warned)")
+def test_the_command_line_refuses_in_one_line(tmp_path):
+    env = {**os.environ, "POSTTRAIN_FORCE_NO_BWRAP": "1"}
+    res = subprocess.run([sys.executable, "-m", "posttrain.cli", "train", "--steps", "1",
+                          "--run_dir", str(tmp_path / "run")], capture_output=True, text=True,
+                         env=env, timeout=300, cwd=tmp_path)
+    lines = [line for line in res.stderr.splitlines() if "error" in line]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert "would run as root without a namespace sandbox" in lines[0]
+    assert "apt-get install bubblewrap" in lines[0] and "reward.sandbox fallback" in lines[0]

@@ -76,12 +76,20 @@ def candidates(text: str) -> list[str]:
     return list(dict.fromkeys(c for c in out if c))
 
 
-# Tasks whose `score_answer` hands the answer to Python's `eval` (reasoning-gym 0.1.x: a
-# "python list" answer format). An answer reaches them only when it is a plain literal.
+# Tasks whose `score_answer` hands the answer to Python's `eval` (reasoning-gym 0.1.x: a "python
+# list" answer format) or to sympy's `parse_expr` (which evaluates Python, builtins included).
+# Every scorer already runs in the reward sandbox (rewards/pool.py); this gate is a second layer:
+# an answer reaches these scorers only when it is a plain literal / plain arithmetic.
 EVAL_SCORERS = frozenset({"spiral_matrix", "string_insertion", "binary_matrix", "n_queens"})
+SYMPY_SCORERS = frozenset({"puzzle24", "countdown", "polynomial_multiplication",
+                           "simple_integration", "intermediate_integration"})
 _LITERAL_NODES = (ast.Expression, ast.Constant, ast.List, ast.Tuple, ast.Set, ast.Dict, ast.Load,
                   ast.UnaryOp, ast.USub, ast.UAdd, ast.Name)
 MAX_EVAL_ANSWER = 20_000   # characters: a literal this long is no answer to these tasks
+MAX_SYMPY_ANSWER = 2_000
+MATH_FUNCTIONS = frozenset({"sin", "cos", "tan", "cot", "sec", "csc", "asin", "acos", "atan",
+                            "sinh", "cosh", "tanh", "exp", "log", "ln", "sqrt", "Abs"})
+_ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.Div)
 
 
 def safe_for_eval(text: str) -> bool:
@@ -98,15 +106,73 @@ def safe_for_eval(text: str) -> bool:
     return all(isinstance(node, _LITERAL_NODES) for node in ast.walk(tree))
 
 
+def safe_for_sympy(text: str) -> bool:
+    """Is sympy's `parse_expr(text)` harmless? Only arithmetic that Python itself parses (sympy
+    rewrites its tokens before it evaluates them, so text Python cannot parse is refused too):
+    numbers of at most 30 digits, names without underscores, + - * /, calls of the math
+    functions above, and powers whose exponent is a small constant (|e| <= 16, `3/2` allowed)
+    of a base that holds no power (`9**9**9**9` hangs sympy, `((9**16)**16)**16` too)."""
+    if len(text) > MAX_SYMPY_ANSWER:
+        return False
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return False
+    try:
+        return _arithmetic(tree.body)
+    except RecursionError:
+        return False
+
+
+def _arithmetic(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant):
+        return type(node.value) in (int, float) and len(str(node.value)) <= 30
+    if isinstance(node, ast.Name):
+        return "_" not in node.id
+    if isinstance(node, ast.UnaryOp):
+        return isinstance(node.op, (ast.USub, ast.UAdd)) and _arithmetic(node.operand)
+    if isinstance(node, ast.Call):
+        return (isinstance(node.func, ast.Name) and node.func.id in MATH_FUNCTIONS
+                and not node.keywords and all(map(_arithmetic, node.args)))
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+        return (_small_exponent(node.right) and _arithmetic(node.left)
+                and not any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Pow)
+                            for n in ast.walk(node.left)))
+    return isinstance(node, ast.BinOp) and isinstance(node.op, _ARITHMETIC) and \
+        _arithmetic(node.left) and _arithmetic(node.right)
+
+
+def _small_exponent(node: ast.AST) -> bool:
+    """A constant exponent of at most 16 in size: 3, -2, 3/2."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        node = node.operand
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+        return _small_exponent(node.left) and _small_exponent(node.right)
+    return isinstance(node, ast.Constant) and type(node.value) in (int, float) and abs(node.value) <= 16
+
+
+def gate(name: str, entry: dict[str, Any]):
+    """The check an answer must pass before task `name`'s scorer sees it (None: no check);
+    a composite task is checked as the task its entry came from."""
+    if name == "composite":
+        name = entry.get("metadata", {}).get("source_dataset", name)
+    if name in EVAL_SCORERS:
+        return safe_for_eval
+    if name in SYMPY_SCORERS:
+        return safe_for_sympy
+    return None
+
+
 def gym_correct(completion: str, problem: Problem) -> bool:
     """The task's own `score_answer` gives one of the response's candidate answers full marks.
-    For the tasks that `eval` the answer, only candidates that are plain literals are scored.
-    (Called in a reward worker process, with a timeout: rewards/pool.py.)"""
+    For the tasks that evaluate the answer (`eval`, `parse_expr`), only candidates that pass the
+    task's gate are scored. (Called in a reward worker, in the reward sandbox: rewards/pool.py.)"""
     name = problem.meta["reasoning_gym"]
     score = _scorer(name)
     entry = problem.meta["entry"]
+    check = gate(name, entry)
     for c in candidates(completion):
-        if name in EVAL_SCORERS and not safe_for_eval(c):
+        if check is not None and not check(c):
             continue
         try:
             if float(score(answer=c, entry=entry)) >= 1.0:

@@ -26,7 +26,8 @@ ENVIRONMENTS.register("tools")(
                         cfg.tool_format, cfg.tool_timeout_s,
                         calls_per_turn=cfg.max_tool_calls_per_turn,
                         calls_per_episode=cfg.max_tool_calls_per_episode,
-                        seconds_per_episode=cfg.tool_seconds_per_episode))
+                        seconds_per_episode=cfg.tool_seconds_per_episode,
+                        seconds_per_batch=cfg.tool_seconds_per_step))
 ENVIRONMENTS.register("guess_number")(lambda cfg: GuessNumber(cfg.max_turns))
 
 

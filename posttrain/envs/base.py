@@ -28,7 +28,7 @@ class Reply:
 class Environment(Protocol):
     """What every environment has. Optional hooks, each its own Protocol below and found with
     `isinstance`: `bind(tokenizer)` (BindsTokenizer), `tool_schemas` (DescribesTools),
-    `demonstration(problem)` (Demonstrates)."""
+    `demonstration(problem)` (Demonstrates), `start_batch()` (StartsBatch)."""
 
     name: str
     max_turns: int                     # the policy speaks at most this many times per episode
@@ -64,6 +64,14 @@ class DescribesTools(Protocol):
 
     @property
     def tool_schemas(self) -> list[dict[str, Any]] | None: ...
+
+
+@runtime_checkable
+class StartsBatch(Protocol):
+    """Optional hook: told before each batch of episodes starts (a budget shared by the batch's
+    episodes, such as the tool time of a step, restarts)."""
+
+    def start_batch(self) -> None: ...
 
 
 @runtime_checkable

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from posttrain.data.preferences import expression
@@ -27,6 +27,9 @@ class ToolEnv:
     calls_per_turn: int = 4             # calls past these caps are answered with an error, not run
     calls_per_episode: int = 16
     seconds_per_episode: float = 30.0   # tool time an episode may use in all
+    seconds_per_batch: float = 120.0    # tool time all episodes of a batch (a step's) may use in all
+    # the batch's tool seconds so far (start_batch resets it; shared by the batch's episodes)
+    _batch: dict = field(default_factory=lambda: {"seconds": 0.0}, compare=False, repr=False)
 
     @property
     def by_name(self) -> dict[str, Tool]:
@@ -60,6 +63,10 @@ class ToolEnv:
                 "call.\nTools:\n" + "\n".join(lines))
         return f"{base}\n\n{text}" if base else text
 
+    def start_batch(self) -> None:
+        """A new batch of episodes (a step's rollouts, an evaluation chunk): its tool time restarts."""
+        self._batch["seconds"] = 0.0
+
     def reset(self, problem: Problem) -> Any:
         """An episode's tool budget: calls made and seconds spent so far."""
         return {"calls": 0, "seconds": 0.0}
@@ -92,10 +99,12 @@ class ToolEnv:
                 capped += 1
                 continue
             t0 = time.monotonic()
-            timeout = min(self.timeout_s, self.seconds_per_episode - budget["seconds"])
+            timeout = min(self.timeout_s, self.seconds_per_episode - budget["seconds"],
+                          self.seconds_per_batch - self._batch["seconds"])
             out, status = run_call(call, self.by_name, timeout)
             budget["calls"] += 1
             budget["seconds"] += time.monotonic() - t0
+            self._batch["seconds"] += time.monotonic() - t0
             results.append(out)
             failures += status != "ok"
             broken += status == "failed"
@@ -113,6 +122,8 @@ class ToolEnv:
             return f"error: at most {self.calls_per_episode} tool calls per episode; not run"
         if budget["seconds"] >= self.seconds_per_episode:
             return f"error: the episode's {self.seconds_per_episode:g} s of tool time are used up"
+        if self._batch["seconds"] >= self.seconds_per_batch:
+            return f"error: this step's {self.seconds_per_batch:g} s of tool time are used up"
         return None
 
 
@@ -141,7 +152,7 @@ class GuessNumber:
 
     def step(self, secret: int, text: str, turn: int) -> Reply:
         numbers = _INT.findall(text)
-        if not numbers:
+        if not numbers or len(numbers[-1]) > 30:   # (int() refuses 4,300 digits: not a guess either)
             return Reply({"role": "user", "content": "Answer with one number."}, correct=False,
                          counts={"invalid_guesses": 1})
         guess, valid = int(numbers[-1]), {"invalid_guesses": 0}   # logged as 0 in a step without one

@@ -8,9 +8,10 @@ Two call formats:
 
 Every call runs under a time limit and any exception, hang or non-text result becomes an error
 message to the model (counted), never a crash. Built in: `calculator` (an arithmetic evaluator on
-Python's `ast`, no `eval`) and `python` (the model's program in a sandbox, envs/sandbox.py:
+Python's `ast`, no `eval`) and `python` (the model's program in a sandbox, posttrain/sandbox:
 bubblewrap where it runs, no network, no view of the trainer or the run folder; off unless named
-in `env.tools`). Calls per turn, per episode and tool seconds per episode are capped (ToolEnv).
+in `env.tools`). Calls per turn and per episode, and tool seconds per episode and per batch of
+episodes, are capped (ToolEnv).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.envs.sandbox import Limits, run_python_code, sandbox_mode
+from posttrain.sandbox.launch import Limits, decide
+from posttrain.sandbox.run import run_python_code
 from posttrain.registry import Registry
 from posttrain.usercode import RewardTimeout, call_with_timeout, load_function
 
@@ -41,6 +43,7 @@ class Tool:
     # (the python tool): a call running into it is the model's doing (its loop), not a broken
     # tool, and the trainer's own timer waits a few seconds longer only as a backstop
     bounded: bool = False
+    sandbox: str | None = None          # where it runs the model's code ('bwrap', 'fallback'), if it does
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -115,15 +118,20 @@ def calculator_tool(cfg: Any = None) -> Tool:
 # ---------------------------------------------------------------------------------------------
 
 def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_output: int = 2000,
-               mode: str | None = None, max_procs: int = 32, tmp_mb: int = 64) -> str:
-    """Run `code` with `python -I` in the sandbox (envs/sandbox.py: bubblewrap, or the fallback
-    where it cannot run) and return what it printed (stdout, then stderr when it failed), cut
-    to `max_output` characters; a hang, a flood of output or a crash comes back as an error."""
+               mode: str = "bwrap", max_procs: int = 32, tmp_mb: int = 64) -> str:
+    """Run `code` with `python -I` in the sandbox (posttrain/sandbox: bubblewrap, or the fallback
+    where the user chose it) and return what it printed (stdout, then stderr when it failed), cut
+    to `max_output` characters; a hang, a flood of output, too much memory or a crash comes back
+    as an error for the model. A sandbox that cannot start raises (the tool is broken)."""
+    if not isinstance(code, str):
+        raise TypeError(f"code must be a string, not {type(code).__name__}")
     limits = Limits(timeout_s=timeout_s, memory_mb=memory_mb, max_procs=max_procs,
                     tmp_mb=tmp_mb, max_output=max_output)
     res = run_python_code(code, limits, mode)
     if res.status == "timeout":
         return f"error: timed out after {timeout_s:g} s"
+    if res.status == "memory_limit":
+        return f"error: killed: its processes used more than {memory_mb} MB in all"
     if res.status == "output_limit":
         return (res.stdout + res.stderr)[:max_output] + f"\nerror: output cut at {max_output} bytes"
     text = res.stdout + (res.stderr[-max_output:] if res.returncode else "")
@@ -137,11 +145,12 @@ def python_tool(cfg: Any = None) -> Tool:
     memory = getattr(cfg, "python_memory_mb", 512)
     output = getattr(cfg, "tool_max_output", 2000)
     procs = getattr(cfg, "python_max_procs", 32)
-    mode = sandbox_mode(getattr(cfg, "sandbox", "auto"))   # decided once, before training
+    mode = decide(getattr(cfg, "sandbox", "auto"), "the python tool (code the model writes)",
+                  "env.sandbox")   # decided once, before training
     return Tool("python", "Run a Python program and return what it prints.",
                 {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
                 lambda code, timeout_s: run_python(code, timeout_s, memory, output, mode, procs),
-                bounded=True)
+                bounded=True, sandbox=mode)
 
 
 def make_tools(names: tuple[str, ...], cfg: Any = None) -> list[Tool]:
@@ -184,49 +193,88 @@ class Call:
 
 
 _JSON_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+_MAX_INT = 2 ** 63          # an argument past this is no argument to a tool ("huge numbers")
+_MAX_DEPTH = 20             # nesting of an argument's lists and objects
+
+
+class Malformed(ValueError):
+    """A tool call the model wrote wrong: answered with the message, counted as its error."""
 
 
 def parse_calls(text: str, tools: dict[str, Tool], fmt: str) -> tuple[list[Call], list[str]]:
-    """The tool calls in a turn's text, and an error message for each malformed one."""
+    """The tool calls in a turn's text, and an error message for each malformed one. Nothing the
+    model writes makes this raise: wrong JSON types, unknown tools, deep nesting and huge numbers
+    are the model's errors (answered and counted), never a broken environment."""
     calls, errors = [], []
-    if fmt == "json":
-        for body, close in _JSON_CALL.findall(text):
-            try:
-                obj = json.loads(body.strip())
-                name, args = obj["name"], obj.get("arguments", {})
-                if isinstance(args, str):
-                    args = json.loads(args)
-                if not isinstance(args, dict):
-                    raise TypeError("arguments must be an object")
-            except (ValueError, KeyError, TypeError) as e:
-                errors.append(f"malformed tool call ({type(e).__name__}): write "
-                              '<tool_call>{"name": ..., "arguments": {...}}</tool_call>')
-                continue
-            if not close:
-                errors.append("tool call without </tool_call>")
-            elif name not in tools:
-                errors.append(f"unknown tool {name!r}; tools: {sorted(tools)}")
-            else:
-                calls.append(Call(name, args))
-        return calls, errors
-    for name, tool in tools.items():
-        for m in re.finditer(rf"<{re.escape(name)}>(.*?)(</{re.escape(name)}>|$)", text, re.DOTALL):
-            body, close = m.group(1).strip(), m.group(2)
-            if not close:
-                errors.append(f"<{name}> without </{name}>")
-                continue
-            arg = tool.single_argument
-            if arg is not None and not body.startswith("{"):
-                calls.append(Call(name, {arg: body}))
-                continue
-            try:
-                args = json.loads(body)
-                if not isinstance(args, dict):
-                    raise TypeError
-                calls.append(Call(name, args))
-            except (ValueError, TypeError):
-                errors.append(f"<{name}> needs a JSON object of its arguments")
+    found = _json_calls(text) if fmt == "json" else _tag_calls(text, tools)
+    for name, body, closed in found:
+        try:
+            calls.append(_call(name, body, closed, tools))
+        except Malformed as e:
+            errors.append(str(e))
     return calls, errors
+
+
+def _json_calls(text: str) -> list[tuple[str | None, str, bool]]:
+    return [(None, body, bool(close)) for body, close in _JSON_CALL.findall(text)]
+
+
+def _tag_calls(text: str, tools: dict[str, Tool]) -> list[tuple[str | None, str, bool]]:
+    found = []
+    for name in tools:
+        pattern = rf"<{re.escape(name)}>(.*?)(</{re.escape(name)}>|$)"
+        found += [(name, m.group(1), bool(m.group(2))) for m in re.finditer(pattern, text, re.DOTALL)]
+    return found
+
+
+def _call(name: str | None, body: str, closed: bool, tools: dict[str, Tool]) -> Call:
+    """One call from its text: 'json' format (name None: the body names the tool) or 'tag'."""
+    if name is None:
+        obj = _loads(body.strip(), 'write <tool_call>{"name": ..., "arguments": {...}}</tool_call>')
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            raise Malformed('malformed tool call: write <tool_call>{"name": ..., "arguments": {...}}</tool_call>')
+        name, args = obj["name"], obj.get("arguments", {})
+        if isinstance(args, str):
+            args = _loads(args, "arguments must be a JSON object")
+        if not closed:
+            raise Malformed("tool call without </tool_call>")
+    else:
+        if not closed:
+            raise Malformed(f"<{name}> without </{name}>")
+        body = body.strip()
+        arg = tools[name].single_argument
+        if arg is not None and not body.startswith("{"):
+            return Call(name, {arg: body})
+        args = _loads(body, f"<{name}> needs a JSON object of its arguments")
+    if name not in tools:
+        raise Malformed(f"unknown tool {name[:60]!r}; tools: {sorted(tools)}")
+    if not isinstance(args, dict):
+        raise Malformed(f"the arguments of {name} must be a JSON object")
+    _check_value(args, 0)
+    return Call(name, args)
+
+
+def _loads(text: str, fix: str):
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:   # (too deep, or an int past Python's digit limit)
+        raise Malformed(f"malformed tool call ({type(e).__name__}): {fix}") from None
+
+
+def _check_value(value: Any, depth: int) -> None:
+    """Arguments are JSON of modest depth with finite numbers of modest size."""
+    if depth > _MAX_DEPTH:
+        raise Malformed("tool arguments nested too deeply")
+    if isinstance(value, dict):
+        for v in value.values():
+            _check_value(v, depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            _check_value(v, depth + 1)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise Malformed("tool arguments must be finite numbers")
+    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) >= _MAX_INT:
+        raise Malformed("a number in the tool arguments is too large")
 
 
 # what a tool raises on arguments the model got wrong ("2+", a missing field, 1/0): the model's

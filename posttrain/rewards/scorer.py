@@ -1,4 +1,5 @@
-"""Rewards: verifiable checks, an optional format bonus and user functions, summed per response."""
+"""The reward of each response: verifiable checks, an optional format bonus, user functions and a
+reward model, summed; the checks and functions run in the reward sandbox (rewards/pool.py)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from posttrain.sections import RewardConfig
 from posttrain.data.tasks import Problem
 from posttrain.health import Tally
 from posttrain.rewards.pool import Outcome, RewardPool
+from posttrain.rewards.verifiers import VERIFIERS, is_bare_answer
+from posttrain.sandbox.launch import decide
 from posttrain.usercode import call_with_limits, load_function
-from posttrain.rewards.verifiers import VERIFIERS, is_bare_answer, overlong_penalty
 
 log = logging.getLogger("posttrain")
 
-__all__ = ["RewardResult", "Scorer", "overlong_penalty"]
+__all__ = ["RewardResult", "Scorer"]
 
 
 @dataclass
@@ -87,7 +89,11 @@ class Scorer:
         self.functions = [(spec, load_function(spec)) for spec in cfg.functions]
         self._by_spec = dict(self.functions)
         self.styles = {spec: call_style(fn) for spec, fn in self.functions}
-        self.pool = RewardPool(tuple(cfg.functions), cfg.workers, cfg.timeout_s) if cfg.workers else None
+        self.sandbox = None if not cfg.workers else decide(
+            cfg.sandbox, "the reward scorers (verifiers and reward functions reading the model's "
+            "answers)", "reward.sandbox")
+        self.pool = (RewardPool(tuple(cfg.functions), cfg.workers, cfg.timeout_s, self.sandbox,
+                                cfg.memory_mb) if cfg.workers else None)
         if self.pool is None:
             log.warning("reward.workers 0: the verifier and reward functions run in the trainer's "
                         "process on answers the model wrote (no crash isolation; a timeout the "
@@ -96,8 +102,14 @@ class Scorer:
         self.system_prompt, self.autocast = system_prompt, autocast
         self._reward_model = None
 
+    def start(self) -> None:
+        """Start the reward sandbox now (it starts on the first batch otherwise): a function that
+        cannot be imported inside it is an error before any model loads."""
+        if self.pool is not None:
+            self.pool.start()
+
     def close(self) -> None:
-        """Stop the reward worker processes (a later call starts them again)."""
+        """Stop the reward sandbox (a later call starts it again)."""
         if self.pool is not None:
             self.pool.close()
 

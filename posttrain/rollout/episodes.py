@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from posttrain.data.tasks import Problem
-from posttrain.envs.base import DescribesTools, Environment, Reply
+from posttrain.envs.base import DescribesTools, Environment, Reply, StartsBatch
 from posttrain.health import Tally
 from posttrain.prompts import ReplyEncoder, encode_prompts, left_pad
 from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams
@@ -111,6 +111,8 @@ class _Book:
     def __init__(self, env: Environment, problems: list[Problem], tokenizer,
                  settings: EpisodeSettings) -> None:
         self.env, self.tokenizer, self.settings = env, tokenizer, settings
+        if isinstance(env, StartsBatch):
+            env.start_batch()
         self.states = [env.reset(p) for p in problems]
         self.turns = [0] * len(problems)
         self.last_text = [""] * len(problems)

@@ -309,7 +309,7 @@ def held_out_behaviour(model, tokenizer, task, cfg: StageConfig, world: World | 
     answers a contiguous share (FSDP: with the full weights gathered once)."""
     from posttrain.sections import RewardConfig
     from posttrain.distributed import SINGLE
-    from posttrain.rewards import Scorer
+    from posttrain.rewards.scorer import Scorer
     from posttrain.rollout import SamplingParams
     from posttrain.rollout.hf import HFRolloutEngine
 

@@ -23,7 +23,7 @@ def generate(cfg, n: int, out: str | Path, samples: int = 1, only_correct: bool 
     messages, `response_ids` with the environment's messages in it and `policy_mask` (1 on the
     policy's tokens, which `sft` trains on). `demonstrate`: ground-truth episodes instead of the
     model's (envs: `demonstration`), e.g. calculator calls that teach a tool format before RL."""
-    from posttrain.rewards import Scorer
+    from posttrain.rewards.scorer import Scorer
     from posttrain.rollout import SamplingParams, episode_settings, make_engine
     from posttrain.rollout.episodes import run_episodes
     from posttrain.distributed import SINGLE

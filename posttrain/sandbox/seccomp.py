@@ -1,0 +1,171 @@
+"""A seccomp filter for the sandbox: the kernel's namespace, mount, module, BPF, io_uring and
+ptrace surfaces answer EPERM, whatever the code inside tries.
+
+bubblewrap loads it (`--seccomp FD`) as the last step before it runs the sandboxed program, so the
+program and everything it starts inherit it. Without it, a program in the sandbox could create a
+user namespace of its own (as `nobody` too) and reach kernel code that unprivileged users never
+reach otherwise (nf_tables in a fresh network namespace is where most recent local privilege
+escalations lived).
+
+The filter is a deny-list in classic BPF, hand-assembled here because the well-kept route
+(libseccomp) has no binding on PyPI (Debian's python3-seccomp does not install into a venv, and
+the PyPI wrappers are 0.x ctypes shims that still need the C library): a dozen instructions per
+architecture are easier to audit than a dependency. Architectures: x86-64 and aarch64; elsewhere
+`filter_program()` returns None and the sandbox says so in its start line.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import platform
+import struct
+
+# seccomp_data: nr at 0, arch at 4, instruction pointer at 8, args from 16 (8 bytes each)
+_NR, _ARCH, _ARG0 = 0, 4, 16
+_LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
+_ALLOW, _ERRNO, _KILL = 0x7FFF0000, 0x00050000, 0x80000000
+_X32_BIT = 0x40000000
+
+# clone() flags that make a new namespace (a new user namespace above all)
+CLONE_NAMESPACES = (0x00000080 | 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000
+                    | 0x20000000 | 0x40000000)
+
+DENIED = ("unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "keyctl", "add_key",
+          "request_key", "bpf", "userfaultfd", "perf_event_open", "ptrace", "process_vm_readv",
+          "process_vm_writev", "kexec_load", "kexec_file_load", "init_module", "finit_module",
+          "delete_module", "open_by_handle_at", "name_to_handle_at", "io_uring_setup",
+          "io_uring_enter", "io_uring_register", "open_tree", "move_mount", "fsopen", "fsconfig",
+          "fsmount", "fspick", "mount_setattr", "quotactl", "syslog", "acct", "swapon", "swapoff",
+          "reboot", "vhangup", "settimeofday", "clock_settime", "adjtimex", "kcmp")
+
+# (AUDIT_ARCH, syscall numbers) from the kernel's unistd tables
+_X86_64 = (0xC000003E, dict(
+    unshare=272, setns=308, mount=165, umount2=166, pivot_root=155, chroot=161, keyctl=250,
+    add_key=248, request_key=249, bpf=321, userfaultfd=323, perf_event_open=298, ptrace=101,
+    process_vm_readv=310, process_vm_writev=311, kexec_load=246, kexec_file_load=320,
+    init_module=175, finit_module=313, delete_module=176, open_by_handle_at=304,
+    name_to_handle_at=303, io_uring_setup=425, io_uring_enter=426, io_uring_register=427,
+    open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433,
+    mount_setattr=442, quotactl=179, syslog=103, acct=163, swapon=167, swapoff=168, reboot=169,
+    vhangup=153, settimeofday=164, clock_settime=227, adjtimex=159, kcmp=312,
+    clone=56, clone3=435))
+_AARCH64 = (0xC00000B7, dict(
+    unshare=97, setns=268, mount=40, umount2=39, pivot_root=41, chroot=51, keyctl=219,
+    add_key=217, request_key=218, bpf=280, userfaultfd=282, perf_event_open=241, ptrace=117,
+    process_vm_readv=270, process_vm_writev=271, kexec_load=104, kexec_file_load=294,
+    init_module=105, finit_module=273, delete_module=106, open_by_handle_at=265,
+    name_to_handle_at=264, io_uring_setup=425, io_uring_enter=426, io_uring_register=427,
+    open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433,
+    mount_setattr=442, quotactl=60, syslog=116, acct=89, swapon=224, swapoff=225, reboot=142,
+    vhangup=58, settimeofday=170, clock_settime=112, adjtimex=171, kcmp=272,
+    clone=220, clone3=435))
+ARCHES = {"x86_64": _X86_64, "amd64": _X86_64, "aarch64": _AARCH64, "arm64": _AARCH64}
+
+
+def _assemble(program: list[tuple]) -> bytes:
+    """(code, jump-if-true label, jump-if-false label, k) rows, labels resolved to the relative
+    offsets classic BPF wants; a row that is a str is a label for the next instruction."""
+    labels, rows = {}, []
+    for row in program:
+        if isinstance(row, str):
+            labels[row] = len(rows)
+        else:
+            rows.append(row)
+    out = b""
+    for i, (code, jt, jf, k) in enumerate(rows):
+        off = [0 if j is None else labels[j] - i - 1 for j in (jt, jf)]
+        out += struct.pack("=HBBI", code, *off, k)
+    return out
+
+
+def filter_program(machine: str | None = None) -> bytes | None:
+    """The compiled filter for this machine's architecture (None: not one listed above).
+
+        arch != ours                      -> kill (a syscall through another ABI)
+        x32 syscall numbers (x86-64)      -> EPERM
+        a DENIED syscall                  -> EPERM
+        clone with a namespace flag       -> EPERM
+        clone3                            -> ENOSYS (its flags sit in memory a filter cannot read;
+                                             the C library then falls back to clone)
+        anything else                     -> allowed
+    """
+    arch = ARCHES.get((machine or platform.machine()).lower())
+    if arch is None:
+        return None
+    audit, nr = arch
+    program: list = [(_LD_ABS, None, None, _ARCH), (_JEQ, None, "kill", audit),
+                     (_LD_ABS, None, None, _NR)]
+    if audit == _X86_64[0]:
+        program.append((_JGE, "eperm", None, _X32_BIT))
+    program += [(_JEQ, "eperm", None, nr[name]) for name in DENIED]
+    program += [(_JEQ, "clone", None, nr["clone"]), (_JEQ, "enosys", None, nr["clone3"]),
+                (_RET, None, None, _ALLOW),
+                "clone", (_LD_ABS, None, None, _ARG0), (_JSET, "eperm", None, CLONE_NAMESPACES),
+                (_RET, None, None, _ALLOW),
+                "eperm", (_RET, None, None, _ERRNO | errno.EPERM),
+                "enosys", (_RET, None, None, _ERRNO | errno.ENOSYS),
+                "kill", (_RET, None, None, _KILL)]
+    return _assemble(program)
+
+
+def filter_fd() -> int | None:
+    """A file descriptor holding the filter, positioned at its start (bwrap reads it to the
+    end), or None where there is no filter for this architecture. The caller closes it."""
+    program = filter_program()
+    if program is None:
+        return None
+    fd = os.memfd_create("posttrain-seccomp", 0)
+    os.write(fd, program)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+# -- prctl: the same filter without bubblewrap, and the process flags the sandbox sets ------------
+
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_SECCOMP = 1, 4, 22
+_PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS, _SECCOMP_MODE_FILTER = 36, 38, 2
+
+
+def _prctl(what: str, option: int, *args) -> None:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    args = [a if isinstance(a, ctypes._SimpleCData) or not isinstance(a, int) else ctypes.c_ulong(a)
+            for a in args] + [ctypes.c_ulong(0)] * (4 - len(args))
+    if libc.prctl(ctypes.c_int(option), *args) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({what}) failed")
+
+
+def install() -> bool:
+    """Load the filter into this process (and everything it starts): the fallback's children
+    do this before they execute. False where there is no filter for this architecture."""
+    import ctypes
+    program = filter_program()
+    if program is None:
+        return False
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    buf = ctypes.create_string_buffer(program, len(program))
+    prog = SockFprog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    _prctl("no_new_privs", _PR_SET_NO_NEW_PRIVS, 1)
+    _prctl("seccomp", _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog))
+    return True
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when the process (thread) that started it ends."""
+    import signal
+    _prctl("pdeathsig", _PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+
+def not_dumpable() -> None:
+    """Other processes of the same user can no longer open this one's /proc files (its pipes
+    under /proc/PID/fd, its memory): the reward host keeps its reply pipe to itself."""
+    _prctl("dumpable", _PR_SET_DUMPABLE, 0)
+
+
+def subreaper() -> None:
+    """Orphans below this process (a grandchild that called setsid) become its children rather
+    than init's, so they stay in its tree and can be found and killed."""
+    _prctl("subreaper", _PR_SET_CHILD_SUBREAPER, 1)
