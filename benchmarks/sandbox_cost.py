@@ -23,7 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from posttrain.envs.sandbox import Limits, bwrap_works, run_python_code  # noqa: E402
+from posttrain.sandbox.launch import Limits, bwrap_works  # noqa: E402
+from posttrain.sandbox.run import run_python_code  # noqa: E402
 
 PROGRAMS = {"print(1)": "print(1)", "sum of squares": "print(sum(i * i for i in range(10**5)))"}
 

