@@ -59,14 +59,13 @@ def main() -> None:
     print(f"{'mode':28s}" + "".join(f"{p + ' (median / p90 ms)':>34s}" for p in PROGRAMS))
     for name, row in figures.items():
         print(f"{name:28s}" + "".join(f"{v['median_ms']:>25.1f} / {v['p90_ms']:<6.1f}" for v in row.values()))
+    from posttrain.provenance import provenance
     record = {"figures": figures, "calls": args.calls,
-              "command": "python benchmarks/sandbox_cost.py " + " ".join(sys.argv[1:]),
-              "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                       text=True).stdout.strip(),
               "bwrap": subprocess.run(["bwrap", "--version"], capture_output=True, text=True).stdout.strip()
               if bwrap_works() else None,
-              "python": platform.python_version(), "machine": platform.platform(),
-              "cpus": os.cpu_count(), "root": os.geteuid() == 0, "date": time.strftime("%Y-%m-%d")}
+              "python": platform.python_version(), "root": os.geteuid() == 0,
+              "date": time.strftime("%Y-%m-%d"),
+              "provenance": provenance("python benchmarks/sandbox_cost.py " + " ".join(sys.argv[1:]))}
     out = ROOT / "benchmarks" / "results" / f"sandbox-cost-{record['date']}" / "sandbox_cost.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
