@@ -119,7 +119,7 @@ def calculator_tool(cfg: Any = None) -> Tool:
 
 def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_output: int = 2000,
                mode: str = "bwrap", max_procs: int = 32, tmp_mb: int = 64) -> str:
-    """Run `code` with `python -I` in the sandbox (posttrain/sandbox: bubblewrap, or the fallback
+    """Run `code` with `python -I -S` in the sandbox (posttrain/sandbox: bubblewrap, or the fallback
     where the user chose it) and return what it printed (stdout, then stderr when it failed), cut
     to `max_output` characters; a hang, a flood of output, too much memory or a crash comes back
     as an error for the model. A sandbox that cannot start raises (the tool is broken)."""

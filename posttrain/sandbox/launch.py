@@ -78,7 +78,7 @@ def bwrap_problem() -> str | None:
     if os.geteuid() == 0 and shutil.which("setpriv") is None:
         return "setpriv (util-linux) is not installed"
     try:
-        sp = spawn([python_executable(), "-I", "-c", "print(6*7)"], "bwrap", Limits(timeout_s=30),
+        sp = spawn([python_executable(), "-I", "-S", "-c", "print(6*7)"], "bwrap", Limits(timeout_s=30),
                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out, err = sp.proc.communicate(timeout=30)
     except (OSError, subprocess.SubprocessError) as e:

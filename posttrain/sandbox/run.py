@@ -35,10 +35,11 @@ class Result:
 
 
 def run_python_code(code: str, limits: Limits, mode: Mode) -> Result:
-    """Run `code` with `python -I` in the sandbox."""
+    """Run `code` with `python -I -S` in the sandbox: the standard library only (no site
+    packages; `site` alone would double the start-up time)."""
     with tempfile.TemporaryDirectory(prefix="posttrain-tool-") as cwd:
         t0 = time.monotonic()
-        sp = spawn([python_executable(), "-I", "-c", code], mode, limits, cwd=cwd,
+        sp = spawn([python_executable(), "-I", "-S", "-c", code], mode, limits, cwd=cwd,
                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             out, err, status = _read_bounded(sp.proc, limits, t0)
