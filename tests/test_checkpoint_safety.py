@@ -146,8 +146,10 @@ def test_kill9_and_a_truncated_newest_checkpoint_still_end_bit_identical(tmp_pat
 # ---------------------------------------------------------------------------------------------
 
 def test_an_edited_run_config_is_not_what_resumes(tmp_path, tokenizer, caplog, monkeypatch):
-    """The attack: add a module to import to a finished run's config.json. The resume continues
-    with the checkpoint's own config: the module is never imported, the edit is named."""
+    """The attack: add a module to import to a finished run's config.json, then resume it. The
+    run continues (one more step) with the checkpoint's own config: the module is never
+    imported, the edit is named. (Read from the folder's config.json, the Scorer would import
+    pwn.py at the start of the resumed run and PWNED would exist.)"""
     import argparse
     from posttrain.cli import _config_and_resume
     _run(tmp_path, tokenizer, 2)
@@ -158,9 +160,11 @@ def test_an_edited_run_config_is_not_what_resumes(tmp_path, tokenizer, caplog, m
     config["reward"]["functions"] = ["pwn:f"]
     (run / "config.json").write_text(json.dumps(config))
     with caplog.at_level("WARNING", logger="posttrain"):
-        cfg, resume = _config_and_resume(argparse.Namespace(resume=str(run)), None, [],
+        cfg, resume = _config_and_resume(argparse.Namespace(resume=str(run)), None, ["--steps", "3"],
                                          load_config, lambda c: c.to_dict())
-    assert cfg.reward.functions == ("tests.toy_rewards:first_letter_a_to_e",) and resume == run
+        summary = train(cfg, resume=resume, show_progress=False)
+    assert summary["steps"] == 3 and resume == run
+    assert cfg.reward.functions == ("tests.toy_rewards:first_letter_a_to_e",)
     assert "differs from the config checkpoint step_000002 recorded (in reward)" in caplog.text
     assert not (tmp_path / "PWNED").exists()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import functools
 import re
+from fractions import Fraction
 from typing import Any
 
 from posttrain.data.tasks import Problem, Task
@@ -110,8 +111,9 @@ def safe_for_sympy(text: str) -> bool:
     """Is sympy's `parse_expr(text)` harmless? Only arithmetic that Python itself parses (sympy
     rewrites its tokens before it evaluates them, so text Python cannot parse is refused too):
     numbers of at most 30 digits, names without underscores, + - * /, calls of the math
-    functions above, and powers whose exponent is a small constant (|e| <= 16, `3/2` allowed)
-    of a base that holds no power (`9**9**9**9` hangs sympy, `((9**16)**16)**16` too)."""
+    functions above, and powers whose exponent is a small constant (its value at most 16 in
+    size, `3/2` allowed) of a base that holds no power (`9**9**9**9` hangs sympy,
+    `((9**16)**16)**16` and `9**(16/(1/16))` too)."""
     if len(text) > MAX_SYMPY_ANSWER:
         return False
     try:
@@ -143,12 +145,25 @@ def _arithmetic(node: ast.AST) -> bool:
 
 
 def _small_exponent(node: ast.AST) -> bool:
-    """A constant exponent of at most 16 in size: 3, -2, 3/2."""
+    """A constant exponent of at most 16 in size: 3, -2, 3/2 (its value, not its pieces:
+    16/(1/16) is 256)."""
+    value = _constant(node, depth=0)
+    return value is not None and abs(value) <= 16
+
+
+def _constant(node: ast.AST, depth: int) -> Fraction | None:
+    """The exact value of a small constant expression of numbers, signs and / (None: not one)."""
+    if depth > 4:
+        return None
+    if isinstance(node, ast.Constant) and type(node.value) is int and abs(node.value) <= 16:
+        return Fraction(node.value)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        node = node.operand
+        inner = _constant(node.operand, depth + 1)
+        return None if inner is None else (-inner if isinstance(node.op, ast.USub) else inner)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
-        return _small_exponent(node.left) and _small_exponent(node.right)
-    return isinstance(node, ast.Constant) and type(node.value) in (int, float) and abs(node.value) <= 16
+        num, den = _constant(node.left, depth + 1), _constant(node.right, depth + 1)
+        return None if num is None or not den else num / den
+    return None
 
 
 def gate(name: str, entry: dict[str, Any]):

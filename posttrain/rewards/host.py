@@ -1,226 +1,285 @@
 """The reward sandbox's own program: verifiers and reward functions scoring the policy's answers,
-in worker processes, inside the sandbox (posttrain/sandbox). Plain Python and no torch: it runs
-under the sandbox's memory limit. The trainer (rewards/pool.py) starts it and talks to it over
-two pipes:
+each call in a process of its own, inside the sandbox (posttrain/sandbox). Plain Python and no
+torch: it runs under the sandbox's memory limit. The trainer (rewards/pool.py) starts it and talks
+to it over two pipes passed as file descriptors 3 and up (never stdin or stdout, which the
+sandbox's other processes share):
 
     trainer -> host   a batch of calls and its deadline: an 8-byte length, then a pickle (the
                       trainer's own data; the host trusts it)
     host -> trainer   one line of JSON: {"ready": true} once the functions import, then per
-                      batch {"outcomes": [[value, status, traceback], ...], "rebuilds": n,
-                      "leftovers_killed": n}
+                      batch {"outcomes": [[value, status, traceback], ...], "leftovers_killed": n}
 
-The host never sends a pickle: whatever a call does, even a worker taken over by an answer that
-a scorer evaluated, the trainer only ever parses numbers and short strings from it; the worst a
-hostile answer can do from inside is give its own batch wrong rewards. The host makes itself
-undumpable, so no worker can open its reply pipe through /proc.
+Every call runs in a fresh fork of the host (the functions, math-verify and sympy already
+imported: a fork starts in about a millisecond) and sends its outcome back as one line of JSON on
+a pipe of its own; the process then exits. Nothing is ever unpickled from a call, so an answer
+that takes over the process it is scored in (a scorer that evaluates it) holds that one process
+for that one call: it cannot reach the host, other calls or later batches, and the trainer only
+ever reads numbers and short strings. The host:
 
-Inside, calls run in a `pebble.ProcessPool` (a well-kept pool that terminates a task's process
-when its timeout expires and replaces a worker that died; the standard ProcessPoolExecutor can do
-neither):
-
-- a timeout is enforced from outside the call: nothing it does (math-verify's own
-  `signal.alarm(0)`, a C extension that never returns, `os._exit`, a segfault) cancels it;
-- the worker catches every exception, SystemExit and KeyboardInterrupt included, and converts the
-  value to a float itself: only `(float | None, status, traceback text)` leaves it;
-- the whole batch has one deadline; a call still pending then is cancelled (its worker killed)
-  and counted as 'timeout', and a pool that broke (pebble marks it so when a worker's message
-  cannot be read) is stopped and rebuilt, so `map` always returns;
-- each worker leads its own process group: after every batch, processes that a call forked and
-  left behind are killed (a call that ended has no business leaving any).
-
-Workers start from a fork server inside the sandbox, with math-verify and the verifiers already
-imported: a new worker (after a kill too) starts in milliseconds.
+- runs at most `workers` calls at once, each killed at `timeout_s` (a SIGKILL from outside:
+  nothing a call does, math-verify's own `signal.alarm(0)` or a C extension that never returns,
+  cancels it), the batch ended at its deadline;
+- catches every exception in the call, SystemExit and KeyboardInterrupt included, and converts
+  the value to a float inside the call's process;
+- is a subreaper: after every batch it kills every process left below it (a call's children,
+  a grandchild that called `setsid`), so nothing runs between batches;
+- makes itself undumpable, so no call can open its pipes through /proc.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import pickle
-import site
+import select
+import signal
 import struct
 import sys
-import tempfile
+import time
 import traceback
-from concurrent.futures import CancelledError
-from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures import wait
-from pathlib import Path
-from typing import Any, BinaryIO
-
-from pebble import ProcessExpired, ProcessPool
+from dataclasses import dataclass, field
+from typing import Any
 
 from posttrain.sandbox import seccomp
-from posttrain.sandbox.procs import reap_groups, start_time
 from posttrain.usercode import as_reward, load_function
 
-_FUNCTIONS: dict[str, Any] = {}   # in a worker: spec -> the function it names
-MAX_TRACEBACK = 4000              # characters of a failure's traceback sent back
+MAX_TRACEBACK = 4000              # bytes of a failure's traceback sent back
+MAX_LINE = MAX_TRACEBACK + 400    # bytes of one call's JSON line
 STATUSES = ("ok", "error", "nonfinite", "timeout", "crash")
+_FUNCTIONS: dict[str, Any] = {}   # spec -> the function it names (imported before any fork)
 
 
-# -- in a worker --------------------------------------------------------------------------------
+def cut(text: str, limit: int = MAX_TRACEBACK) -> str:
+    """The last `limit` bytes of `text` in UTF-8 (a traceback's end says the most)."""
+    data = text.encode("utf-8", "replace")
+    return data[-limit:].decode("utf-8", "ignore") if len(data) > limit else text
 
-def _load(specs: tuple[str, ...], site_dirs: tuple[str, ...], pid_dir: str) -> None:
-    """A worker's start: its own process group (so its leftovers can be found and killed), its
-    pid and start time recorded, the functions imported."""
-    os.setpgid(0, 0)
-    Path(pid_dir, str(os.getpid())).write_text(str(start_time(os.getpid())))
-    for d in site_dirs:   # (.pth files: editable installs' import hooks are not inherited)
-        site.addsitedir(d)
-    for spec in specs:
-        _FUNCTIONS[spec] = load_function(spec, add_cwd=False)
 
+# -- one call, in its own process ---------------------------------------------------------------
 
 def _run(kind: str, target: str, kwargs: dict[str, Any]) -> Any:
     if kind == "verify":   # a verifier by name: its verdict as 1.0 / 0.0
         from posttrain.rewards.verifiers import VERIFIERS
         return float(bool(VERIFIERS[target](**kwargs)))
-    fn = _FUNCTIONS.get(target)
-    if fn is None:   # a worker that replaced a killed one and has not loaded yet
-        fn = _FUNCTIONS[target] = load_function(target, add_cwd=False)
-    return fn(**kwargs)
+    return _FUNCTIONS[target](**kwargs)
 
 
 def _call(kind: str, target: str, kwargs: dict[str, Any]) -> tuple[float | None, str, str | None]:
-    """In the worker: the call, every exception caught, the value already a float."""
+    """The call, every exception caught, the value already a float."""
     try:
         value, status = as_reward(_run(kind, target, kwargs))
         return value, status, None
     except BaseException:  # noqa: BLE001 - SystemExit and KeyboardInterrupt from user code too
-        return None, "error", traceback.format_exc()[-MAX_TRACEBACK:]
+        return None, "error", cut(traceback.format_exc())
 
 
-# -- the pool -----------------------------------------------------------------------------------
-
-def _context():
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["posttrain.rewards.verifiers", "math_verify"])
-    return ctx
-
-
-class WorkerPool:
-    """`workers` processes running calls, each limited to `timeout_s` seconds of its own
-    running time, a batch to the deadline it is given."""
-
-    def __init__(self, specs: tuple[str, ...], workers: int, timeout_s: float,
-                 site_dirs: tuple[str, ...] = ()) -> None:
-        self.specs, self.timeout_s, self.site_dirs = specs, timeout_s, site_dirs
-        self.workers = max(1, workers)
-        self._pool: ProcessPool | None = None
-        self._pid_dir = tempfile.TemporaryDirectory(prefix="posttrain-workers-")
-        self._leaders: dict[int, int] = {}   # worker pid -> its start time
-        self.rebuilds = 0           # pools stopped and started again (broken, or a missed deadline)
-        self.leftovers_killed = 0   # processes that calls forked and left behind, killed
-
-    def _started(self) -> ProcessPool:
-        if self._pool is not None and not self._pool.active:   # broken (pebble's ERROR state)
-            self._restart()
-        if self._pool is None:
-            self._pool = ProcessPool(max_workers=self.workers, initializer=_load,
-                                     initargs=(self.specs, self.site_dirs, self._pid_dir.name),
-                                     context=_context())
-        return self._pool
-
-    def map(self, calls: list[tuple[str, str, dict[str, Any]]], deadline: float) -> list[tuple]:
-        """(value, status, traceback) for each (kind, target, kwargs), within `deadline` s."""
-        if not calls:
-            return []
-        futures = self._schedule(calls)
-        done, pending = wait(futures, timeout=deadline)
-        outcomes = [_outcome(f) if f in done else (None, "timeout", None) for f in futures]
-        for f in pending:
-            f.cancel()
-        if pending or not self._pool.active:   # a wedged or broken pool is not used again
-            self._restart()
-        self.leftovers_killed += self._reap()
-        return outcomes
-
-    def _schedule(self, calls) -> list:
-        for attempt in (0, 1):
-            pool = self._started()
-            try:
-                return [pool.schedule(_call, (kind, target, kwargs), timeout=self.timeout_s)
-                        for kind, target, kwargs in calls]
-            except RuntimeError:   # pebble: the pool broke, or a worker could not start
-                if attempt == 1:
-                    raise
-                self._restart()
-        raise AssertionError("unreachable")
-
-    def _reap(self, leaders_too: bool = False) -> int:
-        for p in Path(self._pid_dir.name).iterdir():
-            if p.name.isdigit() and int(p.name) not in self._leaders:
-                self._leaders[int(p.name)] = int(p.read_text() or -1)
-        killed, forget = reap_groups(self._leaders, leaders_too)
-        for pid in forget:
-            self._leaders.pop(pid, None)
-            Path(self._pid_dir.name, str(pid)).unlink(missing_ok=True)
-        return killed
-
-    def _restart(self) -> None:
-        self.rebuilds += 1
-        self.close()
-
-    def close(self) -> None:
-        """Stop the workers, then kill whatever they or their calls left behind."""
-        if self._pool is not None:
-            self._pool.stop()
-            self._pool.join(timeout=10)
-            self._pool = None
-            self._reap(leaders_too=True)
-
-
-def _outcome(future) -> tuple:
+def _child(calls: list[tuple[str, str, dict[str, Any]]], out_fd: int, private: list[int]) -> None:
+    """In the fork: none of the host's pipes (`private`: the trainer's two, the other
+    processes'), its own process group (its leftovers are killed with it), the calls one after
+    another, a line of JSON each, and out (never back into the host's code)."""
     try:
-        return future.result(timeout=0)
-    except (FutureTimeout, CancelledError):
-        return None, "timeout", None
-    except ProcessExpired as e:
-        return None, "crash", f"the worker process died: {e}"
-    except Exception as e:  # noqa: BLE001 - pebble's own failure (a broken pool): not ok
-        return None, "error", f"{type(e).__name__}: {e}"
+        for fd in private:
+            os.close(fd)
+        os.setpgid(0, 0)
+        for call in calls:
+            line = json.dumps(list(_call(*call)), ensure_ascii=False).encode()[:MAX_LINE - 1]
+            os.write(out_fd, line + b"\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(0)
+
+
+# -- a batch ------------------------------------------------------------------------------------
+
+@dataclass
+class _Share:
+    """A process running a share of the batch's calls: the ones still due, in order; the
+    current one started at `since`."""
+
+    pid: int
+    fd: int
+    due: list[int]
+    since: float
+    data: bytearray = field(default_factory=bytearray)
+
+
+def parse_outcome(data: bytes) -> tuple[float | None, str, str | None] | None:
+    """A call's line, checked: (value, status, traceback), or None when it is out of shape."""
+    try:
+        value, status, error = json.loads(data.decode("utf-8"))
+        if status not in STATUSES or not (error is None or isinstance(error, str)):
+            return None
+        if status == "ok":
+            value = float(value) if type(value) in (int, float) else None
+            if value is None or value != value or abs(value) == float("inf"):
+                return None
+        elif value is not None:
+            return None
+        return value, status, error
+    except (ValueError, TypeError, OverflowError, RecursionError, UnicodeDecodeError):
+        return None
+
+
+class Batch:
+    """Runs the calls in `workers` forks of the host, each taking a share and answering a line
+    per call; each call within `timeout_s`, all within the deadline; outcomes in call order.
+    A share whose call times out, crashes or answers out of shape is killed and what it had
+    left goes to a new fork."""
+
+    def __init__(self, calls: list, workers: int, timeout_s: float, deadline_s: float,
+                 private: tuple[int, ...] = ()) -> None:
+        self.calls, self.workers, self.timeout_s = calls, max(1, workers), timeout_s
+        self.private = private   # the trainer's pipes: closed in every fork
+        self.end = time.monotonic() + deadline_s
+        self.outcomes: list[tuple | None] = [None] * len(calls)
+        self.todo = list(range(len(calls)))
+        self.running: dict[int, _Share] = {}
+
+    def run(self) -> list[tuple]:
+        while self.todo or self.running:
+            while self.todo and len(self.running) < self.workers and time.monotonic() < self.end:
+                size = -(-len(self.todo) // (self.workers - len(self.running)))
+                self._start(self.todo[:size])
+                self.todo = self.todo[size:]
+            if not self.running:
+                break
+            self._wait()
+        for i in self.todo:                 # never started: the deadline came first
+            self.outcomes[i] = (None, "timeout", None)
+        return [o if o is not None else (None, "crash", "its process gave no outcome")
+                for o in self.outcomes]
+
+    def _start(self, due: list[int]) -> None:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            _child([self.calls[i] for i in due], w, [r, *self.private, *self.running])
+        os.close(w)
+        self.running[r] = _Share(pid, r, due, time.monotonic())
+
+    def _wait(self) -> None:
+        soonest = min(min(s.since + self.timeout_s for s in self.running.values()), self.end)
+        ready, _, _ = select.select(list(self.running), [], [], max(0.0, soonest - time.monotonic()))
+        for fd in ready:
+            self._read(self.running[fd])
+        now = time.monotonic()
+        for share in list(self.running.values()):
+            if now >= share.since + self.timeout_s or now >= self.end:
+                self._stop(share, (None, "timeout", None))
+
+    def _read(self, share: _Share) -> None:
+        chunk = os.read(share.fd, 65536)
+        share.data += chunk
+        while b"\n" in share.data and share.due:
+            line, _, rest = bytes(share.data).partition(b"\n")
+            share.data = bytearray(rest)
+            outcome = parse_outcome(line)
+            if outcome is None:
+                return self._stop(share, None)
+            self.outcomes[share.due.pop(0)] = outcome
+            share.since = time.monotonic()
+        if not chunk or len(share.data) > MAX_LINE or (not share.due and share.data):
+            self._stop(share, None if share.due or share.data else ())
+
+    def _stop(self, share: _Share, outcome: tuple | None) -> None:
+        """End a share's process; its current call gets `outcome` (None: a crash; (): it had
+        none left), the calls after it go back to the queue."""
+        _kill_group(share.pid)
+        os.waitpid(share.pid, 0)
+        os.close(share.fd)
+        del self.running[share.fd]
+        if share.due:
+            self.outcomes[share.due[0]] = outcome or (
+                None, "crash", "its process died, or wrote something that is not an outcome")
+            self.todo = share.due[1:] + self.todo
+
+
+def _kill_group(pid: int) -> None:
+    for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        try:
+            target()
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def kill_leftovers() -> int:
+    """Kill every process below the host (it is a subreaper: orphans of calls come to it) and
+    reap them; how many there were."""
+    from posttrain.sandbox.procs import descendants
+    pids = [p for p in descendants(os.getpid()) if p != os.getpid()]
+    for pid in pids:
+        _kill_group(pid)
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG) == (0, 0):
+                break
+        except ChildProcessError:
+            break
+    return len(pids)
 
 
 # -- the host's loop ----------------------------------------------------------------------------
 
-def read_frame(stream: BinaryIO) -> Any | None:
+def warm_up() -> None:
+    """Import and run the verifiers once before any fork: every call's process then starts
+    with math-verify's parsers built (they build lazily, tens of milliseconds each time)."""
+    from posttrain.data.tasks import Problem
+    from posttrain.rewards.verifiers import VERIFIERS
+    for name in ("math", "countdown"):
+        try:
+            VERIFIERS[name]("\\boxed{12}", Problem("1 + 11?", "12", {"numbers": [1, 11]}))
+        except Exception:  # noqa: BLE001 - a warm-up only
+            pass
+
+
+def read_frame(fd: int) -> Any | None:
     """One request from the trainer (None: the trainer closed the pipe)."""
-    head = stream.read(8)
-    if len(head) < 8:
+    head = _read_exactly(fd, 8)
+    if head is None:
         return None
-    (n,) = struct.unpack(">Q", head)
-    return pickle.loads(stream.read(n))   # the trainer's own data, never the model's
+    data = _read_exactly(fd, struct.unpack(">Q", head)[0])
+    return None if data is None else pickle.loads(data)   # the trainer's own data, never the model's
 
 
-def write_frame(stream: BinaryIO, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(struct.pack(">Q", len(data)) + data)
-    stream.flush()
+def _read_exactly(fd: int, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(fd, min(n - len(buf), 1 << 20))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _reply(fd: int, obj: dict) -> None:
+    data = (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def main(config: dict[str, Any]) -> None:
-    """The host: import the functions, say ready, then answer batches until the trainer closes."""
-    replies = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)   # what user code prints goes to stderr, never into the replies
+    """The host: import the functions, say ready, then answer batches until the trainer closes
+    the request pipe."""
+    requests, replies = config["request_fd"], config["reply_fd"]
+    for fd in (requests, replies):
+        os.set_inheritable(fd, False)   # (a call's exec'd program never holds them)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)                    # nothing below the host reads the trainer's pipes
+    os.dup2(2, 1)                       # what a call prints goes to stderr
     seccomp.not_dumpable()
-    seccomp.subreaper()   # (a call's setsid'd grandchild stays in the host's tree, to be killed)
-    specs = tuple(config["specs"])
+    seccomp.subreaper()
     try:
-        for spec in specs:
-            load_function(spec, add_cwd=config.get("add_cwd", False))
+        for spec in config["specs"]:
+            _FUNCTIONS[spec] = load_function(spec, add_cwd=config.get("add_cwd", False))
+        warm_up()
     except Exception as e:  # noqa: BLE001 - reported to the trainer in one line
-        replies.write(json.dumps({"error": f"{type(e).__name__}: {e}"[:2000]}) + "\n")
+        _reply(replies, {"error": cut(f"{type(e).__name__}: {e}", 2000)})
         return
-    pool = WorkerPool(specs, config["workers"], config["timeout_s"], tuple(config["site_dirs"]))
-    replies.write(json.dumps({"ready": True}) + "\n")
-    while (request := read_frame(sys.stdin.buffer)) is not None:
+    _reply(replies, {"ready": True})
+    while (request := read_frame(requests)) is not None:
         calls, deadline = request
-        before = pool.rebuilds, pool.leftovers_killed
-        outcomes = pool.map(calls, deadline)
-        replies.write(json.dumps({"outcomes": outcomes, "rebuilds": pool.rebuilds - before[0],
-                                  "leftovers_killed": pool.leftovers_killed - before[1]}) + "\n")
-    pool.close()
+        outcomes = Batch(calls, config["workers"], config["timeout_s"], deadline,
+                         (requests, replies)).run()
+        _reply(replies, {"outcomes": [list(o) for o in outcomes],
+                         "leftovers_killed": kill_leftovers()})

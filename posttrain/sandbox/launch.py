@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Literal
 
 from posttrain.sandbox import seccomp
-from posttrain.sandbox.procs import user_tasks
+from posttrain.sandbox.procs import kill_tree, user_tasks
 
 log = logging.getLogger("posttrain")
 
@@ -77,6 +77,7 @@ def bwrap_problem() -> str | None:
         return "bwrap is not installed"
     if os.geteuid() == 0 and shutil.which("setpriv") is None:
         return "setpriv (util-linux) is not installed"
+    sp = None
     try:
         sp = spawn([python_executable(), "-I", "-S", "-c", "print(6*7)"], "bwrap", Limits(timeout_s=30),
                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -84,7 +85,10 @@ def bwrap_problem() -> str | None:
     except (OSError, subprocess.SubprocessError) as e:
         return f"{type(e).__name__}: {e}"
     finally:
-        if "sp" in locals():
+        if sp is not None:
+            if sp.proc.poll() is None:
+                kill_tree(sp.proc.pid)
+                sp.proc.wait()
             sp.close()
     if sp.proc.returncode == 0 and out.strip() == b"42":
         return None
@@ -194,36 +198,38 @@ def _nproc(max_procs: int) -> int:
 
 def _preexec(limits: Limits, nproc: int, filter_in_child: bool):
     """Run in the child before it executes: resource limits (inherited by everything it starts),
-    death with the trainer, and (fallback) the seccomp filter."""
+    death with the trainer, and (fallback) the seccomp filter; every object it needs is made
+    here, before the fork (seccomp.ChildSetup says why)."""
+    import resource
+    rows = [(resource.RLIMIT_AS, limits.memory_mb << 20),
+            (resource.RLIMIT_FSIZE, limits.max_file_mb << 20),
+            (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, nproc)]
+    if limits.timeout_s is not None:
+        cpu = max(1, math.ceil(limits.timeout_s))
+        rows.append((resource.RLIMIT_CPU, cpu))
+    limits_ = [(name, (value, value + (name == resource.RLIMIT_CPU))) for name, value in rows]
+    setup = seccomp.ChildSetup(with_filter=filter_in_child)
+
     def apply() -> None:
-        import resource
-        mem = limits.memory_mb << 20
-        rows = [(resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, limits.max_file_mb << 20),
-                (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, nproc)]
-        for name, value in rows:
-            resource.setrlimit(name, (value, value))
-        if limits.timeout_s is not None:
-            cpu = max(1, math.ceil(limits.timeout_s))
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        seccomp.die_with_parent()
-        if filter_in_child:
-            seccomp.install()
+        for name, pair in limits_:
+            resource.setrlimit(name, pair)
+        setup()
     return apply
 
 
 @dataclass
 class Spawned:
-    """A started sandbox: its process, and (bwrap) the pipe on which bubblewrap says whether it
-    started the program."""
+    """A started sandbox: its process, and (bwrap) the pipe on which bubblewrap reports on the
+    program it runs."""
 
     proc: subprocess.Popen
     mode: Mode
     status_fd: int | None = None
     _status: bytes = b""
 
-    def started(self) -> bool:
-        """Did the sandboxed program start? (bwrap: its status pipe named a child; a failure
-        to set the sandbox up never gets that far.)"""
+    def program_ran(self) -> bool:
+        """After the sandbox ended by itself: did the program in it run (bwrap reports its exit
+        code; a sandbox that failed to set up reports none)? Always True for the other modes."""
         if self.status_fd is None:
             return True
         try:
@@ -231,11 +237,11 @@ class Spawned:
                 self._status += chunk
         except BlockingIOError:
             pass
-        return b"child-pid" in self._status
+        return b'"exit-code"' in self._status
 
     def close(self) -> None:
         if self.status_fd is not None:
-            self.started()
+            self.program_ran()
             os.close(self.status_fd)
             self.status_fd = None
 
@@ -257,11 +263,12 @@ def spawn(argv: list[str], mode: Mode, limits: Limits, ro_paths: Sequence[str] =
     os.set_blocking(read_end, False)
     filter_fd = seccomp.filter_fd()
     fds = (write_end,) if filter_fd is None else (write_end, filter_fd)
+    passed = tuple(popen.pop("pass_fds", ()))
     try:
         full = bwrap_argv(limits, ro_paths, {k: v for k, v in env.items() if k != "HOME"},
                           filter_fd, write_end) + argv
         proc = subprocess.Popen(full, cwd=cwd, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-                                start_new_session=True, close_fds=True, pass_fds=fds,
+                                start_new_session=True, close_fds=True, pass_fds=fds + passed,
                                 preexec_fn=_preexec(limits, nproc, False), **popen)
     except BaseException:
         os.close(read_end)

@@ -45,16 +45,22 @@ def run_python_code(code: str, limits: Limits, mode: Mode) -> Result:
             out, err, status = _read_bounded(sp.proc, limits, t0)
         finally:
             _kill(sp.proc)
-        started = sp.started()
-        sp.close()
-    if not started:
-        raise SandboxStartError("bubblewrap could not start the sandbox: "
-                           + " ".join(err.decode(errors="replace").split())[:300])
+            ran = sp.program_ran()
+            sp.close()
     code_ = sp.proc.returncode
+    if status == "ok" and not ran:   # (ended by itself, yet bubblewrap ran no program)
+        raise SandboxStartError("bubblewrap could not start the sandbox: "
+                                + " ".join(err.decode(errors="replace").split())[:300])
     if status == "ok" and code_:
         status = "timeout" if code_ in (-signal.SIGXCPU, -signal.SIGKILL) else "error"
     return Result(out.decode(errors="replace"), err.decode(errors="replace"), status, code_,
                   time.monotonic() - t0)
+
+
+def _exited(proc: subprocess.Popen) -> bool:
+    """Has the child exited? Asked without reaping it: its pid stays its own (a zombie) until
+    `_kill` has killed its whole tree and group, so no pid the kernel reuses is ever signalled."""
+    return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 
 def _read_bounded(proc: subprocess.Popen, limits: Limits, t0: float) -> tuple[bytes, bytes, str]:
@@ -91,18 +97,18 @@ def _read_bounded(proc: subprocess.Popen, limits: Limits, t0: float) -> tuple[by
             break
         if exited and not events:
             break
-        exited = exited or proc.poll() is not None
+        exited = exited or _exited(proc)
     sel.close()
-    if status == "ok":
-        try:
-            proc.wait(timeout=max(0.1, limits.timeout_s - (time.monotonic() - t0)))
-        except subprocess.TimeoutExpired:
+    while status == "ok" and not _exited(proc):   # (pipes closed, the process not gone yet)
+        if time.monotonic() - t0 >= limits.timeout_s:
             status = "timeout"
+        time.sleep(0.002)
     return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), status
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """SIGKILL the child's whole tree and process group (it leads one) and reap it."""
+    """SIGKILL the child's whole tree and process group (it leads one; not reaped yet, its pid
+    is still its own) and reap it."""
     kill_tree(proc.pid)
     for pipe in (proc.stdout, proc.stderr):
         pipe.close()

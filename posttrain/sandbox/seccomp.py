@@ -136,32 +136,53 @@ def _prctl(what: str, option: int, *args) -> None:
         raise OSError(ctypes.get_errno(), f"prctl({what}) failed")
 
 
+class ChildSetup:
+    """What a fallback child does between fork and exec: die with the trainer and (with a
+    filter for this architecture) load the seccomp filter. Everything is prepared here, in the
+    parent: a forked child of a multi-threaded trainer must not load libraries or allocate
+    (another thread may have held the loader's lock at the fork), so `__call__` only makes the
+    prctl calls on ready objects."""
+
+    def __init__(self, with_filter: bool) -> None:
+        import ctypes
+        import signal
+
+        class SockFprog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+        self.prctl = ctypes.CDLL(None, use_errno=True).prctl
+        self.ulong, self.args0 = ctypes.c_ulong, [ctypes.c_ulong(0)] * 3
+        self.sigkill = ctypes.c_ulong(int(signal.SIGKILL))
+        program = filter_program() if with_filter else None
+        self.buf = None if program is None else ctypes.create_string_buffer(program, len(program))
+        self.prog = None if program is None else ctypes.byref(
+            SockFprog(len(program) // 8, ctypes.cast(self.buf, ctypes.c_void_p)))
+        self.one, self.mode = ctypes.c_ulong(1), ctypes.c_ulong(_SECCOMP_MODE_FILTER)
+        self.zero = ctypes.c_ulong(0)
+
+    def __call__(self) -> None:
+        z = self.zero
+        self.prctl(_PR_SET_PDEATHSIG, self.sigkill, z, z, z)
+        if self.prog is not None:
+            if self.prctl(_PR_SET_NO_NEW_PRIVS, self.one, z, z, z) != 0 or \
+                    self.prctl(_PR_SET_SECCOMP, self.mode, self.prog, z, z) != 0:
+                raise OSError("the seccomp filter could not be loaded")
+
+
 def install() -> bool:
-    """Load the filter into this process (and everything it starts): the fallback's children
-    do this before they execute. False where there is no filter for this architecture."""
-    import ctypes
-    program = filter_program()
-    if program is None:
+    """Load the filter into this process (and everything it starts). False where there is no
+    filter for this architecture."""
+    setup = ChildSetup(with_filter=True)
+    if setup.prog is None:
         return False
-
-    class SockFprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-    buf = ctypes.create_string_buffer(program, len(program))
-    prog = SockFprog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p))
-    _prctl("no_new_privs", _PR_SET_NO_NEW_PRIVS, 1)
-    _prctl("seccomp", _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog))
+    setup.prctl(_PR_SET_NO_NEW_PRIVS, setup.one, setup.zero, setup.zero, setup.zero)
+    if setup.prctl(_PR_SET_SECCOMP, setup.mode, setup.prog, setup.zero, setup.zero) != 0:
+        raise OSError("the seccomp filter could not be loaded")
     return True
-
-
-def die_with_parent() -> None:
-    """SIGKILL this process when the process (thread) that started it ends."""
-    import signal
-    _prctl("pdeathsig", _PR_SET_PDEATHSIG, int(signal.SIGKILL))
 
 
 def not_dumpable() -> None:
     """Other processes of the same user can no longer open this one's /proc files (its pipes
-    under /proc/PID/fd, its memory): the reward host keeps its reply pipe to itself."""
+    under /proc/PID/fd, its memory)."""
     _prctl("dumpable", _PR_SET_DUMPABLE, 0)
 
 
