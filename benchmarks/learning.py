@@ -105,7 +105,9 @@ def run_posttrain(out: Path, seed: int, steps: int, eval_every: int, overrides: 
     t0 = time.time()
     with open(out / f"posttrain-s{seed}.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        tree = TreeMemory(proc.pid)                  # with its children (vLLM's engine processes)
         _, status, usage = os.wait4(proc.pid, 0)     # this run's own peak RSS (KiB on Linux)
+        tree.stop()
         proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise RuntimeError(f"posttrain run failed (exit {proc.returncode}); see "
@@ -124,10 +126,34 @@ def run_posttrain(out: Path, seed: int, steps: int, eval_every: int, overrides: 
         "eval_minutes": [r["perf/train_minutes"] for r in evals],
         "eval_accuracy": [r["eval/accuracy"] for r in evals],
         "final": final, "wall_s": time.time() - t0, "peak_rss_gb": usage.ru_maxrss / 2**20,
+        "peak_tree_gb": tree.peak_mb / 1024,
+        **{key: [r.get(f"perf/{key}") for r in train] for key in
+           ("generate_s", "update_s", "weight_push_s", "generated_tokens_per_s")},
+        "logp_mismatch": [r.get("rollout/logp_mismatch") for r in train],
         "provenance": provenance(cmd),
     }
     result.write_text(json.dumps(res))
     return res
+
+
+class TreeMemory:
+    """The peak memory of a process and all its descendants together (PSS, sampled every
+    second): a vLLM engine runs in child processes that the run's own peak RSS leaves out."""
+
+    def __init__(self, pid: int) -> None:
+        import threading
+        from posttrain.sandbox.procs import tree_memory_mb
+        self.peak_mb, self._stop = 0.0, threading.Event()
+
+        def sample() -> None:
+            while not self._stop.wait(1.0):
+                self.peak_mb = max(self.peak_mb, tree_memory_mb(pid))
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def provenance(cmd: list[str]) -> dict:

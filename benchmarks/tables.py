@@ -872,6 +872,45 @@ def viewer_table(root: Path) -> str:
     ]) + "\n"
 
 
+VLLM_CPU = "benchmarks/results/vllm-cpu-2026-12-05"
+VLLM_ARMS = {"generate": "`generate` in the trainer's process (the default)",
+             "vllm": "vLLM in process (`--rollout.backend vllm`)",
+             "vllm-server": "vLLM as a server (`--rollout.vllm_launch 1`)"}
+
+
+def median_of(runs: list[dict], key: str) -> float | None:
+    """The median of a per-step figure over every step of every seed but each run's first."""
+    values = [x for r in runs for x in (r.get(key) or [])[1:] if x is not None]
+    return statistics.median(values) if values else None
+
+
+def vllm_cpu_row(label: str, runs: list[dict]) -> str:
+    cells = [median_of(runs, k) for k in ("step_s", "generate_s", "weight_push_s", "update_s",
+                                          "generated_tokens_per_s", "logp_mismatch")]
+    step, gen, push, update, tps, mismatch = cells
+    steps = [r["eval_steps"][-1] for r in runs]
+    return (f"| {label} | **{pct([r['eval_accuracy'][-1] for r in runs])}** ({per_seed_end(runs)}) | "
+            f"{mean_sd(steps, digits=0)} | {step:.2f} | {gen:.2f} ({tps:.0f}) | {push or 0:.2f} | "
+            f"{update:.2f} | {max(r['peak_tree_gb'] for r in runs):.1f} GB | "
+            f"{'-' if mismatch is None else f'{mismatch:.3f}'} |")
+
+
+def vllm_cpu_table(root: Path) -> str:
+    """The default job with each sampler, side by side over the same seeds: held-out after 10
+    training minutes, the steps that fit, the median step and its parts, tokens/s, the peak memory
+    of the trainer and its engine processes together, the trainer-vs-sampler log-prob mismatch."""
+    arms = {name: load_runs(root / VLLM_CPU / name) for name in VLLM_ARMS}
+    seeds = ", ".join(str(r["seed"]) for r in arms["generate"])
+    return "\n".join([
+        f"| the default job, seeds {seeds} | held-out after 10 min (per seed: % (steps)) | steps | "
+        "s a step | generation s (tokens/s) | weight push s | update s | peak memory, all "
+        "processes | mean abs log-prob mismatch |", "|---" * 9 + "|",
+        *[vllm_cpu_row(label, arms[name]) for name, label in VLLM_ARMS.items()],
+        "",
+        f"Medians over every step but each run's first. Records: `{VLLM_CPU}/<arm>/posttrain-s<seed>/bench.json`.",
+    ]) + "\n"
+
+
 TABLES: dict[str, Callable[[Path], str]] = {
     "lecture-baselines": lecture_baselines_table, "lecture-is": lecture_is_table,
     "lecture-kl": lecture_kl_table, "lecture-length": lecture_length_table,

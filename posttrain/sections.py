@@ -169,9 +169,9 @@ class EnvConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    # 'hf': in-process transformers sampling (exact pi_old, any device); 'vllm': a vLLM engine on
-    # the same GPU or a `vllm serve` process (pip install posttrain[vllm]; rollout/vllm.py),
-    # weights synced after every update
+    # 'hf': in-process transformers sampling (exact pi_old, any device); 'vllm': vLLM engines, in
+    # this process or `vllm serve` servers, on a CPU or a GPU (rollout/vllm.py), the trainer's
+    # weights pushed to each after every update
     backend: Literal["hf", "vllm"] = "hf"
     prompts_per_step: int = 8           # P prompts per generated batch
     group_size: int = 4                 # G responses per prompt
@@ -198,9 +198,18 @@ class RolloutConfig:
     # token_mis / seq_mis (rho where it lies in is_band, else 0), icepop (1 inside is_band, 0 out)
     correction: str = "token_tis"
     is_band: tuple[float, float] = (0.5, 2.0)   # token_mis, seq_mis, icepop: ratios kept
-    vllm_gpu_memory_utilization: float = 0.3   # share of the GPU vLLM may take (colocated)
-    vllm_sleep: bool = True             # free vLLM's weights and KV cache while the trainer updates
-    vllm_server: str | None = None      # 'http://host:port' of a `vllm serve`; None: colocated
+    # vLLM: in this process unless servers are named or launched; requests are shared out over
+    # the servers, a server that fails is dropped (named) and its prompts go to the others
+    vllm_servers: tuple[str, ...] = ()  # 'http://host:port' of `vllm serve` servers you started
+    vllm_launch: int = 0                # `vllm serve` servers posttrain starts on loopback
+    vllm_timeout_s: float = 300.0       # a server that does not answer a request within it is dropped
+    # how weights reach the engines: 'shm' (a safetensors folder in shared memory, reloaded in
+    # place: any device, this machine), 'ipc' / 'nccl' (CUDA, in process / servers); 'auto':
+    # shm without CUDA, else ipc or nccl
+    vllm_weight_push: Literal["auto", "shm", "ipc", "nccl"] = "auto"
+    vllm_cpu_kv_cache_gb: int = 1       # CPU: GB of memory for the KV cache of each engine
+    vllm_gpu_memory_utilization: float = 0.3   # share of the GPU vLLM may take (in process)
+    vllm_sleep: bool = True             # GPU: free vLLM's weights and KV cache while the trainer updates
 
     def validate(self) -> None:
         r = self
@@ -216,9 +225,13 @@ class RolloutConfig:
         if not 0.0 <= r.is_band[0] <= 1.0 <= r.is_band[1]:
             raise ConfigError(f"rollout.is_band={list(r.is_band)} must be [lo, hi] with "
                               "0 <= lo <= 1 <= hi (ratios inside are kept)")
-        if r.vllm_server is not None and not r.vllm_server.startswith(("http://", "https://")):
-            raise ConfigError(f"rollout.vllm_server={r.vllm_server!r} must be a URL such as "
-                              "http://host:8000")
+        for url in r.vllm_servers:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"rollout.vllm_servers has {url!r}: each must be a URL such as "
+                                  "http://host:8000")
+        check_range("rollout.vllm_launch", r.vllm_launch, 0)
+        check_range("rollout.vllm_timeout_s", r.vllm_timeout_s, 0.0, lo_open=True)
+        check_range("rollout.vllm_cpu_kv_cache_gb", r.vllm_cpu_kv_cache_gb, 1)
 
     @property
     def off_trainer(self) -> bool:

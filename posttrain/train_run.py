@@ -56,10 +56,10 @@ def check_world(cfg: TrainConfig, world: World) -> None:
     if P % world.size:
         raise ConfigError(f"rollout.prompts_per_step={P} must be divisible by the {world.size} "
                           "ranks: each rank samples and trains on whole groups of its share")
-    if cfg.rollout.backend == "vllm" and not cfg.rollout.vllm_server:
-        raise ConfigError("rollout.backend='vllm' colocated under torchrun is not supported yet: "
-                          "start `vllm serve` (see posttrain/rollout/vllm.py) and set "
-                          "rollout.vllm_server, or run on one process")
+    if cfg.rollout.backend == "vllm" and (cfg.rollout.vllm_launch or not cfg.rollout.vllm_servers):
+        raise ConfigError("rollout.backend='vllm' under torchrun takes servers you start: "
+                          "`vllm serve` (see posttrain/rollout/vllm.py) and rollout.vllm_servers, "
+                          "or run on one process")
 
 
 @dataclass

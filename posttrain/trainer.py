@@ -150,7 +150,9 @@ def train_step(run: Run, step: int, bar, show_progress: bool) -> None:
                                        algo, run.generator, run.teachers, run.critic,
                                        train_policy=not warming_up, world=world, tokens=tokens)
         timings["update"] += time.perf_counter() - t0
-        run.engine.sync_weights()
+        t0 = time.perf_counter()
+        run.engine.sync_weights()         # the sampler gets the new weights (vLLM: a push)
+        timings["weight_push"] += time.perf_counter() - t0
 
         # 5. log and evaluate
         metrics.update({**frozen_metrics, **adv_metrics, **update_metrics})

@@ -29,7 +29,8 @@ LAYERS = [
     ["data.source", "prompts", "models", "distributed", "memory", "logging", "checkpoint",
      "rewards.host", "rewards.pool", "rewards.verifiers", "run", "lifecycle", "view", "view.server",
      "envs.tools", "envs.builtin", "envs"],                                 # machinery
-    ["rollout", "rollout.hf", "rollout.vllm", "rollout.episodes", "forward",
+    ["rollout", "rollout.hf", "rollout.vllm", "rollout.vllm_worker", "rollout.vllm_weights",
+     "rollout.vllm_engines", "rollout.episodes", "forward",
      "batch", "step_metrics", "token_records"],                              # sampling, forward
     ["rewards", "rewards.scorer", "rewards.model", "teachers", "critic", "evaluation", "collect"],  # scores, teachers
     ["update_terms", "update"],                                              # the policy update

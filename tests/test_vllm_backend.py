@@ -100,7 +100,8 @@ def test_another_engines_logprobs_reweight_the_update_by_the_capped_ratio(tmp_pa
 
 def test_vllm_options_are_checked_before_anything_loads():
     for args, message in ((["--rollout.tis_cap", "0.5"], "rollout.tis_cap=0.5 must be >= 1"),
-                          (["--rollout.vllm_server", "localhost:8000"], "must be a URL"),
+                          (["--rollout.vllm_servers", "localhost:8000"], "must be a URL"),
+                          (["--rollout.vllm_cpu_kv_cache_gb", "0"], "must be >= 1"),
                           (["--rollout.backend", "vllm", "--lora.rank", "8"], "LoRA"),
                           (["--rollout.vllm_gpu_memory_utilization", "1.5"], "must be <= 1")):
         with pytest.raises(ConfigError, match=message):
@@ -109,37 +110,82 @@ def test_vllm_options_are_checked_before_anything_loads():
 
 def test_without_vllm_the_backend_says_how_to_install_it(tokenizer, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)     # as on a machine without vLLM
-    with pytest.raises(RuntimeError, match=r"pip install \"posttrain\[vllm\]\""):
+    with pytest.raises(RuntimeError, match=r"scripts/install-cpu.sh .*pip install \"posttrain\[vllm\]\""):
         make_engine("vllm", make_tiny_model(tokenizer), tokenizer, model_path="x",
                     rollout_cfg=load_config(None, []).rollout, dtype="float32", seed=0,
                     max_model_len=64)
 
 
-def test_a_weight_sync_empties_the_prefix_cache():
-    """vLLM keeps prefix-cache keys and values across weight loads; after a sync they belong to
-    the old weights, so the engine resets the cache (colocated: the LLM; server: its endpoint)."""
+class FakeEngine:
+    """An engine that records what is asked of it and holds what the push gives it."""
+
+    def __init__(self, name, holds=None, fails=False):
+        self.name, self.holds, self.fails, self.calls, self.reported = name, holds, fails, [], None
+
+    def rpc(self, method, kwargs):
+        self.calls.append(method)
+        if self.fails:
+            from posttrain.rollout.vllm import EngineGone
+            raise EngineGone("connection refused")
+        return [{"version": 0, "fingerprint": self.holds}]
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset")
+
+    def complete(self, prompts, G, kwargs, seeds):
+        self.calls.append("complete")
+        if self.fails:
+            from posttrain.rollout.vllm import EngineGone
+            raise EngineGone("connection refused")
+        return [[Completion([7, 2], [-0.5, -0.1], False)] * G for _ in prompts]
+
+    def close(self):
+        pass
+
+
+class FakePush:
+    def __init__(self, fingerprint):
+        self.fingerprint, self.sent = fingerprint, 0
+
+    def send(self, model, engines, owner):
+        self.sent += 1
+        return self.fingerprint
+
+    def loaded(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_weight_sync_checks_each_engine_and_empties_its_prefix_cache(tokenizer):
+    """vLLM keeps prefix-cache keys and values across weight loads; after a push they belong to
+    the old weights, so each engine's cache is reset, once it reported the trainer's weights."""
     from posttrain.rollout.vllm import VLLMRolloutEngine
-    calls = []
+    good = FakeEngine("a", holds=[1.0, 2.0])
+    engine = VLLMRolloutEngine(make_tiny_model(tokenizer), tokenizer, [good], FakePush([1.0, 2.0]))
+    assert good.calls == ["posttrain_state", "reset"]
+    stale = FakeEngine("b", holds=[9.0, 2.0])
+    with pytest.raises(RuntimeError, match="engine b holds weights other than the trainer's"):
+        VLLMRolloutEngine(make_tiny_model(tokenizer), tokenizer, [stale], FakePush([1.0, 2.0]))
+    engine.close()
 
-    class Fake:
-        def send_weights(self):
-            calls.append("send")
 
-        def reset_prefix_cache(self):
-            calls.append("reset")
-
-    engine = object.__new__(VLLMRolloutEngine)
-    engine.server, engine.asleep, engine.sender, engine.llm = None, set(), Fake(), Fake()
-    engine.sync_weights()
-    assert calls == ["send", "reset"]
-
-    class Http:
-        def post(self, url, timeout):
-            calls.append(url)
-            raise ConnectionError("down")
-    engine.server, engine.http = "http://host:8000", Http()
-    engine.sync_weights()                       # a failing reset is warned about, not fatal
-    assert calls[-2:] == ["send", "http://host:8000/reset_prefix_cache"]
+def test_requests_are_shared_out_and_a_failing_server_is_dropped_by_name(tokenizer, caplog):
+    from posttrain.rollout.base import SamplingParams
+    from posttrain.rollout.vllm import VLLMRolloutEngine
+    a, b = FakeEngine("http://a", holds=[1.0]), FakeEngine("http://b", holds=[1.0])
+    engine = VLLMRolloutEngine(make_tiny_model(tokenizer), tokenizer, [a, b], FakePush([1.0]))
+    out = engine.generate([[1, 2], [3], [4, 5, 6]], 2, SamplingParams(max_new_tokens=2))
+    assert out.response_ids_B_T.shape == (6, 2) and a.calls.count("complete") == 1 == b.calls.count("complete")
+    b.fails = True
+    with caplog.at_level("WARNING", logger="posttrain"):
+        out = engine.generate([[1, 2], [3]], 2, SamplingParams(max_new_tokens=2))
+    assert out.response_ids_B_T.shape == (4, 2) and "vLLM server http://b dropped" in caplog.text
+    a.fails = True
+    with pytest.raises(RuntimeError, match="every vLLM engine failed: http://b: connection refused; "
+                                           "http://a: connection refused"):
+        engine.generate([[1]], 1, SamplingParams(max_new_tokens=2))
 
 
 def test_the_bf16_copy_is_corrected_like_another_engine(tmp_path, tokenizer):

