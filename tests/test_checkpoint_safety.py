@@ -130,6 +130,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, to
     assert "step_000002" in caplog.text and "resuming from step_000001" in caplog.text
 
 
+@pytest.mark.slow   # (~40 s: in the full suite, README; benchmarks/crash_resume.py runs 8 kills)
 def test_kill9_and_a_truncated_newest_checkpoint_still_end_bit_identical(tmp_path):
     """SIGKILL once the checkpoint of step 3 is complete, cut its largest file in half: the
     resume falls back to step 2's checkpoint and ends bit for bit like an uninterrupted run."""

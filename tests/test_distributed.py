@@ -65,6 +65,7 @@ def test_two_ranks_end_with_the_parameters_of_one(embedded_dir, tmp_path, single
     assert summary["steps"] == 4 and "eval_after" in summary     # evaluation split over ranks
 
 
+@pytest.mark.slow   # (two ranks, 15-50 s: in the full suite, README)
 def test_dynamic_sampling_on_two_ranks_keeps_the_groups_of_one(embedded_dir, tmp_path):
     """DAPO's dynamic sampling under torchrun: the ranks count informative groups together,
     refill together, and share out the first P of them in one process's order (FSDP2, whose
@@ -77,6 +78,7 @@ def test_dynamic_sampling_on_two_ranks_keeps_the_groups_of_one(embedded_dir, tmp
     assert_same_weights(weights(two), weights(one))
 
 
+@pytest.mark.slow   # (two ranks, 15-50 s: in the full suite, README)
 def test_a_checkpoint_written_by_two_ranks_resumes_on_one(embedded_dir, tmp_path, single):
     two = run(embedded_dir, tmp_path / "run", "fsdp", steps=2, nproc=2)
     assert (Path(two) / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
@@ -106,6 +108,7 @@ def single_stages(embedded_dir, tmp_path_factory):
             for stage in ("sft", "sft-frozen", "dpo", "reward-model")}
 
 
+@pytest.mark.slow   # (two ranks, 15-50 s: in the full suite, README)
 @pytest.mark.parametrize("stage,strategy", [("sft", "ddp"), ("sft", "fsdp"),
                                             pytest.param("dpo", "fsdp", marks=pytest.mark.slow),
                                             ("reward-model", "ddp"), ("sft-frozen", "fsdp")])
@@ -176,6 +179,7 @@ def test_ppo_value_model_sharded_by_fsdp_matches_one_process(embedded_dir, tmp_p
     assert_same_weights(weights(resumed, "final_value_model"), weights(one, "final_value_model"))
 
 
+@pytest.mark.slow   # (two ranks, 15-50 s: in the full suite, README)
 def test_minibatches_are_split_over_the_global_batch(embedded_dir, tmp_path):
     """With several minibatches per step the groups are drawn into minibatches over the global
     batch, so 2 ranks update on exactly the minibatches of 1 process; under FSDP2 a rank holding
