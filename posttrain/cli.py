@@ -175,14 +175,18 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     env = for_tokenizer(env, tokenizer)
     engine = make_engine(cfg.rollout.backend, model, tokenizer,
                          **vllm_options(cfg, path, model, SINGLE))
-    res = evaluate(model, tokenizer, engine, task.eval_problems, scorer, cfg, env=env)
-    samples = res.pop("_samples")
-    if args.k > 1:
-        n = max(args.samples, args.k)
-        res_k = evaluate(model, tokenizer, engine, task.eval_problems, scorer, cfg, samples=n,
-                         k=args.k, temperature=cfg.rollout.temperature,
-                         generator=torch.Generator().manual_seed(cfg.seed), env=env)
-        res[f"eval/pass@{args.k}"] = res_k[f"eval/pass@{args.k}"]
+    try:
+        res = evaluate(model, tokenizer, engine, task.eval_problems, scorer, cfg, env=env)
+        samples = res.pop("_samples")
+        if args.k > 1:
+            n = max(args.samples, args.k)
+            res_k = evaluate(model, tokenizer, engine, task.eval_problems, scorer, cfg, samples=n,
+                             k=args.k, temperature=cfg.rollout.temperature,
+                             generator=torch.Generator().manual_seed(cfg.seed), env=env)
+            res[f"eval/pass@{args.k}"] = res_k[f"eval/pass@{args.k}"]
+    finally:
+        engine.close()
+        scorer.close()
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}, indent=2))
     for s in samples[:3]:
         print(f"  {s['prompt']!r} -> {s['completion']!r} ({'correct' if s['correct'] else 'wrong'})")

@@ -199,6 +199,7 @@ def stopped(run: Run, step: int, summary: dict[str, Any], signal_name: str | Non
     how to continue; no final model, no final evaluation (a pre-empted job has little time)."""
     run.logger.close()
     run.scorer.close()
+    run.engine.close()
     summary.update(steps=step, train_minutes=run.train_seconds / 60, stopped_by=signal_name,
                    resume=resume_command("train", run.run_dir))
     if run.world.main:
@@ -254,6 +255,7 @@ def finish(run: Run, step: int, summary: dict[str, Any]) -> dict[str, Any]:
     summary["save_s"] = time.perf_counter() - t0
     run.logger.close()
     run.scorer.close()
+    run.engine.close()
     if world.main:
         try:
             summary["plot"] = str(plot_run(run_dir))

@@ -5,6 +5,8 @@ same weights, weights pushed after an update and checked, servers on loopback th
 Each engine takes about 20 s to start here; the module starts one in process and two servers."""
 
 import logging
+import os
+import time
 from dataclasses import replace
 
 import pytest
@@ -149,7 +151,27 @@ def two_servers(tiny, tokenizer):
     cfg = RolloutConfig(backend="vllm", vllm_launch=2, vllm_timeout_s=60.0)
     e = make_vllm_engine(model, tokenizer, str(folder), cfg, "float32", seed=0, max_model_len=256)
     yield e
+    groups = [server.process.pid for server in e.engines]
     e.close()
+    # the servers' engine processes too, those of a killed server included (dead: gone or zombies
+    # their new parent has not reaped yet)
+    deadline = time.monotonic() + 10      # (a killed process takes a moment to free its memory)
+    while (alive := [p for p in group_members(groups) if p[1] != "Z"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive == []
+
+
+def group_members(groups: list[int]) -> list[tuple[int, str]]:
+    """(pid, state) of every process in one of the process groups `groups`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) in groups:       # (state, ppid, pgrp, ...)
+            found.append((int(entry), fields[0]))
+    return found
 
 
 def test_two_servers_share_the_prompts_and_one_killed_mid_run_is_dropped(two_servers, tiny,

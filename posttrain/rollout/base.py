@@ -114,3 +114,8 @@ class RolloutEngine(Protocol):
     def sync_weights(self) -> None:
         """Make the engine sample from the trainer's current weights (no-op when they are shared)."""
         ...
+
+    def close(self) -> None:
+        """Stop what the engine started (vLLM's engine processes, launched servers); no-op in
+        process."""
+        ...

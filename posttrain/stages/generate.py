@@ -24,8 +24,7 @@ def generate(cfg, n: int, out: str | Path, samples: int = 1, only_correct: bool 
     policy's tokens, which `sft` trains on). `demonstrate`: ground-truth episodes instead of the
     model's (envs: `demonstration`), e.g. calculator calls that teach a tool format before RL."""
     from posttrain.rewards.scorer import Scorer
-    from posttrain.rollout import SamplingParams, episode_settings, make_engine
-    from posttrain.rollout.episodes import run_episodes
+    from posttrain.rollout import SamplingParams, make_engine
     from posttrain.distributed import SINGLE
     from posttrain.data.source import Sampler, build_task
     from posttrain.envs import for_tokenizer, make_env
@@ -49,6 +48,22 @@ def generate(cfg, n: int, out: str | Path, samples: int = 1, only_correct: bool 
                          **vllm_options(cfg, path, model, SINGLE))
     r = cfg.rollout
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, greedy=samples == 1, stop=r.stop)
+    try:
+        rows = sample_rows(engine, tokenizer, env, sampler, scorer, n, samples, params, cfg,
+                           only_correct)
+    finally:
+        engine.close()
+        scorer.close()
+    write_jsonl(out, rows)
+    return {"written": len(rows), "generated": n * samples, "out": str(out)}
+
+
+def sample_rows(engine, tokenizer, env, sampler, scorer, n: int, samples: int, params, cfg,
+                only_correct: bool) -> list[dict[str, Any]]:
+    """`samples` scored episodes for each of `n` problems, as SFT rows (only the correct ones
+    with `only_correct`)."""
+    from posttrain.rollout import episode_settings
+    from posttrain.rollout.episodes import run_episodes
     rows: list[dict[str, Any]] = []
     gen = torch.Generator().manual_seed(cfg.seed)
     for start in range(0, n, cfg.eval_batch_size):
@@ -60,8 +75,7 @@ def generate(cfg, n: int, out: str | Path, samples: int = 1, only_correct: bool 
         rows += [{**row, "correct": ok}
                  for row, ok in zip(episode_rows(ep, per_response, env, tokenizer, cfg), correct)
                  if ok or not only_correct]
-    write_jsonl(out, rows)
-    return {"written": len(rows), "generated": n * samples, "out": str(out)}
+    return rows
 
 
 def episode_rows(ep, problems, env, tokenizer, cfg) -> list[dict[str, Any]]:
