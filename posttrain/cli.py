@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from posttrain import __version__
-from posttrain.errors import FailingSourceError, NonFiniteError
+from posttrain.errors import EngineError, FailingSourceError, NonFiniteError
 from posttrain.config import ConfigError, StageConfig, TrainConfig
 from posttrain.options import (DEFAULT_RECIPE, check_option_names, load_config, load_stage_config,
                                recipe_path)
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"posttrain: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except NonFiniteError as e:   # a run that went numerically wrong: said in one line
+    except (NonFiniteError, EngineError) as e:   # a run that went wrong: said in one line
         print(f"posttrain: error: {_one_line(e)}", file=sys.stderr)
         return 1
     except FailingSourceError as e:   # the message, then the first failure's traceback

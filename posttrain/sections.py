@@ -204,8 +204,8 @@ class RolloutConfig:
     vllm_launch: int = 0                # `vllm serve` servers posttrain starts on loopback
     vllm_timeout_s: float = 300.0       # a server that does not answer a request within it is dropped
     # how weights reach the engines: 'shm' (a safetensors folder in shared memory, reloaded in
-    # place: any device, this machine), 'ipc' / 'nccl' (CUDA, in process / servers); 'auto':
-    # shm without CUDA, else ipc or nccl
+    # place: any device, this machine), 'ipc' / 'nccl' (CUDA, in process / one server); 'auto':
+    # shm without CUDA, else ipc in process, nccl for one server, shm for several
     vllm_weight_push: Literal["auto", "shm", "ipc", "nccl"] = "auto"
     vllm_cpu_kv_cache_gb: int = 1       # CPU: GB of memory for the KV cache of each engine
     vllm_gpu_memory_utilization: float = 0.3   # share of the GPU vLLM may take (in process)
@@ -232,6 +232,15 @@ class RolloutConfig:
         check_range("rollout.vllm_launch", r.vllm_launch, 0)
         check_range("rollout.vllm_timeout_s", r.vllm_timeout_s, 0.0, lo_open=True)
         check_range("rollout.vllm_cpu_kv_cache_gb", r.vllm_cpu_kv_cache_gb, 1)
+        servers = len(r.vllm_servers) + r.vllm_launch
+        if r.vllm_weight_push == "ipc" and servers:
+            raise ConfigError("rollout.vllm_weight_push='ipc' reaches an engine in this process "
+                              "only: with rollout.vllm_servers or vllm_launch use 'shm' (servers "
+                              "on this machine) or 'nccl' (one server)")
+        if r.vllm_weight_push == "nccl" and servers != 1:
+            raise ConfigError(f"rollout.vllm_weight_push='nccl' broadcasts to exactly one server "
+                              f"(vllm_servers and vllm_launch name {servers}): use 'shm' for "
+                              "engines on this machine")
 
     @property
     def off_trainer(self) -> bool:

@@ -85,9 +85,19 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
     The loop is the lecture's: sample and score -> frozen log-probs -> advantages -> update."""
     t_setup = time.perf_counter()
     run = setup(cfg, resume, model, tokenizer, teacher)
+    try:
+        return run_loop(run, cfg, show_progress, time.perf_counter() - t_setup)
+    except BaseException:     # (an error or Ctrl-C twice: vLLM's processes and servers stop too)
+        run.engine.close()
+        raise
+
+
+def run_loop(run: Run, cfg: TrainConfig, show_progress: bool, setup_s: float) -> dict[str, Any]:
+    """Evaluate, then steps 1-6 of the lecture's loop until `cfg.steps`, `max_minutes` or a
+    stop signal; then evaluate and save."""
     world = run.world
     summary: dict[str, Any] = {"run_dir": str(run.run_dir), "preset": cfg.preset,
-                               "setup_s": time.perf_counter() - t_setup,
+                               "setup_s": setup_s,
                                "isolation": isolation(run.scorer, run.env)}
     if run.eval_problems and not run.resumed:
         summary["eval_before"] = run_eval(run, 0, "before")

@@ -6,6 +6,7 @@ import math
 import sys
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,7 @@ from posttrain.config import ConfigError
 from posttrain.options import load_config
 from posttrain.losses.correction import truncated_is_weights
 from posttrain.rewards import Scorer
-from posttrain.rollout import make_engine
+from posttrain.rollout import HFRolloutEngine, make_engine
 from posttrain.rollout.vllm import (Completion, completion_from_openai, completion_from_vllm,
                                     request_seed, to_rollout)
 from posttrain.collect import generate_and_score
@@ -137,19 +138,20 @@ class FakeEngine:
         if self.fails:
             from posttrain.rollout.vllm import EngineGone
             raise EngineGone("connection refused")
-        return [[Completion([7, 2], [-0.5, -0.1], False)] * G for _ in prompts]
+        return [[Completion([p[0], 10 + g], [-0.5, -0.1], False) for g in range(G)] for p in prompts]
 
     def close(self):
         pass
 
 
 class FakePush:
-    def __init__(self, fingerprint):
-        self.fingerprint, self.sent = fingerprint, 0
+    def __init__(self, fingerprint, version=0):
+        self.fingerprint, self.version, self.sent = fingerprint, version, 0
 
     def send(self, model, engines, owner):
+        from posttrain.rollout.vllm import Pushed
         self.sent += 1
-        return self.fingerprint
+        return Pushed(self.version, self.fingerprint)
 
     def loaded(self):
         pass
@@ -168,6 +170,9 @@ def test_a_weight_sync_checks_each_engine_and_empties_its_prefix_cache(tokenizer
     stale = FakeEngine("b", holds=[9.0, 2.0])
     with pytest.raises(RuntimeError, match="engine b holds weights other than the trainer's"):
         VLLMRolloutEngine(make_tiny_model(tokenizer), tokenizer, [stale], FakePush([1.0, 2.0]))
+    behind = FakeEngine("c", holds=[1.0, 2.0])      # the right weights under an older version
+    with pytest.raises(RuntimeError, match="engine c holds weight version 0 after the push of version 1"):
+        VLLMRolloutEngine(make_tiny_model(tokenizer), tokenizer, [behind], FakePush([1.0, 2.0], 1))
     engine.close()
 
 
@@ -176,12 +181,14 @@ def test_requests_are_shared_out_and_a_failing_server_is_dropped_by_name(tokeniz
     from posttrain.rollout.vllm import VLLMRolloutEngine
     a, b = FakeEngine("http://a", holds=[1.0]), FakeEngine("http://b", holds=[1.0])
     engine = VLLMRolloutEngine(make_tiny_model(tokenizer), tokenizer, [a, b], FakePush([1.0]))
+    in_order = [[1, 10], [1, 11], [3, 10], [3, 11], [4, 10], [4, 11]]   # each prompt's answers
     out = engine.generate([[1, 2], [3], [4, 5, 6]], 2, SamplingParams(max_new_tokens=2))
-    assert out.response_ids_B_T.shape == (6, 2) and a.calls.count("complete") == 1 == b.calls.count("complete")
+    assert out.response_ids_B_T.tolist() == in_order
+    assert a.calls.count("complete") == 1 == b.calls.count("complete")
     b.fails = True
     with caplog.at_level("WARNING", logger="posttrain"):
-        out = engine.generate([[1, 2], [3]], 2, SamplingParams(max_new_tokens=2))
-    assert out.response_ids_B_T.shape == (4, 2) and "vLLM server http://b dropped" in caplog.text
+        out = engine.generate([[1, 2], [3], [4, 5, 6]], 2, SamplingParams(max_new_tokens=2))
+    assert out.response_ids_B_T.tolist() == in_order and "vLLM server http://b dropped" in caplog.text
     a.fails = True
     with pytest.raises(RuntimeError, match="every vLLM engine failed: http://b: connection refused; "
                                            "http://a: connection refused"):
@@ -226,3 +233,82 @@ def test_the_bf16_copy_is_corrected_like_another_engine(tmp_path, tokenizer):
                            "rollout.backend=hf")):
         with pytest.raises(ConfigError, match=message):
             toy_config(tmp_path, *args)
+
+
+def test_weight_folders_go_however_the_run_ends_and_avoid_a_small_dev_shm(tmp_path, monkeypatch,
+                                                                           caplog):
+    import gc
+    import shutil
+    from collections import namedtuple
+    from posttrain.rollout import vllm_weights
+    state = {"w": torch.ones(4, 4), "b": torch.zeros(4)}
+    folders = vllm_weights.WeightFolders(torch.float32, root=tmp_path)
+    first, version, _ = folders.write(state)
+    second, _, _ = folders.write(state)
+    folders.loaded(second)
+    assert version == 0 and not first.exists() and second.exists()
+    del folders                      # dropped without close(), as when a step raises
+    gc.collect()
+    assert list(tmp_path.iterdir()) == []
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64e6, 0, 64e6 - 1))
+    with caplog.at_level("WARNING", logger="posttrain"):
+        assert vllm_weights.shared_memory_root(32_000_000) != Path("/dev/shm")
+    assert "/dev/shm has 0.06 GB free" in caplog.text
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1e12, 0, 1e12))
+    assert vllm_weights.shared_memory_root(32_000_000) == Path("/dev/shm")
+
+
+def test_the_engines_context_holds_the_answer_or_episode_within_the_models_positions():
+    from posttrain.rollout import engine_context
+    cfg = load_config(None, [])
+    assert engine_context(cfg, 8192) == 4096                      # 2048 + 24 new tokens: the floor
+    long = load_config(None, ["--rollout.max_new_tokens", "8192"])
+    assert engine_context(long, 131072) == 2048 + 8192
+    assert engine_context(long, 8192) == 8192                    # never past the model's positions
+    episode = load_config(None, ["--env.max_tokens", "6000"])
+    assert engine_context(episode, None) == 2048 + 6000
+
+
+def test_weight_push_choices_are_checked_against_the_engines_before_anything_starts():
+    for args, message in ((["--rollout.vllm_weight_push", "ipc", "--rollout.vllm_launch", "1"],
+                           "'ipc' reaches an engine in this process only"),
+                          (["--rollout.vllm_weight_push", "nccl"], "exactly one server"),
+                          (["--rollout.vllm_weight_push", "nccl", "--rollout.vllm_launch", "2"],
+                           r"name 2\)")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, args)
+
+
+def test_the_bf16_copys_sync_builds_no_graph(tokenizer):
+    """The copy takes the policy's weights as plain values: no gradient reaches it, and no
+    autograd graph grows with every step."""
+    policy = make_tiny_model(tokenizer)
+    engine = HFRolloutEngine(policy, tokenizer, weights="bfloat16")
+    with torch.enable_grad():
+        engine.sync_weights()
+    assert all(not p.requires_grad and p.grad_fn is None for p in engine.model.parameters())
+    assert torch.equal(next(engine.model.parameters()).float(),
+                       next(policy.parameters()).detach().bfloat16().float())
+
+
+def test_a_closed_kept_alive_connection_is_retried_once_and_a_dead_server_is_gone(monkeypatch):
+    """'Remote end closed connection without response' between two steps of a run was a server
+    closing an idle kept-alive connection, not a dead server: one more try on a new connection."""
+    import requests
+    from posttrain.rollout.vllm import EngineGone
+    from posttrain.rollout.vllm_engines import ServerEngine
+    server = ServerEngine("http://127.0.0.1:9", timeout_s=5.0)
+    answers = [requests.ConnectionError("Remote end closed connection without response"),
+               SimpleNamespace(status_code=200, content=b"{}", json=lambda: {"ok": 1})]
+
+    def post(url, json, timeout):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+    monkeypatch.setattr(server.http, "post", post)
+    assert server._post("/v1/completions", {}) == {"ok": 1} and answers == []
+    answers[:] = [requests.ConnectionError("refused"), requests.ConnectionError("refused")]
+    with pytest.raises(EngineGone, match="refused"):
+        server._post("/v1/completions", {})

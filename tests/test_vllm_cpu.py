@@ -109,7 +109,7 @@ def test_a_skipped_push_is_caught(engine, tiny, monkeypatch):
     with torch.no_grad():
         model.model.norm.weight.add_(0.5)
     try:
-        with pytest.raises(RuntimeError, match="holds weights other than the trainer's"):
+        with pytest.raises(RuntimeError, match=r"holds weight version \d+ after the push of version"):
             engine.sync_weights()
     finally:
         with torch.no_grad():
@@ -193,3 +193,19 @@ def test_two_servers_share_the_prompts_and_one_killed_mid_run_is_dropped(two_ser
     two_servers.engines[1].process.wait()
     with pytest.raises(RuntimeError, match="every vLLM engine failed"):
         two_servers.generate(prompts(tokenizer, 2), 1, params)
+
+
+def test_a_request_leaves_nothing_for_a_servers_defaults_to_fill():
+    """A server fills what a request leaves out from the model folder's generation_config.json
+    (a top_k or repetition penalty the policy never had): every such knob is set, and a folder
+    whose generation config asks for top_k 20 and a repetition penalty changes nothing."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from posttrain.rollout.vllm import sampling_kwargs
+    kwargs = sampling_kwargs(SamplingParams(max_new_tokens=8, temperature=0.7))
+    knobs = CompletionRequest._DEFAULT_SAMPLING_PARAMS.default   # (a pydantic private attribute)
+    assert set(knobs) <= set(kwargs)
+    request = CompletionRequest(model="m", prompt=[1, 2], n=2, seed=3, **kwargs)
+    folder_defaults = {"top_k": 20, "repetition_penalty": 1.05, "min_p": 0.1, "temperature": 0.2}
+    got = request.to_sampling_params(8, folder_defaults)
+    assert (got.top_k, got.repetition_penalty, got.min_p, got.temperature) in ((0, 1.0, 0.0, 0.7),
+                                                                               (-1, 1.0, 0.0, 0.7))

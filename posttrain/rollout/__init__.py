@@ -4,8 +4,8 @@ from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams
 from posttrain.rollout.episodes import EpisodeSettings
 from posttrain.rollout.hf import HFRolloutEngine
 
-__all__ = ["HFRolloutEngine", "Rollout", "RolloutEngine", "SamplingParams", "episode_settings",
-           "make_engine", "vllm_options"]
+__all__ = ["HFRolloutEngine", "Rollout", "RolloutEngine", "SamplingParams", "engine_context",
+           "episode_settings", "make_engine", "vllm_options"]
 
 
 def make_engine(backend: str, model, tokenizer, autocast: str = "none", weights: str = "shared",
@@ -31,7 +31,15 @@ def vllm_options(cfg, model_path, model, world) -> dict:
     dtype = "bfloat16" if cfg.model.autocast == "bfloat16" else cfg.model.dtype
     return dict(model_path=str(model_path), rollout_cfg=cfg.rollout, dtype=dtype,
                 seed=cfg.seed, world=world,
-                max_model_len=min(getattr(model.config, "max_position_embeddings", 4096), 4096))
+                max_model_len=engine_context(cfg, getattr(model.config, "max_position_embeddings", None)))
+
+
+def engine_context(cfg, model_limit: int | None, prompt_room: int = 2048) -> int:
+    """The longest sequence a vLLM engine holds: room for a prompt and the answer (or a whole
+    multi-turn episode), at least 4096, never past what the model's positions reach. (vLLM
+    sizes its batches and refuses prompts by it: the cap is set, not left at the model's 128k.)"""
+    need = max(4096, prompt_room + cfg.rollout.max_new_tokens, prompt_room + cfg.env.max_tokens)
+    return min(need, model_limit) if model_limit else need
 
 
 def episode_settings(cfg) -> EpisodeSettings:

@@ -149,10 +149,10 @@ class HFRolloutEngine:
         if gen_eos is not None:
             self.eos_ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
 
-    @torch.no_grad()
     def close(self) -> None:
         """Nothing to stop: `generate` runs in the trainer's process."""
 
+    @torch.no_grad()
     def sync_weights(self) -> None:
         """The bf16 copy takes the policy's updated weights (nothing to do when they are shared)."""
         if self.model is not self.policy:

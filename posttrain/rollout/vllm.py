@@ -22,7 +22,7 @@ Weights: after every update the trainer's weights reach every engine (`rollout.v
 
 - 'shm' (any device; the default without CUDA): a safetensors folder in shared memory that each
   engine reloads in place (rollout/vllm_weights.py, rollout/vllm_worker.py);
-- 'ipc' (CUDA, in process) and 'nccl' (CUDA, servers): vLLM's weight-transfer engines.
+- 'ipc' (CUDA, in process) and 'nccl' (CUDA, one server): vLLM's weight-transfer engines.
 
 Then every engine reports the weights it holds (a version and a fingerprint of its norm and
 embedding weights), which must be the trainer's, and its prefix cache is emptied (the keys and
@@ -35,10 +35,12 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from posttrain.errors import EngineError
 from posttrain.prompts import left_pad
 from posttrain.rollout.base import Rollout, SamplingParams
 from posttrain.rollout.vllm_worker import same_fingerprint
@@ -106,15 +108,40 @@ def request_seed(seeds: Tensor | None, i: int, group_size: int) -> int | None:
 
 
 def sampling_kwargs(params: SamplingParams) -> dict:
-    """vLLM's sampling parameters for ours (greedy: temperature 0)."""
+    """vLLM's sampling parameters for ours (greedy: temperature 0). Every other knob is set to
+    'off': a server fills what a request leaves out from the model folder's
+    generation_config.json (Qwen2.5-Instruct's top_k 20 and repetition penalty 1.05), and the
+    policy's distribution is what is sampled and recorded."""
     return dict(temperature=0.0 if params.greedy else params.temperature,
                 top_p=1.0 if params.greedy else params.top_p,
+                top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+                frequency_penalty=0.0,
                 max_tokens=params.max_new_tokens, stop=list(params.stop) or None,
                 logprobs=0, include_stop_str_in_output=True, skip_special_tokens=False)
 
 
+class Pushed(NamedTuple):
+    """What every engine must report after a push: the weight version (None where the transfer
+    does not name one: vLLM's CUDA transfers) and the fingerprint of the trainer's weights."""
+    version: int | None
+    fingerprint: list[float]
+
+
 class EngineGone(RuntimeError):
     """A server that failed a request or a weight push (its prompts go to the others)."""
+
+
+def check_holds(name: str, states: list[dict], pushed: Pushed) -> None:
+    """Every worker of engine `name` reports the version and weights just pushed (a push that
+    did not arrive, or arrived partly, stops the run: its samples would be another policy's)."""
+    for s in states:
+        if pushed.version is not None and int(s["version"]) != pushed.version:
+            raise EngineError(f"vLLM engine {name} holds weight version {s['version']} after the "
+                               f"push of version {pushed.version}")
+        if not same_fingerprint(s["fingerprint"], pushed.fingerprint):
+            raise EngineError(f"vLLM engine {name} holds weights other than the trainer's after "
+                               f"the push (fingerprint {s['fingerprint']} against "
+                               f"{pushed.fingerprint})")
 
 
 class VLLMRolloutEngine:
@@ -139,8 +166,9 @@ class VLLMRolloutEngine:
         self.dead[engine.name] = why
         log.warning("vLLM server %s dropped (%s): its requests go to the %d others", engine.name,
                     why, len(self.alive))
+        engine.close()          # (a server posttrain launched stops; yours is left running)
         if not self.alive:
-            raise RuntimeError("every vLLM engine failed: " + "; ".join(
+            raise EngineError("every vLLM engine failed: " + "; ".join(
                 f"{name}: {why}" for name, why in self.dead.items()))
 
     # -- the RolloutEngine contract ----------------------------------------------------------
@@ -149,17 +177,14 @@ class VLLMRolloutEngine:
         """Push the trainer's weights to every engine, check each holds them, empty the prefix
         caches."""
         from posttrain.distributed import barrier
-        expected = self.push.send(self.model, self.alive, self)
-        if expected is None:                      # another rank: rank 0 pushes and checks
+        pushed = self.push.send(self.model, self.alive, self)
+        if pushed is None:                        # another rank: rank 0 pushes and checks
             return barrier(self.world)
         for engine in self.alive:
             try:   # (what the push's load reported, else asked now)
                 states = getattr(engine, "reported", None) or engine.rpc("posttrain_state", {})
                 engine.reported = None
-                if not all(same_fingerprint(s["fingerprint"], expected) for s in states):
-                    raise RuntimeError(f"vLLM engine {engine.name} holds weights other than the "
-                                       f"trainer's after the push (fingerprints {states} against "
-                                       f"{expected})")
+                check_holds(engine.name, states, pushed)
                 engine.reset_prefix_cache()
             except EngineGone as e:
                 self.drop(engine, str(e))
@@ -192,6 +217,8 @@ class VLLMRolloutEngine:
         return to_rollout(prompts, group_size, completions, self.pad_id)
 
     def close(self) -> None:
-        for engine in self.engines:
+        """Stop every engine this process started and remove the pushed weights (once)."""
+        engines, self.engines = self.engines, []
+        for engine in engines:
             engine.close()
         self.push.close()

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from posttrain.rollout.vllm import (INSTALL_HINT, WORKER_EXTENSION, Completion, EngineGone,
+from posttrain.errors import EngineError
+from posttrain.rollout.vllm import (INSTALL_HINT, WORKER_EXTENSION, Completion, EngineGone, Pushed,
                                     VLLMRolloutEngine, completion_from_openai, completion_from_vllm)
 from posttrain.rollout.vllm_weights import WeightFolders
 
@@ -138,8 +139,16 @@ class ServerEngine:
 
     def _post(self, route: str, body: dict, timeout: float | None = None):
         import requests
+        url, timeout = f"{self.url}{route}", timeout or self.timeout_s
         try:
-            r = self.http.post(f"{self.url}{route}", json=body, timeout=timeout or self.timeout_s)
+            try:
+                r = self.http.post(url, json=body, timeout=timeout)
+            except requests.ConnectionError:
+                # once more on a new connection: a kept-alive one the server closed as the
+                # request went out ('Remote end closed connection without response', seen between
+                # two steps of a run) is not a dead server; every request here may be repeated
+                # (seeded sampling, a reload of the same folder, a state query)
+                r = self.http.post(url, json=body, timeout=timeout)
         except requests.RequestException as e:   # refused, reset, timed out: the server is gone
             raise EngineGone(f"{type(e).__name__}: {str(e)[:200]}") from None
         if r.status_code >= 500:
@@ -174,8 +183,11 @@ class ServerEngine:
                         **kwargs)
             choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
             return [completion_from_openai(c) for c in choices]
-        with ThreadPoolExecutor(max_workers=max(1, min(16, len(prompts)))) as pool:
+        pool = ThreadPoolExecutor(max_workers=max(1, min(16, len(prompts))))
+        try:
             return list(pool.map(one, range(len(prompts))))
+        finally:   # a failed request: the queued ones are not sent (a hung server costs one
+            pool.shutdown(wait=True, cancel_futures=True)   # timeout, not one per 16 prompts)
 
     def rpc(self, method: str, kwargs: dict[str, str]) -> list:
         body = {"method": method, "kwargs": {k: str(v) for k, v in kwargs.items()}}
@@ -228,7 +240,8 @@ def launch_servers(n: int, model_path: str, dtype: str, seed: int, max_model_len
             args = cpu_engine_args(max_model_len)
             argv += ["--enforce-eager", "--no-enable-chunked-prefill",
                      "--max-num-batched-tokens", str(args["max_num_batched_tokens"])]
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
+        # (connections kept alive across a step's update and push, not closed after vLLM's 5 s)
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "3600",
                **cpu_settings(cfg.vllm_cpu_kv_cache_gb, cores)}
         log_path = logs / f"server-{k}.log"
         with open(log_path, "wb") as out:
@@ -236,8 +249,13 @@ def launch_servers(n: int, model_path: str, dtype: str, seed: int, max_model_len
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         servers.append(ServerEngine(f"http://127.0.0.1:{port}", cfg.vllm_timeout_s, proc, log_path))
     log.info("vLLM: %d server(s) starting (logs in %s)", n, logs)
-    for server in servers:
-        wait_healthy(server)
+    try:
+        for server in servers:
+            wait_healthy(server)
+    except BaseException:        # (one that does not start: the others stop too)
+        for server in servers:
+            server.close()
+        raise
     return servers
 
 
@@ -247,7 +265,7 @@ def wait_healthy(server: ServerEngine, timeout_s: float = START_TIMEOUT_S) -> No
     while time.monotonic() < end:
         if server.process is not None and server.process.poll() is not None:
             tail = server.log_path.read_text(errors="replace")[-1500:] if server.log_path else ""
-            raise RuntimeError(f"vLLM server {server.name} exited while starting (log "
+            raise EngineError(f"vLLM server {server.name} exited while starting (log "
                                f"{server.log_path}):\n{tail}")
         try:
             if server.http.get(f"{server.url}/health", timeout=5).status_code == 200:
@@ -255,15 +273,20 @@ def wait_healthy(server: ServerEngine, timeout_s: float = START_TIMEOUT_S) -> No
         except requests.RequestException:
             pass
         time.sleep(1.0)
-    raise RuntimeError(f"vLLM server {server.name} did not answer /health within {timeout_s:g} s")
+    raise EngineError(f"vLLM server {server.name} did not answer /health within {timeout_s:g} s "
+                      f"(log {server.log_path})")
 
 
 # -- weight pushes --------------------------------------------------------------------------------
 
 def push_kind(cfg, local: bool) -> str:
+    """How weights reach the engines: the configured way, or on 'auto' shm without CUDA, else
+    IPC in process, NCCL to one server, shm to several (NCCL's broadcast reaches one)."""
     if cfg.vllm_weight_push != "auto":
         return cfg.vllm_weight_push
-    return ("ipc" if local else "nccl") if cuda() else "shm"
+    if not cuda():
+        return "shm"
+    return "ipc" if local else ("nccl" if len(cfg.vllm_servers) + cfg.vllm_launch == 1 else "shm")
 
 
 class SharedMemoryPush:
@@ -275,9 +298,9 @@ class SharedMemoryPush:
         self.world = world
         self._folder = None
 
-    def send(self, model, engines: list, owner: VLLMRolloutEngine) -> list[float] | None:
-        """The fingerprint the engines must report (None on ranks other than 0, which only
-        take part in gathering the weights)."""
+    def send(self, model, engines: list, owner: VLLMRolloutEngine) -> Pushed | None:
+        """The version and fingerprint the engines must report (None on ranks other than 0,
+        which only take part in gathering the weights)."""
         from posttrain.distributed import full_state_dict
         state = full_state_dict(model, self.world)   # (every rank: FSDP gathers are collective)
         if not self.world.main:
@@ -290,7 +313,7 @@ class SharedMemoryPush:
             except EngineGone as e:
                 owner.drop(engine, str(e))
         self._folder = folder
-        return expected
+        return Pushed(version, expected)
 
     def loaded(self) -> None:
         self.folders.loaded(self._folder)
@@ -311,10 +334,10 @@ class CudaIPCPush:
         self.sender = IPCTrainerWeightTransferEngine.trainer_init(
             IPCTrainerInitInfo(rank=0), client=_LLMClient(engine.llm), source=ModuleSource(model))
 
-    def send(self, model, engines: list, owner) -> list[float]:
+    def send(self, model, engines: list, owner) -> Pushed:
         self.engine.wake(["weights"])
         self.sender.send_weights()
-        return _fingerprint_of(model, self.dtype)
+        return Pushed(None, _fingerprint_of(model, self.dtype))
 
     def loaded(self) -> None:
         pass
@@ -344,9 +367,9 @@ class NcclPush:
             init, client=HTTPVLLMWeightSyncClient(server.url), source=ModuleSource(model))
         self.dtype, self.world = dtype, world
 
-    def send(self, model, engines: list, owner) -> list[float] | None:
+    def send(self, model, engines: list, owner) -> Pushed | None:
         self.sender.send_weights()   # (every rank takes part in gathering FSDP's shards)
-        return _fingerprint_of(model, self.dtype) if self.world.main else None
+        return Pushed(None, _fingerprint_of(model, self.dtype)) if self.world.main else None
 
     def loaded(self) -> None:
         pass
@@ -391,21 +414,34 @@ def make_vllm_engine(model, tokenizer, model_path: str, rollout_cfg, dtype: str,
     try:
         import vllm  # noqa: F401
     except ImportError as e:
-        raise RuntimeError(INSTALL_HINT) from e
+        raise EngineError(INSTALL_HINT) from e
     cfg = rollout_cfg
     if world.distributed and (cfg.vllm_launch or not cfg.vllm_servers):
-        raise RuntimeError("rollout.backend='vllm' under torchrun takes servers you start: set "
+        raise EngineError("rollout.backend='vllm' under torchrun takes servers you start: set "
                            "rollout.vllm_servers (one engine or launch per rank is not supported)")
-    servers = [ServerEngine(url, cfg.vllm_timeout_s) for url in cfg.vllm_servers]
-    if cfg.vllm_launch:
-        servers += launch_servers(cfg.vllm_launch, model_path, dtype, seed, max_model_len, cfg)
-    torch_dtype = getattr(torch, dtype)
-    if servers:
-        engines = servers
-        push = (NcclPush(model, servers, world, torch_dtype) if push_kind(cfg, local=False) == "nccl"
-                else SharedMemoryPush(torch_dtype, world))
-    else:
-        engines = [LocalEngine(model_path, dtype, seed, max_model_len, cfg)]
-        push = (CudaIPCPush(model, engines[0], torch_dtype) if push_kind(cfg, local=True) == "ipc"
-                else SharedMemoryPush(torch_dtype, world))
-    return VLLMRolloutEngine(model, tokenizer, engines, push, world)
+    engines, push = [], None
+    try:    # (whatever fails on the way, what was started stops)
+        engines = [ServerEngine(url, cfg.vllm_timeout_s) for url in cfg.vllm_servers]
+        if cfg.vllm_launch:
+            engines += launch_servers(cfg.vllm_launch, model_path, dtype, seed, max_model_len, cfg)
+        if not engines:
+            engines = [LocalEngine(model_path, dtype, seed, max_model_len, cfg)]
+        push = make_push(model, engines, cfg, world, getattr(torch, dtype))
+        return VLLMRolloutEngine(model, tokenizer, engines, push, world)
+    except BaseException:
+        for engine in engines:
+            engine.close()
+        if push is not None:
+            push.close()
+        raise
+
+
+def make_push(model, engines: list, cfg, world, dtype: torch.dtype):
+    """How the trainer's weights reach `engines` (rollout.vllm_weight_push, push_kind)."""
+    local = isinstance(engines[0], LocalEngine)
+    kind = push_kind(cfg, local=local)
+    if kind == "ipc" and local:
+        return CudaIPCPush(model, engines[0], dtype)
+    if kind == "nccl" and not local:
+        return NcclPush(model, engines, world, dtype)
+    return SharedMemoryPush(dtype, world)

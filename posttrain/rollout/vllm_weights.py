@@ -11,20 +11,33 @@ previous version is removed once the engines hold the new one.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
 
 from posttrain.rollout.vllm_worker import fingerprint
 
+log = logging.getLogger("posttrain")
 
-def shared_memory_root() -> Path:
-    """/dev/shm where it exists and is writable (Linux), else the temporary folder."""
+
+def shared_memory_root(version_bytes: int) -> Path:
+    """/dev/shm where it exists, is writable and holds two versions of the weights (the newest
+    is written before the previous one goes; Docker's default /dev/shm is 64 MB), else the
+    temporary folder, said in one line."""
     shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        free = shutil.disk_usage(shm).free
+        if free >= 2 * version_bytes:
+            return shm
+        log.warning("vLLM weight pushes go through %s: /dev/shm has %.2f GB free, two versions of "
+                    "the weights take %.2f GB (Docker: --shm-size)", tempfile.gettempdir(),
+                    free / 1e9, 2 * version_bytes / 1e9)
+    return Path(tempfile.gettempdir())
 
 
 def engine_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -44,16 +57,23 @@ class WeightFolders:
     """Writes each weight version to its own folder under shared memory; keeps the newest."""
 
     def __init__(self, dtype: torch.dtype, root: Path | None = None) -> None:
-        self.dtype = dtype
-        self.dir = Path(tempfile.mkdtemp(prefix="posttrain-weights-", dir=root or shared_memory_root()))
+        self.dtype, self.root = dtype, root
+        self.dir: Path | None = None      # (made on the first write, where the weights fit)
         self.version = -1
         self.current: Path | None = None
+        self._remove = None
 
     def write(self, full_state: dict[str, torch.Tensor]) -> tuple[Path, int, list[float]]:
         """The next version's folder, its number and the fingerprint an engine must report
         after loading it."""
         from safetensors.torch import save_file
         state = engine_state_dict(full_state, self.dtype)
+        if self.dir is None:
+            size = sum(t.numel() * t.element_size() for t in state.values())
+            self.dir = Path(tempfile.mkdtemp(prefix="posttrain-weights-",
+                                             dir=self.root or shared_memory_root(size)))
+            # removed however the run ends (an error, a signal's exit), not only by close()
+            self._remove = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
         self.version += 1
         folder = self.dir / f"v{self.version:06d}"
         folder.mkdir()
@@ -68,4 +88,5 @@ class WeightFolders:
         self.current = folder
 
     def close(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self._remove is not None:
+            self._remove()
