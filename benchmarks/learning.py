@@ -43,7 +43,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+# this tree's package first: the provenance of the tree the runs use, not of the one an editable
+# install points to (a git worktree beside it)
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from step_time import MALLOC_ENV, ensure_trl_venv  # noqa: E402
 from posttrain.provenance import provenance as record_provenance  # noqa: E402
 

@@ -889,8 +889,9 @@ def vllm_cpu_row(label: str, runs: list[dict]) -> str:
                                           "generated_tokens_per_s", "logp_mismatch")]
     step, gen, push, update, tps, mismatch = cells
     steps = [r["eval_steps"][-1] for r in runs]
+    same = pct([r["final"]["2digit"]["accuracy"] for r in runs])
     return (f"| {label} | **{pct([r['eval_accuracy'][-1] for r in runs])}** ({per_seed_end(runs)}) | "
-            f"{mean_sd(steps, digits=0)} | {step:.2f} | {gen:.2f} ({tps:.0f}) | {push or 0:.2f} | "
+            f"{same} | {mean_sd(steps, digits=0)} | {step:.2f} | {gen:.2f} ({tps:.0f}) | {push or 0:.2f} | "
             f"{update:.2f} | {max(r['peak_tree_gb'] for r in runs):.1f} GB | "
             f"{'-' if mismatch is None else f'{mismatch:.3f}'} |")
 
@@ -902,13 +903,43 @@ def vllm_cpu_table(root: Path) -> str:
     arms = {name: load_runs(root / VLLM_CPU / name) for name in VLLM_ARMS}
     seeds = ", ".join(str(r["seed"]) for r in arms["generate"])
     return "\n".join([
-        f"| the default job, seeds {seeds} | held-out after 10 min (per seed: % (steps)) | steps | "
-        "s a step | generation s (tokens/s) | weight push s | update s | peak memory, all "
-        "processes | mean abs log-prob mismatch |", "|---" * 9 + "|",
+        f"| the default job, seeds {seeds} | held-out after 10 min, its own sampler (per seed: % "
+        "(steps)) | the final model, `generate` | steps | s a step | generation s (tokens/s) | "
+        "weight push s | update s | peak memory, all processes | mean abs log-prob mismatch |",
+        "|---" * 10 + "|",
         *[vllm_cpu_row(label, arms[name]) for name, label in VLLM_ARMS.items()],
         "",
-        f"Medians over every step but each run's first. Records: `{VLLM_CPU}/<arm>/posttrain-s<seed>/bench.json`.",
+        "Held-out: 200 2-digit problems, greedy; first by the run's own evaluator on the sampler "
+        "it trained with, then the saved final model by `benchmarks/heldout.py` (plain "
+        "transformers `generate` in float32: one yardstick for every arm). Medians over every "
+        "step but each run's first; memory is the peak of the trainer and every engine process "
+        f"together (PSS). Records: `{VLLM_CPU}/<arm>/posttrain-s<seed>/bench.json`.",
     ]) + "\n"
+
+
+VLLM_MISMATCH = {"mismatch-fp32": "float32 (`--model.autocast none`)",
+                 "mismatch-bf16": "bfloat16 (the default: trainer under bf16 autocast)"}
+
+
+def vllm_mismatch_table(root: Path) -> str:
+    """How far vLLM's log-probs of its own samples are from the trainer's, with both in float32
+    and both in bf16 (benchmarks/record.py runs of the default job on vLLM in process)."""
+    lines = ["| trainer and engine in | mean abs log-prob mismatch (median over steps) | largest "
+             "importance ratio pi_trainer / pi_engine | tokens with the ratio capped |",
+             "|---" * 4 + "|"]
+    for name, label in VLLM_MISMATCH.items():
+        rows = [json.loads(line) for line in open(root / VLLM_CPU / name / "metrics.jsonl")
+                if line.strip()]
+        train = [r for r in rows if "rollout/logp_mismatch" in r]
+        lines.append(
+            f"| {label} | {statistics.median(r['rollout/logp_mismatch'] for r in train):.2g} | "
+            f"{max(r['rollout/is_ratio_max'] for r in train):.5f} | "
+            f"{100 * statistics.mean(r['rollout/tis_capped_frac'] for r in train):.2f}% |")
+    steps = max(r["step"] for r in rows if "step" in r)
+    return "\n".join([*lines, "", f"{steps} steps of the default job each, seed 0 (a step whose "
+                       "groups all scored alike trains on nothing and reads no mismatch). Records: "
+                       f"`{VLLM_CPU}/mismatch-fp32/`, `{VLLM_CPU}/mismatch-bf16/` (record.json, "
+                       "metrics.jsonl)."]) + "\n"
 
 
 TABLES: dict[str, Callable[[Path], str]] = {
@@ -920,6 +951,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "default": default_table, "presets": presets_table, "opd": opd_table, "opsd": opsd_table,
     "lora": lora_table, "gpu": gpu_table, "guess-number": guess_number_table, "chain-sum": chain_sum_table, "rlhf": rlhf_table, "mopd": mopd_table, "dpo": dpo_table, "ppo-rlhf": ppo_rlhf_table,
     "objectives": objectives_table, "perstep": perstep_table, "viewer": viewer_table,
+    "vllm-cpu": vllm_cpu_table, "vllm-mismatch": vllm_mismatch_table,
 }
 
 

@@ -33,6 +33,7 @@ from posttrain.rollout.vllm_weights import WeightFolders
 
 log = logging.getLogger("posttrain")
 
+MAX_REQUESTS = 16          # requests in flight to one server at a time
 START_TIMEOUT_S = 900.0     # a server's start: imports, weights, warm-up, on a busy CPU
 
 
@@ -134,6 +135,8 @@ class ServerEngine:
         self.name, self.url, self.timeout_s = url, url.rstrip("/"), timeout_s
         self.process, self.log_path = process, log_path
         self.http = requests.Session()
+        for scheme in ("http://", "https://"):   # a connection kept for each of the 16 requests
+            self.http.mount(scheme, requests.adapters.HTTPAdapter(pool_maxsize=MAX_REQUESTS))
         self.reported = None
         self._finalizer = weakref.finalize(self, _stop_server, process) if process else None
 
@@ -183,7 +186,7 @@ class ServerEngine:
                         **kwargs)
             choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
             return [completion_from_openai(c) for c in choices]
-        pool = ThreadPoolExecutor(max_workers=max(1, min(16, len(prompts))))
+        pool = ThreadPoolExecutor(max_workers=max(1, min(MAX_REQUESTS, len(prompts))))
         try:
             return list(pool.map(one, range(len(prompts))))
         finally:   # a failed request: the queued ones are not sent (a hung server costs one
