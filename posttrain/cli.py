@@ -154,7 +154,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from posttrain.models import load_policy, load_tokenizer, resolve_model_path
     from posttrain.rewards.scorer import Scorer
-    from posttrain.rollout import make_engine
+    from posttrain.rollout import close_engine, make_engine
     from posttrain.distributed import SINGLE
     from posttrain.data.source import build_task
     from posttrain.evaluation import evaluate
@@ -185,7 +185,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
                              generator=torch.Generator().manual_seed(cfg.seed), env=env)
             res[f"eval/pass@{args.k}"] = res_k[f"eval/pass@{args.k}"]
     finally:
-        engine.close()
+        close_engine(engine)
         scorer.close()
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}, indent=2))
     for s in samples[:3]:

@@ -34,7 +34,8 @@ from posttrain.models import (add_lora, check_model_folder, load_policy, load_to
                               merged_lora_copy, resolve_model_path, save_model)
 from posttrain.rewards.scorer import Scorer
 from posttrain.envs import Environment, SingleTurn, for_tokenizer, make_env
-from posttrain.rollout import HFRolloutEngine, RolloutEngine, make_engine, vllm_options
+from posttrain.rollout import (HFRolloutEngine, RolloutEngine, close_engine, make_engine,
+                               vllm_options)
 from posttrain.run import make_adamw, make_scheduler, seed_everything
 from posttrain.teachers import Teachers
 from posttrain.critic import Critic
@@ -199,7 +200,7 @@ def stopped(run: Run, step: int, summary: dict[str, Any], signal_name: str | Non
     how to continue; no final model, no final evaluation (a pre-empted job has little time)."""
     run.logger.close()
     run.scorer.close()
-    run.engine.close()
+    close_engine(run.engine)
     summary.update(steps=step, train_minutes=run.train_seconds / 60, stopped_by=signal_name,
                    resume=resume_command("train", run.run_dir))
     if run.world.main:
@@ -255,7 +256,7 @@ def finish(run: Run, step: int, summary: dict[str, Any]) -> dict[str, Any]:
     summary["save_s"] = time.perf_counter() - t0
     run.logger.close()
     run.scorer.close()
-    run.engine.close()
+    close_engine(run.engine)
     if world.main:
         try:
             summary["plot"] = str(plot_run(run_dir))

@@ -42,7 +42,7 @@ from posttrain.losses.common import masked_mean
 from posttrain.losses.distill import DISTILL_LOSSES, sampled_reverse_kl
 from posttrain.losses.kl import KL_ESTIMATORS, kl_penalized_rewards
 from posttrain.prompts import encode_prompts, left_pad
-from posttrain.rollout import Rollout
+from posttrain.rollout import Rollout, close_engine
 from posttrain.distributed import global_max, global_sum, mean_metrics
 from posttrain.forward import frozen_logprobs
 from posttrain.lifecycle import Lifecycle
@@ -88,7 +88,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
     try:
         return run_loop(run, cfg, show_progress, time.perf_counter() - t_setup)
     except BaseException:     # (an error or Ctrl-C twice: vLLM's processes and servers stop too)
-        run.engine.close()
+        close_engine(run.engine)
         raise
 
 

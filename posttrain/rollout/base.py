@@ -119,3 +119,11 @@ class RolloutEngine(Protocol):
         """Stop what the engine started (vLLM's engine processes, launched servers); no-op in
         process."""
         ...
+
+
+def close_engine(engine) -> None:
+    """Stop what `engine` started: its `close()`, where it has one (an engine written before
+    `close` was part of the contract has nothing to stop)."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()

@@ -24,7 +24,7 @@ def generate(cfg, n: int, out: str | Path, samples: int = 1, only_correct: bool 
     policy's tokens, which `sft` trains on). `demonstrate`: ground-truth episodes instead of the
     model's (envs: `demonstration`), e.g. calculator calls that teach a tool format before RL."""
     from posttrain.rewards.scorer import Scorer
-    from posttrain.rollout import SamplingParams, make_engine
+    from posttrain.rollout import SamplingParams, close_engine, make_engine
     from posttrain.distributed import SINGLE
     from posttrain.data.source import Sampler, build_task
     from posttrain.envs import for_tokenizer, make_env
@@ -52,7 +52,7 @@ def generate(cfg, n: int, out: str | Path, samples: int = 1, only_correct: bool 
         rows = sample_rows(engine, tokenizer, env, sampler, scorer, n, samples, params, cfg,
                            only_correct)
     finally:
-        engine.close()
+        close_engine(engine)
         scorer.close()
     write_jsonl(out, rows)
     return {"written": len(rows), "generated": n * samples, "out": str(out)}
