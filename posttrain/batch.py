@@ -41,6 +41,9 @@ class ScoredBatch:
     old_values_B_T: Tensor | None = None
     returns_B_T: Tensor | None = None
     token_rewards_B_T: Tensor | None = None   # PPO: the per-token rewards GAE read (§5)
+    # asynchronous training: the weight version (a step number) that sampled each response
+    # (batch_source.py); None: the weights being trained
+    version_B: Tensor | None = None
 
     def __post_init__(self) -> None:
         """Every per-token log-prob holds 0 past each response's end and on the tokens an

@@ -120,7 +120,8 @@ class TrainConfig:
             raise ConfigError(
                 f"optim.minibatches={o.minibatches} must split the {self.batch_size} responses of a "
                 f"step (prompts_per_step x group_size) into whole groups of {r.group_size}")
-        if "old_logp" not in objective_reads(algo.policy_loss) and (o.epochs > 1 or o.minibatches > 1):
+        trust_region = objective_reads(algo.policy_loss) & {"old_logp", "behaviour_logp"}
+        if not trust_region and (o.epochs > 1 or o.minibatches > 1):
             raise ConfigError(f"algorithm.policy_loss={algo.policy_loss!r} reads no pi_old, so it is "
                               f"on-policy only: with optim.epochs={o.epochs}, optim.minibatches="
                               f"{o.minibatches} the later updates use stale samples; use 'clipped' "

@@ -35,6 +35,11 @@ class AlgorithmConfig:
     cov_low: float = 1.0                # clip_cov: covariance band the detached tokens come from
     cov_high: float = 5.0               # clip_cov: upper end of that band
     kl_cov_coef: float = 1.0            # kl_cov: weight of |log pi - log pi_old| on the picked tokens
+    # dppo_tv / dppo_kl: how far a token's probability may move from the sampler's (mu) before
+    # its gradient is masked (A < 0 / A > 0), and the cap of its weight pi / mu (null: none)
+    dppo_delta_low: float = 0.2
+    dppo_delta_high: float = 0.2
+    dppo_ratio_cap: float | None = 2.0
     entropy_coef: float = 0.0           # entropy bonus: minus coef x the entropy at each token
     aggregation: str = "seq_mean_token_mean"  # key of losses.aggregation.AGGREGATIONS
     kl_in: Literal["loss", "reward", "none"] = "loss"  # where the KL to pi_ref goes (§5 vs §6)
@@ -62,7 +67,9 @@ class AlgorithmConfig:
         return ObjectiveParams(
             clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
             sapo_tau_pos=self.sapo_tau_pos, sapo_tau_neg=self.sapo_tau_neg, cov_frac=self.cov_frac,
-            cov_low=self.cov_low, cov_high=self.cov_high, kl_cov_coef=self.kl_cov_coef)
+            cov_low=self.cov_low, cov_high=self.cov_high, kl_cov_coef=self.kl_cov_coef,
+            dppo_delta_low=self.dppo_delta_low, dppo_delta_high=self.dppo_delta_high,
+            dppo_ratio_cap=self.dppo_ratio_cap)
 
     def validate(self, group_size: int) -> None:
         check_choice("algorithm.advantage", self.advantage, ADVANTAGES.names())
@@ -77,6 +84,10 @@ class AlgorithmConfig:
         check_range("algorithm.kl_coef", self.kl_coef, 0.0)
         check_range("algorithm.entropy_coef", self.entropy_coef, 0.0)
         check_range("algorithm.cov_frac", self.cov_frac, 0.0, 1.0, lo_open=True)
+        for name in ("dppo_delta_low", "dppo_delta_high"):
+            check_range(f"algorithm.{name}", getattr(self, name), 0.0, lo_open=True)
+        if self.dppo_ratio_cap is not None:
+            check_range("algorithm.dppo_ratio_cap", self.dppo_ratio_cap, 1.0)
         for name in ("sapo_tau_pos", "sapo_tau_neg"):
             check_range(f"algorithm.{name}", getattr(self, name), 0.0, lo_open=True)
         if self.kl_in == "loss" and self.kl_estimator == "k1" and self.kl_coef > 0:

@@ -210,6 +210,14 @@ class RolloutConfig:
     vllm_cpu_kv_cache_gb: int = 1       # CPU: GB of memory for the KV cache of each engine
     vllm_gpu_memory_utilization: float = 0.3   # share of the GPU vLLM may take (in process)
     vllm_sleep: bool = True             # GPU: free vLLM's weights and KV cache while the trainer updates
+    # Asynchronous training (docs/scaling.md): the engine samples the next steps' batches while
+    # the trainer updates, from weights at most `max_staleness` updates older than those it
+    # trains (0: sample, then update, in turn). Each batch carries the weight version that
+    # sampled it; one older than max_staleness is dropped (counted) and its prompts drawn again.
+    max_staleness: int = 0
+    # batches the engine may hold ready or in flight ahead of the trainer (null: max_staleness);
+    # more than max_staleness keeps the engine busier and drops what grows too old
+    async_ahead: int | None = None
 
     def validate(self) -> None:
         r = self
@@ -232,6 +240,7 @@ class RolloutConfig:
         check_range("rollout.vllm_launch", r.vllm_launch, 0)
         check_range("rollout.vllm_timeout_s", r.vllm_timeout_s, 0.0, lo_open=True)
         check_range("rollout.vllm_cpu_kv_cache_gb", r.vllm_cpu_kv_cache_gb, 1)
+        self._check_async()
         servers = len(r.vllm_servers) + r.vllm_launch
         if r.vllm_weight_push == "ipc" and servers:
             raise ConfigError("rollout.vllm_weight_push='ipc' reaches an engine in this process "
@@ -241,6 +250,29 @@ class RolloutConfig:
             raise ConfigError(f"rollout.vllm_weight_push='nccl' broadcasts to exactly one server "
                               f"(vllm_servers and vllm_launch name {servers}): use 'shm' for "
                               "engines on this machine")
+
+    def _check_async(self) -> None:
+        r = self
+        check_range("rollout.max_staleness", r.max_staleness, 0)
+        if r.async_ahead is not None:
+            check_range("rollout.async_ahead", r.async_ahead, 1)
+            if r.max_staleness == 0:
+                raise ConfigError(f"rollout.async_ahead={r.async_ahead} needs rollout.max_staleness "
+                                  ">= 1 (with 0 the engine never samples ahead)")
+        if r.max_staleness and r.backend != "vllm":
+            raise ConfigError(f"rollout.max_staleness={r.max_staleness} samples while the trainer "
+                              f"updates, which needs an engine outside the trainer's process: set "
+                              f"rollout.backend=vllm (backend={r.backend!r} samples from the very "
+                              "weights being updated)")
+        if r.max_staleness and r.vllm_weight_push not in ("auto", "shm"):
+            raise ConfigError(f"rollout.max_staleness={r.max_staleness} with rollout.vllm_weight_push="
+                              f"{r.vllm_weight_push!r}: asynchronous training publishes each version "
+                              "as a folder the engine loads between batches; use 'shm' (or 'auto')")
+
+    @property
+    def ahead(self) -> int:
+        """Batches the engine may sample ahead of the trainer (0: synchronous)."""
+        return self.async_ahead or self.max_staleness
 
     @property
     def off_trainer(self) -> bool:

@@ -103,8 +103,11 @@ def batch_quantities(batch: ScoredBatch, gamma: float) -> dict[str, Tensor | Non
 
 
 def step_rows(step: int, batch: ScoredBatch, trace: TokenTrace, tokenizer,
-              gamma: float = 1.0) -> list[dict[str, Any]]:
-    """One record per traced response: its texts, reward and per-token lists."""
+              gamma: float = 1.0, version: int | None = None) -> list[dict[str, Any]]:
+    """One record per traced response: its texts, reward, per-token lists, and the weight
+    version that sampled it with its staleness against `version`, the weights trained (step
+    numbers; without a version per response, the weights trained sampled it)."""
+    version = step - 1 if version is None else version
     from_batch = batch_quantities(batch, gamma)
     ro, G = batch.rollout, batch.rollout.group_size
     policy = ro.policy_tokens_B_T
@@ -122,6 +125,8 @@ def step_rows(step: int, batch: ScoredBatch, trace: TokenTrace, tokenizer,
             "truncated": bool(ro.truncated_B[r]), "length": length,
             "reward_parts": json.dumps(batch.reward_parts[r] if batch.reward_parts else {}),
             "updated": r in trace.values.get("logp", {}),
+            "weight_version": sampled_by(batch, r, version),
+            "staleness": version - sampled_by(batch, r, version),
             "token_ids": ids, "tokens": [tokenizer.decode([i]) for i in ids],
             "policy": [int(x) for x in policy[r, :length].tolist()],
             "in_loss": [int(x) for x in batch.loss_mask_B_T[r, :length].tolist()],
@@ -135,10 +140,16 @@ def step_rows(step: int, batch: ScoredBatch, trace: TokenTrace, tokenizer,
     return out
 
 
+def sampled_by(batch: ScoredBatch, row: int, version: int) -> int:
+    """The weight version that sampled response `row` (batch.version_B; else `version`)."""
+    return version if batch.version_B is None else int(batch.version_B[row])
+
+
 INT_LISTS = {"token_ids": "int32", "policy": "int8", "in_loss": "int8", "clip": "int8"}
 SCALARS = {"step": "int32", "row": "int32", "group": "int32", "prompt": "string",
            "answer": "string", "completion": "string", "reward": "float32", "correct": "bool",
-           "truncated": "bool", "length": "int32", "reward_parts": "string", "updated": "bool"}
+           "truncated": "bool", "length": "int32", "reward_parts": "string", "updated": "bool",
+           "weight_version": "int32", "staleness": "int32"}
 
 
 def schema(names: list[str]):

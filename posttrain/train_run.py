@@ -34,7 +34,7 @@ from posttrain.models import (add_lora, check_model_folder, load_policy, load_to
                               merged_lora_copy, resolve_model_path, save_model)
 from posttrain.rewards.scorer import Scorer
 from posttrain.envs import Environment, SingleTurn, for_tokenizer, make_env
-from posttrain.rollout import (HFRolloutEngine, RolloutEngine, close_engine, make_engine,
+from posttrain.rollout import (HFRolloutEngine, RolloutEngine, make_engine,
                                vllm_options)
 from posttrain.run import make_adamw, make_scheduler, seed_everything
 from posttrain.teachers import Teachers
@@ -44,6 +44,8 @@ from posttrain.distributed import (World, barrier, device_for, full_state_dict,
                                    load_optimizer_state, wrap)
 from posttrain.lifecycle import resume_command
 from posttrain.update_terms import frozen_inputs
+from posttrain.batch_source import make_batch_source
+from posttrain.collect import generate_and_score
 
 
 log = logging.getLogger("posttrain")
@@ -54,6 +56,10 @@ def check_world(cfg: TrainConfig, world: World) -> None:
     if not world.distributed:
         return
     P = cfg.rollout.prompts_per_step
+    if cfg.rollout.max_staleness:
+        raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} under torchrun is not "
+                          "supported yet (one trainer process samples ahead); run on one process "
+                          "or with max_staleness 0")
     if P % world.size:
         raise ConfigError(f"rollout.prompts_per_step={P} must be divisible by the {world.size} "
                           "ranks: each rank samples and trains on whole groups of its share")
@@ -91,6 +97,7 @@ class Run:
     nonfinite_streak: int = 0           # trainer steps in a row whose every optimizer step was skipped
     watch: FailureWatch | None = None   # sources failing on most calls, step after step
     saved_step: int = -1                # the step of the last checkpoint written
+    batches: Any = None                 # where each step's batch comes from (batch_source.py)
 
     @property
     def algo(self) -> AlgorithmConfig:
@@ -176,6 +183,13 @@ def checkpoint(run: Run, step: int) -> None:
     if step == run.saved_step:
         return
     run.saved_step = step
+    with run.batches.paused(load_latest=False):   # (asynchronous: the engine between two batches)
+        save_run_state(run, step)
+
+
+def save_run_state(run: Run, step: int) -> None:
+    """The checkpoint's contents: pi_ref the first time, the model, the optimizer, the data
+    position and, asynchronous, the batches sampled and not yet trained on."""
     ref_dir = run.run_dir / "reference_model"
     if run.ref_model is not None and run.world.main and not ref_dir.is_dir():
         tmp = run.run_dir / ".reference_model.tmp"   # renamed into place: never half-written
@@ -187,11 +201,14 @@ def checkpoint(run: Run, step: int) -> None:
     extra = {"data_position": run.sampler.position, "data": run.sampler.state(),
              "train_seconds": run.train_seconds,
              "log_rows": run.logger.line_counts()}
+    folders = {}
     if run.critic is not None:
         extra["critic_optimizer"] = run.critic.optimizer_state()
+        folders["critic"] = run.critic.save
+    if hasattr(run.batches, "save"):
+        folders["in_flight"] = run.batches.save
     save_checkpoint(run.run_dir, step, run.model, run.tokenizer, run.optimizer, run.scheduler,
-                    run.generator, extra, run.cfg.to_dict(),
-                    extra_models={"critic": run.critic.save} if run.critic is not None else None,
+                    run.generator, extra, run.cfg.to_dict(), extra_models=folders or None,
                     world=run.world, keep=run.cfg.checkpoint.keep)
 
 
@@ -199,8 +216,8 @@ def stopped(run: Run, step: int, summary: dict[str, Any], signal_name: str | Non
     """A signal stopped the run after `step` (its checkpoint is written): summary.json says so and
     how to continue; no final model, no final evaluation (a pre-empted job has little time)."""
     run.logger.close()
+    run.batches.close()
     run.scorer.close()
-    close_engine(run.engine)
     summary.update(steps=step, train_minutes=run.train_seconds / 60, stopped_by=signal_name,
                    resume=resume_command("train", run.run_dir))
     if run.world.main:
@@ -217,7 +234,7 @@ def run_eval(run: Run, step: int, label: str) -> dict[str, Any]:
     # in the weights' own precision (not the sampler's bf16), as a user's model.generate reads it
     engine = (HFRolloutEngine(run.model, run.tokenizer) if isinstance(run.engine, HFRolloutEngine)
               else run.engine)
-    with full_weights_for_generation(run.model, run.world):
+    with full_weights_for_generation(run.model, run.world), run.batches.paused():
         res = evaluate(run.model, run.tokenizer, engine, run.eval_problems, run.scorer,
                        run.cfg, world=run.world, env=run.env)
     samples = res.pop("_samples")
@@ -255,8 +272,8 @@ def finish(run: Run, step: int, summary: dict[str, Any]) -> dict[str, Any]:
         summary["value_model"] = str(value_dir)
     summary["save_s"] = time.perf_counter() - t0
     run.logger.close()
+    run.batches.close()
     run.scorer.close()
-    close_engine(run.engine)
     if world.main:
         try:
             summary["plot"] = str(plot_run(run_dir))
@@ -303,9 +320,9 @@ def start_scorer(cfg: TrainConfig, verifier: str, env) -> Scorer:
     return scorer
 
 
-def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher) -> Run:
-    """Check the inputs (before any model loads), load the policy, pi_ref, teachers and value
-    model, place and wrap them, build the engine and optimizer, and restore a checkpoint."""
+def check_inputs(cfg: TrainConfig, teacher):
+    """Threads, seed and world; then the task, environment, teachers' folders and the reward
+    scorer (its sandbox started), each of which fails here, before any model loads."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     generator = seed_everything(cfg.seed)
@@ -317,6 +334,13 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
         for where, path in teacher_paths(cfg.teacher):
             check_model_folder(path, where)
     scorer = start_scorer(cfg, task.verifier, env)   # so does a function its sandbox cannot import
+    return generator, world, task, env, scorer
+
+
+def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher) -> Run:
+    """Check the inputs (before any model loads), load the policy, pi_ref, teachers and value
+    model, place and wrap them, build the engine and optimizer, and restore a checkpoint."""
+    generator, world, task, env, scorer = check_inputs(cfg, teacher)
     run_dir = Path(resume) if resume else Path(
         cfg.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     point = resume_point(run_dir) if resume else None   # the newest checkpoint that loads
@@ -362,4 +386,21 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
               env=env, watch=FailureWatch(cfg.reward.max_failing_steps))
     if ckpt is not None:
         restore(run, state)
+    run.batches = batch_source(run, ckpt)
     return run
+
+
+def batch_source(run: Run, ckpt: Path | None):
+    """Where each step's batch comes from (batch_source.py): sampled in turn, or ahead by the
+    engine from the step resumed at, with the checkpoint's batches sampled and not trained on."""
+    cfg = run.cfg
+    # (sampling ahead runs in a thread: never the run's generator, which the update draws from)
+    generator = run.generator if not cfg.rollout.max_staleness else torch.Generator().manual_seed(cfg.seed)
+
+    def collect(timings, tallies):
+        return generate_and_score(run.engine, run.tokenizer, run.sampler, run.scorer, cfg, run.algo,
+                                  generator, timings, run.world, run.env, tallies)
+    source = make_batch_source(cfg.rollout, collect, run.engine, run.sampler, run.start_step)
+    if ckpt is not None and hasattr(source, "restore"):
+        source.restore(ckpt / "in_flight")
+    return source

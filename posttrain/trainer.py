@@ -42,14 +42,13 @@ from posttrain.losses.common import masked_mean
 from posttrain.losses.distill import DISTILL_LOSSES, sampled_reverse_kl
 from posttrain.losses.kl import KL_ESTIMATORS, kl_penalized_rewards
 from posttrain.prompts import encode_prompts, left_pad
-from posttrain.rollout import Rollout, close_engine
+from posttrain.rollout import Rollout
 from posttrain.distributed import global_max, global_sum, mean_metrics
 from posttrain.forward import frozen_logprobs
 from posttrain.lifecycle import Lifecycle
 from posttrain.batch import ScoredBatch
 from posttrain.update import check_nonfinite_streak, update_policy
 from posttrain.update_terms import frozen_inputs
-from posttrain.collect import generate_and_score
 from posttrain.token_records import TokenTrace, step_rows, traced_rows, write_step
 from posttrain.step_metrics import critic_metrics, per_domain, read_floats, rollout_metrics
 from posttrain.train_run import (Run, check_health, checkpoint, finish, isolation, run_eval, setup,
@@ -88,7 +87,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
     try:
         return run_loop(run, cfg, show_progress, time.perf_counter() - t_setup)
     except BaseException:     # (an error or Ctrl-C twice: vLLM's processes and servers stop too)
-        close_engine(run.engine)
+        run.batches.close()
         raise
 
 
@@ -138,11 +137,11 @@ def train_step(run: Run, step: int, bar, show_progress: bool) -> None:
     t_step = time.perf_counter()
     timings: Counter = Counter()
 
-    # 1. sample a group per prompt and score it (pi_old = the current policy)
+    # 1. sample a group per prompt and score it (pi_old = the current policy; sampled ahead:
+    #    at most rollout.max_staleness updates older)
     tallies: dict[str, Tally] = {}
-    batch, metrics = generate_and_score(run.engine, run.tokenizer, run.sampler, run.scorer,
-                                        cfg, algo, run.generator, timings, world, run.env,
-                                        tallies)
+    batch, metrics = run.batches.next(step, timings, tallies)
+    version = run.batches.version         # the weights this step trains (a step number)
     check_health(run, step, tallies)      # a source failing step after step stops the run
     if len(batch.rewards_B) > 0:   # (dynamic sampling may find nothing informative)
         # 2. frozen log-probs: the trainer's pi_old (another engine sampled), pi_ref, the teacher
@@ -161,14 +160,15 @@ def train_step(run: Run, step: int, bar, show_progress: bool) -> None:
                                        train_policy=not warming_up, world=world, tokens=tokens)
         timings["update"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        run.engine.sync_weights()         # the sampler gets the new weights (vLLM: a push)
+        run.batches.after_update(step)    # the sampler gets the new weights (vLLM: a push)
         timings["weight_push"] += time.perf_counter() - t0
 
         # 5. log and evaluate
         metrics.update({**frozen_metrics, **adv_metrics, **update_metrics})
         log_step(run, step, batch, metrics, timings, t_step, bar, show_progress)
         if tokens is not None:   # the per-token numbers of a few groups (posttrain view)
-            write_step(run.run_dir, step, step_rows(step, batch, tokens, run.tokenizer, algo.gamma))
+            write_step(run.run_dir, step, step_rows(step, batch, tokens, run.tokenizer, algo.gamma,
+                                                    version))
         run.nonfinite_streak = nonfinite_streak(run.nonfinite_streak, metrics, cfg)
     else:
         log_empty_step(run, step, metrics, t_step, bar, show_progress)

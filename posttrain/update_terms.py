@@ -148,7 +148,9 @@ def update_terms(batch: ScoredBatch, cfg: TrainConfig, algo: AlgorithmConfig,
     kl_fn = KL_ESTIMATORS[algo.kl_estimator] if batch.ref_logp_B_T is not None else None
     distill = DISTILL_LOSSES[algo.distill_loss] if teachers is not None else None
     # tis_cap None: no correction (the mismatch is still logged)
-    correct = foreign and cfg.rollout.tis_cap is not None
+    # (an objective that weights by pi / mu itself, DPPO, takes no second correction)
+    corrects = POLICY_LOSSES.meta(algo.policy_loss).get("corrects", False)
+    correct = foreign and cfg.rollout.tis_cap is not None and not corrects
     return UpdateTerms(
         objective=POLICY_LOSSES[algo.policy_loss], params=algo.objective_params(),
         old_logp_B_T=batch.old_logp_B_T, single_update=single_update,
@@ -173,7 +175,8 @@ def policy_terms(batch: ScoredBatch, rows: Tensor, fwd: PolicyForward, w_micro: 
     aggregated; each term's metrics added to `metrics`."""
     m, n = batch.loss_mask_B_T[rows], len(rows)
     old = fwd.logp.detach() if terms.single_update else terms.old_logp_B_T[rows]
-    x = PolicyInputs(fwd.logp, old, batch.adv_B_T[rows], m, terms.group_size, terms.generator)
+    x = PolicyInputs(fwd.logp, old, batch.adv_B_T[rows], m, terms.group_size, terms.generator,
+                     behaviour_logp_B_T=batch.rollout.logp_B_T[rows])
     term = terms.objective(x, terms.params)
     for name, value in term.metrics.items():
         metrics.rows(name, value, n)

@@ -32,7 +32,8 @@ LAYERS = [
     ["rollout", "rollout.hf", "rollout.vllm", "rollout.vllm_worker", "rollout.vllm_weights",
      "rollout.vllm_engines", "rollout.episodes", "forward",
      "batch", "step_metrics", "token_records"],                              # sampling, forward
-    ["rewards", "rewards.scorer", "rewards.model", "teachers", "critic", "evaluation", "collect"],  # scores, teachers
+    ["rewards", "rewards.scorer", "rewards.model", "teachers", "critic", "evaluation", "collect",
+     "batch_source"],  # scores, teachers
     ["update_terms", "update"],                                              # the policy update
     ["stages", "stages.common", "train_run"],                                # one run's lifecycle
     ["trainer", "stages.sft", "stages.preference", "stages.generate",        # the loops

@@ -62,8 +62,10 @@ class Sampler:
         self.retries, self.max_waiting = retries, max_waiting
         self.draws = position                   # prompts drawn so far: each draw's noise key
         self.waiting: list[tuple[int, int]] = []     # (stream index, times asked again) to ask again
+        self.redo: list[tuple[int, int]] = []   # drawn, never trained on (a stale batch): drawn first
         self._last: list[tuple[int, int]] = []
         self.last_retried = 0                   # prompts of the last draw that were asked again
+        self.drawn: list[tuple[int, int]] | None = None   # when a list: every draw's prompts added
 
     def next(self, n: int) -> list[Problem]:
         """The next n prompts of the stream (no retries: demonstrations, evaluation sweeps)."""
@@ -75,11 +77,15 @@ class Sampler:
     def draw(self, n: int) -> tuple[list[Problem], list[int]]:
         """n prompts, the ones waiting to be asked again first (at most n // 2), and one noise
         key per prompt (distinct across every draw of the run: a retry gets fresh samples)."""
-        again, self.waiting = self.waiting[:n // 2], self.waiting[n // 2:]
+        first, self.redo = self.redo[:n], self.redo[n:]
+        k = (n - len(first)) // 2
+        again, self.waiting = self.waiting[:k], self.waiting[k:]
         self.last_retried = len(again)
-        fresh = list(range(self.position, self.position + n - len(again)))
+        fresh = list(range(self.position, self.position + n - len(first) - len(again)))
         self.position += len(fresh)
-        self._last = [(i, asked + 1) for i, asked in again] + [(i, 0) for i in fresh]
+        self._last = first + [(i, asked + 1) for i, asked in again] + [(i, 0) for i in fresh]
+        if self.drawn is not None:
+            self.drawn += self._last
         keys = list(range(self.draws, self.draws + n))
         self.draws += n
         return [self.task.train_problem(self.seed, i) for i, _ in self._last], keys
@@ -97,11 +103,17 @@ class Sampler:
                 self.waiting = self.waiting[-self.max_waiting:]
         self._last = []
 
+    def give_back(self, drawn: list[tuple[int, int]]) -> None:
+        """Prompts drawn but never trained on (asynchronous training dropped their stale batch):
+        they come first in the next draws, as they were."""
+        self.redo += drawn
+
     def state(self) -> dict:
         return {"position": self.position, "draws": self.draws,
-                "waiting": [list(w) for w in self.waiting]}
+                "waiting": [list(w) for w in self.waiting], "redo": [list(w) for w in self.redo]}
 
     def load_state(self, state: dict) -> None:
         self.position = state["position"]
         self.draws = state.get("draws", self.position)
         self.waiting = [(int(i), int(a)) for i, a in state.get("waiting", [])]
+        self.redo = [(int(i), int(a)) for i, a in state.get("redo", [])]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posttrain.losses.common import masked, masked_mean
+from posttrain.losses.common import _MAX_LOG_RATIO, masked, masked_mean
 from posttrain.registry import Registry
 
 
@@ -33,6 +33,9 @@ class PolicyInputs:
     mask_B_T: Tensor                    # 1 on tokens the policy wrote, 0 on padding / environment
     group_size: int                     # rows i*G .. i*G+G-1 answer the same prompt
     generator: torch.Generator | None = None   # randomness an objective may use (Clip-Cov)
+    # log mu(y_t): what really sampled the token (the engine's recorded log-probs, several weight
+    # versions old with rollout.max_staleness); None: the sampler was pi_old itself
+    behaviour_logp_B_T: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,9 @@ class ObjectiveParams:
     cov_low: float = 1.0                # Clip-Cov: covariance band the detached tokens come from
     cov_high: float = 5.0
     kl_cov_coef: float = 1.0            # KL-Cov: coefficient of |log pi - log pi_old| on its tokens
+    dppo_delta_low: float = 0.2         # DPPO: divergence a token with A < 0 may reach
+    dppo_delta_high: float = 0.2        # DPPO: divergence a token with A > 0 may reach
+    dppo_ratio_cap: float | None = 2.0  # DPPO: its importance weight min(pi / mu, cap) (None: uncapped)
 
 
 @dataclass(frozen=True)
@@ -371,3 +377,88 @@ def topr_objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
     log_seq_ratio = masked(x.logp_B_T - x.old_logp_B_T, x.mask_B_T).sum(-1, keepdim=True).detach()
     tapered = ((x.adv_B_T < 0) & (log_seq_ratio < 0)).float()
     return PolicyTerm(loss, {"policy/topr_tapered_frac": masked_mean(tapered, x.mask_B_T.float())})
+
+
+# ---------------------------------------------------------------------------------------------
+# DPPO: a trust region on the divergence from the sampler, not on the ratio (§5, §3)
+# ---------------------------------------------------------------------------------------------
+
+def binary_tv(logp_B_T: Tensor, behaviour_logp_B_T: Tensor) -> Tensor:
+    """Signed total-variation of the sampled token's binary split (itself / every other token).  §5.
+
+        D_TV,t = pi(y_t) - mu(y_t)
+
+    |D_TV,t| is the TV distance between Bernoulli(mu(y_t)) and Bernoulli(pi(y_t)); the sign says
+    which way the update moved the token (DPPO, Qi et al. 2026)."""
+    return logp_B_T.exp() - behaviour_logp_B_T.exp()
+
+
+def binary_kl(logp_B_T: Tensor, behaviour_logp_B_T: Tensor, eps: float = 1e-8) -> Tensor:
+    """KL between the sampled token's binary splits under mu and pi.  §5.
+
+        D_KL,t = mu_t log(mu_t / pi_t) + (1 - mu_t) log((1 - mu_t) / (1 - pi_t))
+
+    with mu_t = mu(y_t), pi_t = pi(y_t); eps keeps a token of probability 1 finite."""
+    mu, pi = behaviour_logp_B_T.exp(), logp_B_T.exp()
+    return mu * (behaviour_logp_B_T - logp_B_T) + (1 - mu) * torch.log((1 - mu + eps) / (1 - pi + eps))
+
+
+def dppo_keep(divergence_B_T: Tensor, moved_up_B_T: Tensor, adv_B_T: Tensor, delta_low: float,
+              delta_high: float, signed: bool) -> Tensor:
+    """DPPO's mask (no gradient): 1 where the token's gradient is kept.  §5.
+
+    A token is masked only when the update would carry it further out of the trust region:
+    A > 0 (pushing pi(y_t) up) once pi has risen past delta_high above mu, A < 0 once it has
+    fallen past delta_low below. `signed`: `divergence` is binary_tv (its sign is the move);
+    else a divergence >= 0 (binary_kl) read with `moved_up` (pi(y_t) > mu(y_t))."""
+    with torch.no_grad():
+        if signed:
+            up_ok, down_ok = divergence_B_T <= delta_high, divergence_B_T >= -delta_low
+        else:
+            up_ok = (divergence_B_T <= delta_high) | ~moved_up_B_T
+            down_ok = (divergence_B_T <= delta_low) | moved_up_B_T
+        return torch.where(adv_B_T > 0, up_ok, down_ok).float()
+
+
+def dppo_loss(logp_B_T: Tensor, behaviour_logp_B_T: Tensor, adv_B_T: Tensor, keep_B_T: Tensor,
+              ratio_cap: float | None) -> Tensor:
+    """DPPO's per-token loss (Divergence PPO, Qi et al. 2026; prime-rl's objective for off-policy
+    samples).  §3, §5.
+
+        L_t = -A_t * sg(min(pi(y_t) / mu(y_t), C)) * log pi(y_t) * M_t
+
+    mu is what sampled the token; the weight is the importance ratio, truncated at C, with no
+    gradient through it, so grad L_t = -A_t min(rho_t, C) grad log pi: PPO's gradient wherever the
+    mask M_t (`dppo_keep`) keeps the token. The trust region is a bound on the divergence of the
+    token's probability, not on its ratio: a rare token (mu = 0.01) may move to 0.05 (ratio 5)
+    while a likely one (0.9) may not fall to 0.6 (ratio 0.67)."""
+    rho = (logp_B_T - behaviour_logp_B_T).detach().clamp(max=_MAX_LOG_RATIO).exp()
+    if ratio_cap is not None:
+        rho = rho.clamp(max=ratio_cap)
+    return -adv_B_T * rho * logp_B_T * keep_B_T
+
+
+def _dppo(kind: str) -> PolicyObjective:
+    def objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
+        mu = x.old_logp_B_T if x.behaviour_logp_B_T is None else x.behaviour_logp_B_T
+        logp = x.logp_B_T.detach()
+        divergence = binary_tv(logp, mu) if kind == "tv" else binary_kl(logp, mu)
+        moved_up = logp > mu
+        keep = dppo_keep(divergence, moved_up, x.adv_B_T, p.dppo_delta_low, p.dppo_delta_high,
+                         signed=kind == "tv")
+        loss = dppo_loss(x.logp_B_T, mu, x.adv_B_T, keep, p.dppo_ratio_cap)
+        m = x.mask_B_T.float()
+        out = (keep == 0) & (m > 0)
+        sides = (out & (x.adv_B_T > 0)).to(torch.int8) - (out & (x.adv_B_T < 0)).to(torch.int8)
+        metrics = {"policy/dppo_divergence": masked_mean(divergence.abs(), m),
+                   "policy/dppo_masked_frac": masked_mean(1.0 - keep, m),
+                   **clip_fractions(sides, m)}
+        return PolicyTerm(loss, metrics, sides)
+    objective.__doc__ = f"DPPO with the binary {kind.upper()} divergence (`dppo_loss`).  §3, §5."
+    return objective
+
+
+# DPPO reads mu, the sampler's own log-probs, and weights by pi / mu itself: no other correction
+# is applied on top (update_terms.update_terms)
+POLICY_LOSSES.register("dppo_tv", reads=frozenset({"behaviour_logp"}), corrects=True)(_dppo("tv"))
+POLICY_LOSSES.register("dppo_kl", reads=frozenset({"behaviour_logp"}), corrects=True)(_dppo("kl"))

@@ -35,6 +35,7 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -127,6 +128,13 @@ class Pushed(NamedTuple):
     fingerprint: list[float]
 
 
+class Written(NamedTuple):
+    """A weight version written for the engines to load (a shared-memory push's folder)."""
+    folder: Path
+    version: int
+    fingerprint: list[float]
+
+
 class EngineGone(RuntimeError):
     """A server that failed a request or a weight push (its prompts go to the others)."""
 
@@ -176,8 +184,25 @@ class VLLMRolloutEngine:
     def sync_weights(self) -> None:
         """Push the trainer's weights to every engine, check each holds them, empty the prefix
         caches."""
+        if hasattr(self.push, "write"):            # (shm: written, then loaded)
+            return self.load(self.publish())
+        self.check_pushed(self.push.send(self.model, self.alive, self))
+
+    # -- asynchronous training: the trainer writes a version, the engines load it between batches
+
+    def publish(self) -> Written | None:
+        """The trainer's weights written as the next version (a shared-memory push); the engines
+        go on sampling from what they hold until `load`."""
+        return self.push.write(self.model)
+
+    def load(self, written: Written | None) -> None:
+        """Every engine loads `written` (what `publish` returned), checked like a push."""
+        self.check_pushed(self.push.load(self.alive, written, self))
+
+    def check_pushed(self, pushed: Pushed | None) -> None:
+        """Every engine holds what was pushed (check_holds); prefix caches emptied; the older
+        versions' folders removed."""
         from posttrain.distributed import barrier
-        pushed = self.push.send(self.model, self.alive, self)
         if pushed is None:                        # another rank: rank 0 pushes and checks
             return barrier(self.world)
         for engine in self.alive:

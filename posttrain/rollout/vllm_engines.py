@@ -28,7 +28,8 @@ import torch
 
 from posttrain.errors import EngineError
 from posttrain.rollout.vllm import (INSTALL_HINT, WORKER_EXTENSION, Completion, EngineGone, Pushed,
-                                    VLLMRolloutEngine, completion_from_openai, completion_from_vllm)
+                                    VLLMRolloutEngine, Written, completion_from_openai,
+                                    completion_from_vllm)
 from posttrain.rollout.vllm_weights import WeightFolders
 
 log = logging.getLogger("posttrain")
@@ -287,7 +288,7 @@ def push_kind(cfg, local: bool) -> str:
     IPC in process, NCCL to one server, shm to several (NCCL's broadcast reaches one)."""
     if cfg.vllm_weight_push != "auto":
         return cfg.vllm_weight_push
-    if not cuda():
+    if not cuda() or cfg.max_staleness:   # (asynchronous: versions the engine loads when it may)
         return "shm"
     return "ipc" if local else ("nccl" if len(cfg.vllm_servers) + cfg.vllm_launch == 1 else "shm")
 
@@ -301,22 +302,31 @@ class SharedMemoryPush:
         self.world = world
         self._folder = None
 
-    def send(self, model, engines: list, owner: VLLMRolloutEngine) -> Pushed | None:
-        """The version and fingerprint the engines must report (None on ranks other than 0,
-        which only take part in gathering the weights)."""
+    def write(self, model) -> Written | None:
+        """The trainer's weights as the next version's folder (None on ranks other than 0, which
+        only take part in gathering them). No engine is touched: they may be sampling."""
         from posttrain.distributed import full_state_dict
         state = full_state_dict(model, self.world)   # (every rank: FSDP gathers are collective)
         if not self.world.main:
             return None
-        folder, version, expected = self.folders.write(state)
+        return Written(*self.folders.write(state))
+
+    def load(self, engines: list, written: Written | None, owner: VLLMRolloutEngine) -> Pushed | None:
+        """Every engine reloads `written` in place; the version and fingerprint they must report."""
+        if written is None:
+            return None
         for engine in engines:
             try:
-                engine.reported = engine.rpc("posttrain_load", {"path": str(folder),
-                                                                "version": str(version)})
+                engine.reported = engine.rpc("posttrain_load", {"path": str(written.folder),
+                                                                "version": str(written.version)})
             except EngineGone as e:
                 owner.drop(engine, str(e))
-        self._folder = folder
-        return Pushed(version, expected)
+        self._folder = written.folder
+        return Pushed(written.version, written.fingerprint)
+
+    def send(self, model, engines: list, owner: VLLMRolloutEngine) -> Pushed | None:
+        """Write the weights, then every engine loads them (`write`, `load`)."""
+        return self.load(engines, self.write(model), owner)
 
     def loaded(self) -> None:
         self.folders.loaded(self._folder)

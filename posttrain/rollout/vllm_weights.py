@@ -81,9 +81,10 @@ class WeightFolders:
         return folder, self.version, fingerprint(state.items())
 
     def loaded(self, folder: Path) -> None:
-        """Every engine holds `folder`'s weights: older folders go."""
+        """Every engine holds `folder`'s weights: older folders go (a newer one, written while
+        the engines sampled, stays for their next load)."""
         for old in self.dir.iterdir():
-            if old != folder:
+            if old.name < folder.name:
                 shutil.rmtree(old, ignore_errors=True)
         self.current = folder
 

@@ -14,6 +14,7 @@ const CHARTS = [
   { title: "length of correct (solid) and wrong (dashed) answers", keys: ["rollout/length_correct", "rollout/length_incorrect"] },
   { title: "clip fractions, low (solid) and high (dashed)", keys: ["policy/clip_frac_low", "policy/clip_frac_high"] },
   { title: "value loss (solid), explained variance (dashed)", keys: ["loss/value", "critic/explained_variance"] },
+  { title: "staleness of the trained batch (updates)", keys: ["async/staleness"] },
   { title: "step time by phase (s)", keys: "perf" },
 ];
 // per-token quantities: how each is coloured (signed: blue < 0 < red; else one hue by size)
@@ -187,6 +188,9 @@ function card(r, q, scale) {
     el("span", { class: `badge ${verdict}`, text: verdict }),
     el("span", { text: `reward ${fmt(r.reward)}${parts ? ` (${parts})` : ""}` }),
     el("span", { text: `${r.length} tokens${r.truncated ? " · truncated" : ""}` }));
+  if (r.weight_version !== undefined && r.weight_version !== null)
+    head.append(el("span", { class: r.staleness > 0 ? "badge stale" : "", title: "the weights that sampled it (a step number) and how many updates older they are than those trained",
+                             text: `sampled by weights v${r.weight_version}${r.staleness > 0 ? ` · ${r.staleness} update${r.staleness > 1 ? "s" : ""} stale` : ""}` }));
   if (!r.updated) head.append(el("span", { class: "badge skipped", text: "no update: its group's advantages were all 0" }));
   const prompt = el("div", { class: "prompt" }, el("b", { text: "prompt  " }), r.prompt, el("b", { text: "   answer  " }), r.answer);
   const resp = el("div", { class: "response" });

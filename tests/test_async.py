@@ -1,0 +1,228 @@
+"""Sampling ahead (batch_source.Ahead) with a scripted engine: the staleness bound, the trainer's
+and the engine's waits, stale batches dropped and their prompts drawn again, evaluation and
+checkpoints between two batches, and in-flight batches saved and restored. The same machinery with
+the real vLLM engine: tests/test_async_vllm.py."""
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from posttrain.batch import ScoredBatch
+from posttrain.batch_source import Ahead, InTurn, load_sampled, make_batch_source, save_sampled
+from posttrain.config import ConfigError
+from posttrain.data.source import Sampler
+from posttrain.data.tasks import Problem, Task
+from posttrain.options import load_config
+from posttrain.rollout.base import Rollout
+
+P, G = 2, 2
+
+
+def numbered_task() -> Task:
+    """A stream of distinct prompts ('p0', 'p1', ... in a shuffled order)."""
+    pool = [Problem(f"p{i}", str(i)) for i in range(10_000)]
+    return Task("file", lambda rng: pool[0], train_pool=pool)
+
+
+class ScriptedEngine:
+    """Holds a weight version; `publish` writes one, `load` takes it (each may be slowed)."""
+
+    def __init__(self, load_s: float = 0.0) -> None:
+        self.holds, self.loads, self.load_s = 0, [], load_s
+        self.busy = threading.Lock()        # one user at a time, as the trainer guarantees
+        self.overlaps = 0
+        self.closed = False
+
+    def publish(self):
+        return object()
+
+    def load(self, written) -> None:
+        self.loads.append(written)
+        time.sleep(self.load_s)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def collector(sampler: Sampler, engine: ScriptedEngine, gen_s: float, seen: list):
+    """Sample a batch of P prompts x G answers, `gen_s` seconds; `seen` gets each draw's prompts."""
+    def collect(timings: Counter, tallies):
+        if not engine.busy.acquire(blocking=False):
+            engine.overlaps += 1
+            engine.busy.acquire()
+        try:
+            problems, _ = sampler.draw(P)
+            sampler.report([False] * P)
+            time.sleep(gen_s)
+            timings["generate"] += gen_s
+        finally:
+            engine.busy.release()
+        B = P * G
+        ones = torch.ones(B, 3)
+        ro = Rollout(torch.ones(B, 2, dtype=torch.long), torch.ones(B, 2),
+                     torch.ones(B, 3, dtype=torch.long), ones, -ones, torch.zeros(B, dtype=torch.bool), G)
+        per = [p for p in problems for _ in range(G)]
+        seen.append([p.prompt for p in problems])
+        return ScoredBatch(ro, per, ["x"] * B, torch.arange(B, dtype=torch.float), torch.zeros(B),
+                           ones), {"reward/generated_mean": 0.5}
+    return collect
+
+
+def train(ahead: Ahead, steps: int, update_s: float) -> list[tuple[int, ScoredBatch, dict, Counter]]:
+    """The trainer's side of the loop: take a batch, 'update' for update_s, publish."""
+    out = []
+    for step in range(1, steps + 1):
+        timings = Counter()
+        batch, metrics = ahead.next(step, timings, {})
+        time.sleep(update_s)
+        ahead.after_update(step)
+        out.append((step, batch, metrics, timings))
+    return out
+
+
+def make(K: int, ahead: int | None = None, gen_s: float = 0.02, load_s: float = 0.0):
+    sampler = Sampler(numbered_task(), seed=0)
+    engine = ScriptedEngine(load_s)
+    seen: list = []
+    source = Ahead(collector(sampler, engine, gen_s, seen), engine, sampler, K, ahead or K, 0)
+    return source, sampler, engine, seen
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_no_trained_batch_is_more_than_K_versions_old_and_each_carries_its_version(K):
+    source, _, engine, _ = make(K, gen_s=0.01)
+    try:
+        steps = train(source, 8, update_s=0.03)
+    finally:
+        source.close()
+    for step, batch, metrics, _ in steps:
+        staleness = (step - 1) - int(batch.version_B[0])
+        assert (batch.version_B == batch.version_B[0]).all()       # one version per batch
+        assert 0 <= staleness <= K and metrics["async/staleness"] == staleness
+        assert metrics[f"async/staleness_{staleness}"] == 1.0
+    # a slow trainer and a fast engine: the engine runs K batches ahead, as stale as allowed
+    assert [m["async/staleness"] for _, _, m, _ in steps][K + 1:] == [K] * (8 - K - 1)
+    assert engine.overlaps == 0 and engine.closed
+
+
+def test_a_slow_trainer_with_a_deeper_lead_drops_stale_batches_and_draws_their_prompts_again():
+    """async_ahead 4 > K = 1: the engine fills its lead while the trainer is slow, batches grow
+    more than one version old and are dropped (counted); their prompts come back, so the
+    prompts trained are the stream's, none skipped (this fails when the bound is not enforced:
+    a dropped batch would have been trained)."""
+    source, _, _, seen = make(1, ahead=4, gen_s=0.005)
+    try:
+        steps = train(source, 8, update_s=0.05)
+    finally:
+        source.close()
+    staleness = [(s - 1) - int(b.version_B[0]) for s, b, _, _ in steps]
+    assert max(staleness) <= 1
+    dropped = sum(m["async/dropped_batches"] for _, _, m, _ in steps)
+    assert dropped >= 2 and steps[-1][2]["async/dropped_samples_total"] == dropped * P * G
+    trained = [p.prompt for _, b, _, _ in steps for p in b.problems[::G]]
+    assert len(set(trained)) == len(trained)                    # none trained twice
+    pending = {p for batch in seen[len(trained) // P:] for p in batch}   # sampled, not trained
+    stream = [p.prompt for p in Sampler(numbered_task(), seed=0).next(len(trained) + 4 * P)]
+    first_missing = next(p for p in stream if p not in trained)
+    # none skipped: every prompt of the stream before the last trained one was trained, or is
+    # still on its way (drawn again after its batch was dropped)
+    upto = max(stream.index(p) for p in trained)
+    assert all(p in trained or p in pending or p in source.sampler.state()["redo"]
+               for p in stream[:upto + 1]), first_missing
+    assert len(seen) >= 8 + dropped                              # the dropped ones were sampled
+
+
+def test_a_slow_engine_makes_the_trainer_wait_and_a_slow_trainer_the_engine():
+    source, _, _, _ = make(1, gen_s=0.15)
+    try:
+        slow_engine = train(source, 4, update_s=0.01)
+    finally:
+        source.close()
+    waits = [t["trainer_wait"] for _, _, _, t in slow_engine[1:]]
+    assert min(waits) > 0.1                     # ~ generation minus the update each step
+    source, _, _, _ = make(1, gen_s=0.01)
+    try:
+        slow_trainer = train(source, 4, update_s=0.15)
+    finally:
+        source.close()
+    assert max(t["trainer_wait"] for _, _, _, t in slow_trainer[1:]) < 0.05
+    assert min(t["engine_idle"] for _, _, _, t in slow_trainer[2:]) > 0.1
+
+
+def test_a_pause_waits_for_the_batch_in_flight_and_loads_the_newest_weights():
+    source, _, engine, _ = make(1, gen_s=0.2)
+    try:
+        source.next(1, Counter(), {})           # the engine starts the next batch at once
+        time.sleep(0.05)
+        source.after_update(1)
+        t0 = time.perf_counter()
+        with source.paused():
+            assert time.perf_counter() - t0 > 0.1     # the batch in flight finished first
+            assert not source.in_flight and source.engine_version == 1 and len(engine.loads) == 1
+            n = len(source.ready)
+            time.sleep(0.1)
+            assert len(source.ready) == n             # nothing sampled while paused
+    finally:
+        source.close()
+
+
+def test_an_engine_failure_reaches_the_trainer():
+    sampler = Sampler(numbered_task(), seed=0)
+
+    def collect(timings, tallies):
+        raise RuntimeError("vLLM engine in-process died")
+    source = Ahead(collect, ScriptedEngine(), sampler, 1, 1, 0)
+    with pytest.raises(RuntimeError, match="died"):
+        source.next(1, Counter(), {})
+    source.close()
+
+
+def test_in_flight_batches_round_trip_through_a_checkpoint_folder(tmp_path):
+    source, sampler, _, _ = make(2, gen_s=0.0)
+    try:
+        source.next(1, Counter(), {})
+        while len(source.ready) < 2:            # the engine refills its lead of 2
+            time.sleep(0.01)
+        with source.paused(load_latest=False):
+            assert len(source.ready) == 2
+            source.save(tmp_path / "in_flight")
+            kept = list(source.ready)
+    finally:
+        source.close()
+    fresh, _, _, _ = make(2)
+    fresh.restore(tmp_path / "in_flight")
+    for a, b in zip(kept, fresh.ready, strict=True):
+        assert a.version == b.version and a.drawn == b.drawn
+        assert [p.prompt for p in a.batch.problems] == [p.prompt for p in b.batch.problems]
+        assert torch.equal(a.batch.rollout.response_ids_B_T, b.batch.rollout.response_ids_B_T)
+        assert torch.equal(a.batch.version_B, b.batch.version_B)
+    one = kept[0]
+    save_sampled(one, tmp_path / "one")
+    assert load_sampled(tmp_path / "one").metrics == one.metrics
+
+
+def test_in_turn_is_the_synchronous_loop():
+    calls = []
+    engine = ScriptedEngine()
+    engine.sync_weights = lambda: calls.append("sync")
+    source = make_batch_source(load_config(None, []).rollout, lambda t, _: calls.append("collect")
+                               or (None, {}), engine, None, 0)
+    assert isinstance(source, InTurn)
+    source.next(1, Counter(), {})
+    source.after_update(1)
+    assert calls == ["collect", "sync"] and source.version == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rollout.max_staleness", "1"], "rollout.backend=vllm"),
+    (["--rollout.backend", "vllm", "--rollout.async_ahead", "2"], "max_staleness >= 1"),
+    (["--rollout.backend", "vllm", "--rollout.max_staleness", "-1"], "rollout.max_staleness"),
+    (["--rollout.backend", "vllm", "--rollout.max_staleness", "1", "--rollout.vllm_weight_push",
+      "nccl", "--rollout.vllm_launch", "1"], "'shm'"),
+])
+def test_async_options_are_checked_before_anything_loads(args, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, args)

