@@ -49,6 +49,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from step_time import MALLOC_ENV, ensure_trl_venv  # noqa: E402
 from posttrain.provenance import provenance as record_provenance  # noqa: E402
 
+FINAL_HELDOUT = True   # --no-final: skip benchmarks/heldout.py on the final models (cut for time)
 RECIPE = dict(prompts=16, group=4, lr=2e-5, max_new_tokens=24, threads=2)
 
 # `--presets`: each algorithm on the default job's task, sampling and optimizer (lr, cosine decay,
@@ -117,7 +118,7 @@ def run_posttrain(out: Path, seed: int, steps: int, eval_every: int, overrides: 
     rows = [json.loads(line) for line in open(run / "metrics.jsonl") if line.strip()]
     train = [r for r in rows if "reward/mean" in r]
     evals = [r for r in rows if "eval/accuracy" in r]
-    final = heldout_of(run / "final_model")
+    final = heldout_of(run / "final_model") if FINAL_HELDOUT else None
     res = {
         "steps": [r["step"] for r in train],
         "reward": [r["reward/mean"] for r in train],
@@ -130,8 +131,11 @@ def run_posttrain(out: Path, seed: int, steps: int, eval_every: int, overrides: 
         "final": final, "wall_s": time.time() - t0, "peak_rss_gb": usage.ru_maxrss / 2**20,
         "peak_tree_gb": tree.peak_mb / 1024,
         **{key: [r.get(f"perf/{key}") for r in train] for key in
-           ("generate_s", "update_s", "weight_push_s", "generated_tokens_per_s")},
+           ("generate_s", "update_s", "weight_push_s", "generated_tokens_per_s",
+            "trainer_wait_s", "engine_idle_s")},
         "logp_mismatch": [r.get("rollout/logp_mismatch") for r in train],
+        "staleness": [r.get("async/staleness") for r in train],
+        "dropped_batches": [r.get("async/dropped_batches") for r in train],
         "provenance": provenance(cmd),
     }
     result.write_text(json.dumps(res))
@@ -434,6 +438,8 @@ def main() -> None:
     ap.add_argument("--max_minutes", type=float, default=None,
                     help="posttrain: stop at this many training minutes (default: run all steps)")
     ap.add_argument("--sides", nargs="+", default=["posttrain", "trl"], choices=["posttrain", "trl"])
+    ap.add_argument("--no-final", action="store_true",
+                    help="do not score the final models again with benchmarks/heldout.py")
     ap.add_argument("--label", default="", help="names this posttrain configuration in the tables")
     ap.add_argument("--out", type=Path, help="output folder (default benchmarks/out/learning-LABEL)")
     ap.add_argument("--trl-venv", type=Path, default=ROOT / ".venv-trl")
@@ -442,6 +448,8 @@ def main() -> None:
                     help="run these algorithms (posttrain only), one folder each under --out")
     args, overrides = ap.parse_known_args()
     overrides = [o for o in overrides if o != "--"]
+    global FINAL_HELDOUT
+    FINAL_HELDOUT = not args.no_final
     if args.presets:
         root = args.out or ROOT / "benchmarks" / "out" / "presets"
         folders = [root / name for name in args.presets]
@@ -458,7 +466,8 @@ def main() -> None:
     out = args.out or ROOT / "benchmarks" / "out" / f"learning-{args.label or 'default'}"
     for side in args.sides:
         run_side(out, side, args.label, args, overrides)
-    report(load_out(out), out)
+    if FINAL_HELDOUT:   # (the report reads the final models' scores)
+        report(load_out(out), out)
 
 
 def run_side(out: Path, side: str, label: str, args: argparse.Namespace, overrides: list[str]) -> None:

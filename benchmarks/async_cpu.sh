@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Asynchronous training on this machine (rollout.max_staleness K, docs/scaling.md): the default
+# job on vLLM in process with K = 0 (sample, then update), 1 and 2; K = 1 and 2 without the
+# off-policy correction (rollout.tis_cap null); DPPO (dppo_tv) at K = 2. Seeds 0-2, 3 training
+# minutes each, held-out (the run's own evaluator, 200 problems) every 10 steps; one run at a time
+# (2 cores), seeds in the outer loop so that an interrupted sweep leaves every arm with as many
+# seeds. About 100 minutes. Rendered by `benchmarks/tables.py` (table async-cpu in docs/scaling.md).
+#
+#   bash benchmarks/async_cpu.sh [OUT]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-benchmarks/results/async-cpu-$(date -u +%Y-%m-%d)}
+PY=.venv/bin/python
+VLLM=(--rollout.backend vllm)
+declare -A ARMS=(
+  [k0]=""
+  [k1]="--rollout.max_staleness 1"
+  [k2]="--rollout.max_staleness 2"
+  [k1-nocorr]="--rollout.max_staleness 1 --rollout.tis_cap null"
+  [k2-nocorr]="--rollout.max_staleness 2 --rollout.tis_cap null"
+  [k2-dppo]="--rollout.max_staleness 2 --algorithm.policy_loss dppo_tv"
+)
+ORDER=(k0 k1 k2 k2-nocorr k2-dppo k1-nocorr)
+for seed in ${SEEDS:-0 1 2}; do
+  for arm in "${ORDER[@]}"; do
+    # shellcheck disable=SC2086
+    "$PY" benchmarks/learning.py --sides posttrain --seeds "$seed" --steps 60 --max_minutes 3 \
+      --eval_every 10 --no-final --label "$arm" --out "$OUT/$arm" -- "${VLLM[@]}" ${ARMS[$arm]}
+  done
+done
