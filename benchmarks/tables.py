@@ -942,6 +942,57 @@ def vllm_mismatch_table(root: Path) -> str:
                        "metrics.jsonl)."]) + "\n"
 
 
+ASYNC_CPU = "benchmarks/results/async-cpu-2026-12-05"
+ASYNC_ARMS = {"k0": "K = 0: sample, then update (vLLM in process)",
+              "k1": "K = 1", "k2": "K = 2",
+              "k1-nocorr": "K = 1, no correction (`--rollout.tis_cap null`)",
+              "k2-nocorr": "K = 2, no correction",
+              "k2-dppo": "K = 2, DPPO (`--algorithm.policy_loss dppo_tv`)"}
+
+
+def common_eval_step(arms: dict[str, list[dict]]) -> int:
+    """The last evaluation step every run of every arm reached (held-out per step)."""
+    return min(r["eval_steps"][-1] for runs in arms.values() for r in runs)
+
+
+def async_row(label: str, runs: list[dict], step: int) -> str:
+    med = {k: median_of(runs, k) for k in ("step_s", "trainer_wait_s", "engine_idle_s",
+                                           "generate_s", "update_s")}
+    stale = [x for r in runs for x in (r.get("staleness") or [])[1:] if x is not None]
+    dropped = sum(x or 0 for r in runs for x in (r.get("dropped_batches") or []))
+    steps = [r["eval_steps"][-1] for r in runs]
+    return (f"| {label} | {len(runs)} | **{pct([r['eval_accuracy'][-1] for r in runs])}** "
+            f"({per_seed_end(runs)}) | {pct_at_step(runs, step)} | {mean_sd(steps, digits=0)} | "
+            f"{med['step_s']:.2f} | {med['trainer_wait_s']:.2f} | {med['engine_idle_s']:.2f} | "
+            f"{med['generate_s']:.2f} | {med['update_s']:.2f} | "
+            f"{statistics.mean(stale) if stale else 0:.2f} | {dropped} |")
+
+
+def async_cpu_table(root: Path) -> str:
+    """The default job on vLLM in process with the engine sampling K batches ahead, side by side
+    over the same seeds and training minutes: held-out at the end and at equal steps, the step
+    and its waits, the staleness trained on, the batches dropped."""
+    arms = {name: load_runs(root / ASYNC_CPU / name) for name in ASYNC_ARMS}
+    arms = {name: runs for name, runs in arms.items() if runs}
+    step = common_eval_step(arms)
+    return "\n".join([
+        "| the default job on vLLM, 3 training minutes | seeds | held-out at the end (per seed: % "
+        f"(steps)) | held-out at step {step} | steps | s a step | trainer waits s | engine idle s | "
+        "generation s | update s | mean staleness | batches dropped |",
+        "|---" * 12 + "|",
+        *[async_row(ASYNC_ARMS[name], runs, step) for name, runs in arms.items()],
+        "",
+        "Held-out: 200 2-digit problems, greedy, by the run's own evaluator every 10 steps "
+        "(evaluation time is not training time). Medians over every step but each run's first: "
+        "`trainer waits` is the time a step waited for its batch, `engine idle` the time the "
+        "engine waited for room (or, at K = 0, through the update and push); `generation` is the "
+        "engine's time for the step's batch, which at K >= 1 runs beside the update. Mean "
+        "staleness: updates between the weights that sampled a batch and those trained on it, "
+        "over every step but the first. Records: "
+        f"`{ASYNC_CPU}/<arm>/posttrain-s<seed>/bench.json`.",
+    ]) + "\n"
+
+
 TABLES: dict[str, Callable[[Path], str]] = {
     "lecture-baselines": lecture_baselines_table, "lecture-is": lecture_is_table,
     "lecture-kl": lecture_kl_table, "lecture-length": lecture_length_table,
@@ -952,6 +1003,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "lora": lora_table, "gpu": gpu_table, "guess-number": guess_number_table, "chain-sum": chain_sum_table, "rlhf": rlhf_table, "mopd": mopd_table, "dpo": dpo_table, "ppo-rlhf": ppo_rlhf_table,
     "objectives": objectives_table, "perstep": perstep_table, "viewer": viewer_table,
     "vllm-cpu": vllm_cpu_table, "vllm-mismatch": vllm_mismatch_table,
+    "async-cpu": async_cpu_table,
 }
 
 

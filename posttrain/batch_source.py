@@ -214,12 +214,16 @@ class Ahead:
         return out
 
     def after_update(self, step: int) -> None:
-        """Write the new weights as version `step`; the engine loads them before its next batch."""
+        """Write the new weights as version `step`; the engine loads them before its next batch
+        (a version written before it that the engine never loaded is removed: at most the one
+        it holds, the one waiting and the one being written exist at once)."""
         written = self.engine.publish()
         with self.cond:
-            self.published = (step, written)
+            superseded, self.published = self.published, (step, written)
             self.version = step
             self.cond.notify_all()
+        if superseded is not None:
+            self.engine.discard(superseded[1])
 
     @contextmanager
     def paused(self, load_latest: bool = True) -> Iterator[None]:
@@ -238,14 +242,16 @@ class Ahead:
                 self.pauses -= 1
                 self.cond.notify_all()
 
-    def close(self) -> None:
-        """Stop the thread and the engine (an in-flight request ends with the engine)."""
+    def close(self, wait_s: float = 60.0) -> None:
+        """Stop the thread (no new batch; the one in flight may finish, within `wait_s`: an
+        engine shut down under a request can block), then the engine."""
         with self.cond:
             self.closed = True
             self.cond.notify_all()
+            self.cond.wait_for(lambda: not self.in_flight, timeout=wait_s)
         close_engine(self.engine)
         if self.thread is not None:
-            self.thread.join(timeout=60)
+            self.thread.join(timeout=wait_s)
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -262,6 +268,15 @@ class Ahead:
         n = json.loads((folder / "count.json").read_text())["batches"]
         self.ready.extend(load_sampled(folder / f"batch_{i:03d}") for i in range(n))
         log.info("resumed with %d batch(es) sampled before the checkpoint", n)
+
+
+def prompts_in_flight(folder: Path) -> list[tuple[int, int]]:
+    """The prompts of the batches a checkpoint saved in flight (`Ahead.save`), as drawn."""
+    if not (folder / "count.json").is_file():
+        return []
+    n = json.loads((folder / "count.json").read_text())["batches"]
+    return [tuple(d) for i in range(n)
+            for d in json.loads((folder / f"batch_{i:03d}" / "batch.json").read_text())["drawn"]]
 
 
 def make_batch_source(rollout_cfg, collect: Collect, engine, sampler: Sampler, version: int):

@@ -44,7 +44,7 @@ from posttrain.distributed import (World, barrier, device_for, full_state_dict,
                                    load_optimizer_state, wrap)
 from posttrain.lifecycle import resume_command
 from posttrain.update_terms import frozen_inputs
-from posttrain.batch_source import make_batch_source
+from posttrain.batch_source import make_batch_source, prompts_in_flight
 from posttrain.collect import generate_and_score
 
 
@@ -403,4 +403,6 @@ def batch_source(run: Run, ckpt: Path | None):
     source = make_batch_source(cfg.rollout, collect, run.engine, run.sampler, run.start_step)
     if ckpt is not None and hasattr(source, "restore"):
         source.restore(ckpt / "in_flight")
+    elif ckpt is not None:   # (an asynchronous run resumed in turn: its batches' prompts again)
+        run.sampler.give_back(prompts_in_flight(ckpt / "in_flight"))
     return source

@@ -245,8 +245,9 @@ def test_weight_folders_go_however_the_run_ends_and_avoid_a_small_dev_shm(tmp_pa
     folders = vllm_weights.WeightFolders(torch.float32, root=tmp_path)
     first, version, _ = folders.write(state)
     second, _, _ = folders.write(state)
+    third, _, _ = folders.write(state)           # (written while the engines sampled)
     folders.loaded(second)
-    assert version == 0 and not first.exists() and second.exists()
+    assert version == 0 and not first.exists() and second.exists() and third.exists()
     del folders                      # dropped without close(), as when a step raises
     gc.collect()
     assert list(tmp_path.iterdir()) == []
@@ -257,6 +258,10 @@ def test_weight_folders_go_however_the_run_ends_and_avoid_a_small_dev_shm(tmp_pa
     assert "/dev/shm has 0.06 GB free" in caplog.text
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1e12, 0, 1e12))
     assert vllm_weights.shared_memory_root(32_000_000) == Path("/dev/shm")
+    # asynchronous training holds three versions: room for two is not enough
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1e9, 0, 80e6))
+    assert vllm_weights.shared_memory_root(32_000_000, copies=2) == Path("/dev/shm")
+    assert vllm_weights.shared_memory_root(32_000_000, copies=3) != Path("/dev/shm")
 
 
 def test_the_engines_context_holds_the_answer_or_episode_within_the_models_positions():

@@ -105,8 +105,11 @@ class Sampler:
 
     def give_back(self, drawn: list[tuple[int, int]]) -> None:
         """Prompts drawn but never trained on (asynchronous training dropped their stale batch):
-        they come first in the next draws, as they were."""
-        self.redo += drawn
+        they come first in the next draws, as they were (and no longer wait to be retried: the
+        dropped batch's report is void)."""
+        given = {i for i, _ in drawn}
+        self.waiting = [w for w in self.waiting if w[0] not in given]
+        self.redo += [tuple(d) for d in drawn]
 
     def state(self) -> dict:
         return {"position": self.position, "draws": self.draws,

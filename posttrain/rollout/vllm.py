@@ -195,6 +195,12 @@ class VLLMRolloutEngine:
         go on sampling from what they hold until `load`."""
         return self.push.write(self.model)
 
+    def discard(self, written: Written | None) -> None:
+        """A version written and never loaded (a newer one came first): its folder goes."""
+        if written is not None:
+            import shutil
+            shutil.rmtree(written.folder, ignore_errors=True)
+
     def load(self, written: Written | None) -> None:
         """Every engine loads `written` (what `publish` returned), checked like a push."""
         self.check_pushed(self.push.load(self.alive, written, self))

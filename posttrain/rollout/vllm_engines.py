@@ -297,8 +297,8 @@ class SharedMemoryPush:
     """Each version of the weights a safetensors folder in shared memory; every engine reloads
     it in place (rollout/vllm_worker.py) and reports the version and fingerprint it holds."""
 
-    def __init__(self, dtype: torch.dtype, world) -> None:
-        self.folders = WeightFolders(dtype)
+    def __init__(self, dtype: torch.dtype, world, copies: int = 2) -> None:
+        self.folders = WeightFolders(dtype, copies=copies)
         self.world = world
         self._folder = None
 
@@ -457,4 +457,4 @@ def make_push(model, engines: list, cfg, world, dtype: torch.dtype):
         return CudaIPCPush(model, engines[0], dtype)
     if kind == "nccl" and not local:
         return NcclPush(model, engines, world, dtype)
-    return SharedMemoryPush(dtype, world)
+    return SharedMemoryPush(dtype, world, copies=3 if cfg.max_staleness else 2)

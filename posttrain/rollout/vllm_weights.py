@@ -25,18 +25,19 @@ from posttrain.rollout.vllm_worker import fingerprint
 log = logging.getLogger("posttrain")
 
 
-def shared_memory_root(version_bytes: int) -> Path:
-    """/dev/shm where it exists, is writable and holds two versions of the weights (the newest
-    is written before the previous one goes; Docker's default /dev/shm is 64 MB), else the
+def shared_memory_root(version_bytes: int, copies: int = 2) -> Path:
+    """/dev/shm where it exists, is writable and holds `copies` versions of the weights (the
+    newest is written before the previous one goes; asynchronous training: the one the engine
+    holds, one waiting and one being written; Docker's default /dev/shm is 64 MB), else the
     temporary folder, said in one line."""
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
         free = shutil.disk_usage(shm).free
-        if free >= 2 * version_bytes:
+        if free >= copies * version_bytes:
             return shm
-        log.warning("vLLM weight pushes go through %s: /dev/shm has %.2f GB free, two versions of "
+        log.warning("vLLM weight pushes go through %s: /dev/shm has %.2f GB free, %d versions of "
                     "the weights take %.2f GB (Docker: --shm-size)", tempfile.gettempdir(),
-                    free / 1e9, 2 * version_bytes / 1e9)
+                    free / 1e9, copies, copies * version_bytes / 1e9)
     return Path(tempfile.gettempdir())
 
 
@@ -56,8 +57,8 @@ def engine_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dic
 class WeightFolders:
     """Writes each weight version to its own folder under shared memory; keeps the newest."""
 
-    def __init__(self, dtype: torch.dtype, root: Path | None = None) -> None:
-        self.dtype, self.root = dtype, root
+    def __init__(self, dtype: torch.dtype, root: Path | None = None, copies: int = 2) -> None:
+        self.dtype, self.root, self.copies = dtype, root, copies
         self.dir: Path | None = None      # (made on the first write, where the weights fit)
         self.version = -1
         self.current: Path | None = None
@@ -71,7 +72,7 @@ class WeightFolders:
         if self.dir is None:
             size = sum(t.numel() * t.element_size() for t in state.values())
             self.dir = Path(tempfile.mkdtemp(prefix="posttrain-weights-",
-                                             dir=self.root or shared_memory_root(size)))
+                                             dir=self.root or shared_memory_root(size, self.copies)))
             # removed however the run ends (an error, a signal's exit), not only by close()
             self._remove = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
         self.version += 1
@@ -84,7 +85,7 @@ class WeightFolders:
         """Every engine holds `folder`'s weights: older folders go (a newer one, written while
         the engines sampled, stays for their next load)."""
         for old in self.dir.iterdir():
-            if old.name < folder.name:
+            if int(old.name[1:]) < int(folder.name[1:]):   # ('v000042': the version)
                 shutil.rmtree(old, ignore_errors=True)
         self.current = folder
 
