@@ -947,7 +947,9 @@ ASYNC_ARMS = {"k0": "K = 0: sample, then update (vLLM in process)",
               "k1": "K = 1", "k2": "K = 2",
               "k1-nocorr": "K = 1, no correction (`--rollout.tis_cap null`)",
               "k2-nocorr": "K = 2, no correction",
-              "k2-dppo": "K = 2, DPPO (`--algorithm.policy_loss dppo_tv`)"}
+              "k2-dppo": "K = 2, DPPO (`--algorithm.policy_loss dppo_tv`)",
+              "k1-split": "K = 1, engine on core 1, trainer on core 0 (`rollout.async_cpu_split`)",
+              "k2-split": "K = 2, engine on core 1, trainer on core 0"}
 
 
 def common_eval_step(arms: dict[str, list[dict]]) -> int:
@@ -974,6 +976,8 @@ def async_cpu_table(root: Path) -> str:
     and its waits, the staleness trained on, the batches dropped."""
     arms = {name: load_runs(root / ASYNC_CPU / name) for name in ASYNC_ARMS}
     arms = {name: runs for name, runs in arms.items() if runs}
+    if not arms:
+        return f"(no records under `{ASYNC_CPU}` yet: `bash benchmarks/async_cpu.sh`)\n"
     step = common_eval_step(arms)
     return "\n".join([
         "| the default job on vLLM, 3 training minutes | seeds | held-out at the end (per seed: % "
@@ -1016,6 +1020,27 @@ def render_page(text: str, root: Path) -> str:
     return BLOCK.sub(fill, text)
 
 
+MARKER = re.compile(r"<!-- table: (?P<name>[\w-]+) -->|<!-- /table -->")
+
+
+def marker_problems(text: str) -> list[str]:
+    """Table markers that do not pair up: a table not closed before the next one opens (BLOCK
+    would swallow the next one's marker), a close without its table, a table never closed."""
+    problems, open_name = [], None
+    for m in MARKER.finditer(text):
+        if m["name"] is not None:
+            if open_name is not None:
+                problems.append(f"table {open_name!r} is not closed before table {m['name']!r}")
+            open_name = m["name"]
+        else:
+            if open_name is None:
+                problems.append("'<!-- /table -->' without its '<!-- table: NAME -->'")
+            open_name = None
+    if open_name is not None:
+        problems.append(f"table {open_name!r} is never closed")
+    return problems
+
+
 def pages(root: Path) -> list[Path]:
     return sorted([root / "README.md", *(root / "docs").glob("*.md")])
 
@@ -1027,6 +1052,8 @@ def main() -> None:
     stale = []
     for page in pages(ROOT):
         text = page.read_text()
+        if marker_problems(text):
+            sys.exit(f"{page.relative_to(ROOT)}: " + "; ".join(marker_problems(text)))
         new = render_page(text, ROOT)
         if new != text:
             stale.append(page.relative_to(ROOT))

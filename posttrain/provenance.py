@@ -13,12 +13,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _git(*args: str) -> str:
+def _git(*args: str) -> str | None:
+    """git's output in this tree; None where git cannot say (no git, not a checkout)."""
     try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=30).stdout.strip()
+        proc = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):   # an installed package, no git: no commit
-        return ""
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def _dirty() -> bool | None:
+    """Uncommitted changes to the package or the benchmarks; None when unknown (no checkout)."""
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", "posttrain", "benchmarks",
+                  "pyproject.toml")
+    return None if status is None else bool(status)
 
 
 def _cpu_model() -> str:
@@ -36,14 +44,13 @@ def _gpu() -> str | None:
 
 def provenance(command: str) -> dict:
     """The command, the commit (and whether the package or the benchmarks had uncommitted
-    changes), the packages' versions, the machine (its GPU too) and the date (UTC). A copy of the
+    changes: null when that is unknown), the packages' versions, the machine (its GPU too) and the date (UTC). A copy of the
     code without its .git folder (a container, a remote machine) names its commit in
     $POSTTRAIN_COMMIT."""
     return {
         "command": command,
         "commit": _git("rev-parse", "HEAD") or os.environ.get("POSTTRAIN_COMMIT", ""),
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--",
-                           "posttrain", "benchmarks", "pyproject.toml")),
+        "dirty": _dirty(),
         "versions": {name: importlib.metadata.version(name)
                      for name in ("posttrain", "torch", "transformers")},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu": _cpu_model(),

@@ -218,6 +218,9 @@ class RolloutConfig:
     # batches the engine may hold ready or in flight ahead of the trainer (null: max_staleness);
     # more than max_staleness keeps the engine busier and drops what grows too old
     async_ahead: int | None = None
+    # asynchronous training on a CPU: the engine's threads on the upper half of the cores, the
+    # trainer's on the lower (unless `threads` says otherwise); false: both on every core
+    async_cpu_split: bool = True
 
     def validate(self) -> None:
         r = self

@@ -34,7 +34,7 @@ from posttrain.models import (add_lora, check_model_folder, load_policy, load_to
                               merged_lora_copy, resolve_model_path, save_model)
 from posttrain.rewards.scorer import Scorer
 from posttrain.envs import Environment, SingleTurn, for_tokenizer, make_env
-from posttrain.rollout import (HFRolloutEngine, RolloutEngine, make_engine,
+from posttrain.rollout import (HFRolloutEngine, RolloutEngine, async_core_split, make_engine,
                                vllm_options)
 from posttrain.run import make_adamw, make_scheduler, seed_everything
 from posttrain.teachers import Teachers
@@ -323,8 +323,9 @@ def start_scorer(cfg: TrainConfig, verifier: str, env) -> Scorer:
 def check_inputs(cfg: TrainConfig, teacher):
     """Threads, seed and world; then the task, environment, teachers' folders and the reward
     scorer (its sandbox started), each of which fails here, before any model loads."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    split = async_core_split(cfg.rollout)   # (sampling ahead on a CPU: the lower half of the cores)
+    if cfg.threads or split:
+        torch.set_num_threads(cfg.threads or split[0])
     generator = seed_everything(cfg.seed)
     world = init_world(cfg.parallel.strategy)         # torchrun: join the process group
     check_world(cfg, world)

@@ -171,6 +171,7 @@ def train_step(run: Run, step: int, bar, show_progress: bool) -> None:
                                                     version))
         run.nonfinite_streak = nonfinite_streak(run.nonfinite_streak, metrics, cfg)
     else:
+        metrics.update({f"perf/{k}_s": v for k, v in timings.items()})
         log_empty_step(run, step, metrics, t_step, bar, show_progress)
 
 

@@ -277,3 +277,19 @@ def test_a_checkpoints_batches_in_flight_name_their_prompts_for_a_run_resumed_in
         source.close()
     assert prompts_in_flight(tmp_path / "in_flight") == drawn and len(drawn) == 2 * P
     assert prompts_in_flight(tmp_path / "nothing") == []
+
+
+def test_on_a_cpu_the_engine_and_the_trainer_sampling_ahead_take_separate_cores():
+    from posttrain.rollout import async_core_split
+    from posttrain.rollout.vllm_engines import split_cores
+    cfg = load_config(None, ["--rollout.backend", "vllm", "--rollout.max_staleness", "1"]).rollout
+    assert async_core_split(cfg, n_cores=2, has_cuda=False) == (1, 1)     # trainer 1 thread, engine core 1
+    assert async_core_split(cfg, n_cores=16, has_cuda=False) == (8, 8)
+    assert async_core_split(cfg, n_cores=1, has_cuda=False) is None
+    assert async_core_split(cfg, n_cores=16, has_cuda=True) is None
+    off = load_config(None, ["--rollout.backend", "vllm", "--rollout.max_staleness", "1",
+                             "--rollout.async_cpu_split", "false"]).rollout
+    assert async_core_split(off, n_cores=16, has_cuda=False) is None
+    assert async_core_split(load_config(None, []).rollout, n_cores=16, has_cuda=False) is None
+    assert split_cores(1, 2, first=1) == ["1-1"] and split_cores(2, 16, first=8) == ["8-11", "12-15"]
+    assert split_cores(1, 2) == ["0-1"]

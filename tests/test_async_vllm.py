@@ -37,14 +37,25 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
+# K = 1 on multi-turn episodes (guess the number: the environment answers between turns), K = 2
+# with dynamic sampling (refill rounds inside one batch): both run in the engine's thread unchanged
+EXTRA = {1: ["--data.task", "guess_number", "--data.difficulty", "4", "--env.max_turns", "3"],
+         2: ["--algorithm.dynamic_sampling", "true"]}
+
+
 @pytest.mark.parametrize("K", [1, 2])
 def test_sampling_ahead_trains_on_the_real_engine_within_its_bound(tiny_folder, tokenizer, tmp_path, K):
     cfg = toy_config(tmp_path, "--model.path", str(tiny_folder), "--rollout.backend", "vllm",
                      "--rollout.max_staleness", str(K), "--steps", "5", "--rollout.group_size", "2",
                      "--rollout.prompts_per_step", "4", "--optim.lr", "1e-2", "--log_tokens", "2",
-                     "--data.eval_size", "4", "--eval_every", "2", "--checkpoint.every_steps", "2")
+                     "--data.eval_size", "4", "--eval_every", "2", "--checkpoint.every_steps", "2",
+                     *EXTRA[K])
     summary = train(cfg, show_progress=False)
     steps = [r for r in rows(tmp_path / "run") if "async/staleness" in r]
+    if K == 1:
+        assert max(r["env/turns"] for r in steps) > 1       # the environment answered
+    else:
+        assert all(r["rollout/dynamic_rounds"] >= 1 for r in steps)
     staleness = [r["async/staleness"] for r in steps]
     assert len(steps) == 5 and max(staleness) <= K and max(staleness) >= 1, staleness
     assert all(r["perf/trainer_wait_s"] >= 0 and "perf/engine_idle_s" in r for r in steps)

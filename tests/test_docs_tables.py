@@ -20,6 +20,7 @@ def test_every_docs_table_is_what_its_records_render():
     found = set()
     for page in tables.pages(ROOT):
         text = page.read_text()
+        assert not tables.marker_problems(text), (page.relative_to(ROOT), tables.marker_problems(text))
         found |= {m["name"] for m in tables.BLOCK.finditer(text)}
         assert tables.render_page(text, ROOT) == text, (
             f"{page.relative_to(ROOT)}: a table differs from its records; run "
@@ -191,3 +192,16 @@ def test_the_mopd_table_reads_each_domain(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     after = tables.TABLES["mopd"](tmp_path)
     assert "| MOPD, step 48 | 82% | 12% |" in after and "12%" not in before
+
+
+def test_an_unpaired_table_marker_is_named():
+    """A table whose closing marker is lost would swallow the next table's opening marker (and a
+    table rendered on two pages could hide it from the first test's set of names)."""
+    problems = _tables().marker_problems
+    good = "<!-- table: a -->\nx\n<!-- /table -->\n<!-- table: b -->\ny\n<!-- /table -->\n"
+    assert problems(good) == []
+    assert problems(good.replace("x\n<!-- /table -->", "x\n")) == [
+        "table 'a' is not closed before table 'b'"]
+    assert problems(good.replace("<!-- table: b -->\n", "")) == [
+        "'<!-- /table -->' without its '<!-- table: NAME -->'"]
+    assert problems(good + "<!-- table: c -->\n") == ["table 'c' is never closed"]

@@ -1,10 +1,11 @@
 """Sampling responses from the policy. The trainer sees only `RolloutEngine` and `Rollout`."""
 
-from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams, close_engine
+from posttrain.rollout.base import (Rollout, RolloutEngine, SamplingParams, async_core_split,
+                                    close_engine)
 from posttrain.rollout.episodes import EpisodeSettings
 from posttrain.rollout.hf import HFRolloutEngine
 
-__all__ = ["HFRolloutEngine", "Rollout", "RolloutEngine", "SamplingParams", "close_engine",
+__all__ = ["HFRolloutEngine", "Rollout", "RolloutEngine", "SamplingParams", "async_core_split", "close_engine",
            "engine_context", "episode_settings", "make_engine", "vllm_options"]
 
 

@@ -127,3 +127,17 @@ def close_engine(engine) -> None:
     close = getattr(engine, "close", None)
     if close is not None:
         close()
+
+
+def async_core_split(rollout_cfg, n_cores: int | None = None, has_cuda: bool | None = None
+                     ) -> tuple[int, int] | None:
+    """Asynchronous training on a CPU (`rollout.async_cpu_split`): the trainer's threads and the
+    first core of the engines', the lower half of the cores for the trainer and the upper for
+    vLLM (which binds its threads to them), so the two do not spin on each other's cores. None:
+    no split (synchronous, CUDA, or under 2 cores)."""
+    import os
+    n = n_cores or os.cpu_count() or 1
+    cuda = torch.cuda.is_available() if has_cuda is None else has_cuda
+    if not (rollout_cfg.max_staleness and rollout_cfg.async_cpu_split) or cuda or n < 2:
+        return None
+    return n // 2, n // 2

@@ -30,6 +30,7 @@ from posttrain.errors import EngineError
 from posttrain.rollout.vllm import (INSTALL_HINT, WORKER_EXTENSION, Completion, EngineGone, Pushed,
                                     VLLMRolloutEngine, Written, completion_from_openai,
                                     completion_from_vllm)
+from posttrain.rollout.base import async_core_split
 from posttrain.rollout.vllm_weights import WeightFolders
 
 log = logging.getLogger("posttrain")
@@ -61,14 +62,21 @@ def cpu_engine_args(max_model_len: int) -> dict:
             "max_num_batched_tokens": max(8192, max_model_len)}
 
 
-def split_cores(n_servers: int, n_cores: int | None = None) -> list[str]:
-    """Each server's cores, as VLLM_CPU_OMP_THREADS_BIND takes them ('0-1'): the machine's cores
+def split_cores(n_servers: int, n_cores: int | None = None, first: int = 0) -> list[str]:
+    """Each server's cores, as VLLM_CPU_OMP_THREADS_BIND takes them ('0-1'): cores `first`..
     split evenly, or all of them for each when there are more servers than cores."""
-    n_cores = n_cores or os.cpu_count() or 1
+    n_cores = (n_cores or os.cpu_count() or 1) - first
     if n_servers > n_cores:
-        return [f"0-{n_cores - 1}"] * n_servers
+        return [f"{first}-{first + n_cores - 1}"] * n_servers
     per = n_cores // n_servers
-    return [f"{k * per}-{(k + 1) * per - 1}" for k in range(n_servers)]
+    return [f"{first + k * per}-{first + (k + 1) * per - 1}" for k in range(n_servers)]
+
+
+def first_engine_core(cfg) -> int:
+    """Where the engines' cores begin: 0, or the upper half under asynchronous training on a
+    CPU (rollout.async_cpu_split; the trainer's threads take the lower half)."""
+    split = async_core_split(cfg)
+    return split[1] if split else 0
 
 
 # -- engines --------------------------------------------------------------------------------------
@@ -80,7 +88,8 @@ class LocalEngine:
     reported = None   # what the last weight push's load reported (VLLMRolloutEngine checks it)
 
     def __init__(self, model_path: str, dtype: str, seed: int, max_model_len: int, cfg) -> None:
-        for key, value in cpu_settings(cfg.vllm_cpu_kv_cache_gb).items():
+        cores = split_cores(1, first=first_engine_core(cfg))[0]
+        for key, value in cpu_settings(cfg.vllm_cpu_kv_cache_gb, cores).items():
             os.environ.setdefault(key, value)   # (read by the engine's processes; yours win)
         from vllm import LLM
         kwargs = dict(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
@@ -232,7 +241,7 @@ def launch_servers(n: int, model_path: str, dtype: str, seed: int, max_model_len
     until each answers /health (a server that exits first is an error naming its log)."""
     logs = Path(tempfile.mkdtemp(prefix="posttrain-vllm-"))
     servers = []
-    for k, cores in enumerate(split_cores(n)):
+    for k, cores in enumerate(split_cores(n, first=first_engine_core(cfg))):
         port = free_port()
         # (the API server's module, not the `vllm serve` command: vllm-cpu 0.32's command line
         # looks up the package metadata of 'vllm' and stops, its package being 'vllm-cpu')
