@@ -35,11 +35,9 @@ class AlgorithmConfig:
     cov_low: float = 1.0                # clip_cov: covariance band the detached tokens come from
     cov_high: float = 5.0               # clip_cov: upper end of that band
     kl_cov_coef: float = 1.0            # kl_cov: weight of |log pi - log pi_old| on the picked tokens
-    # dppo_tv / dppo_kl: how far a token's probability may move from the sampler's (mu) before
-    # its gradient is masked (A < 0 / A > 0), and the cap of its weight pi / mu (null: none)
-    dppo_delta_low: float = 0.2
-    dppo_delta_high: float = 0.2
-    dppo_ratio_cap: float | None = 2.0
+    dppo_delta_low: float = 0.2         # dppo_tv / dppo_kl: how far a token with A < 0 may fall from mu
+    dppo_delta_high: float = 0.2        # dppo_tv / dppo_kl: how far a token with A > 0 may rise from mu
+    dppo_ratio_cap: float | None = 2.0  # dppo_tv / dppo_kl: cap of each token's weight pi / mu (null: none)
     entropy_coef: float = 0.0           # entropy bonus: minus coef x the entropy at each token
     aggregation: str = "seq_mean_token_mean"  # key of losses.aggregation.AGGREGATIONS
     kl_in: Literal["loss", "reward", "none"] = "loss"  # where the KL to pi_ref goes (§5 vs §6)
