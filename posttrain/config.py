@@ -23,7 +23,44 @@ from posttrain.sections import (CheckpointConfig, CriticConfig, DataConfig, EnvC
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class RunOptions:
+    """The options every command that runs a model takes, checked once here (train, sft, dpo,
+    reward-model, eval, generate, experiment; `--resume` and `--no-progress` are flags of the
+    command line beside them)."""
+
+    seed: int = 0                       # training prompts, sampling noise, batch order, held-out split
+    # where config.json, metrics and summary.json go (None: runs/<name>-<time>; eval and
+    # generate: 'none' writes no folder)
+    run_dir: str | None = None
+    threads: int | None = None          # torch intra-op threads; None: torch's default
+    # stop training (eval, generate: sampling) after this wall time, evaluation excluded; a trained
+    # run then finishes as at the end, with a checkpoint a longer --max_minutes continues from
+    max_minutes: float | None = None
+    checkpoint: CheckpointConfig = CheckpointConfig()   # when to save (for --resume RUN_DIR)
+    # trackers beside metrics.jsonl, comma-separated: wandb, trackio, mlflow, tensorboard (each an
+    # optional extra, e.g. pip install "posttrain[wandb]"; offline unless configured: trackers.py)
+    report_to: tuple[str, ...] = ()
+
+    def check_run_options(self) -> None:
+        """The common options' ranges (each command's `validate` calls this first)."""
+        self.checkpoint.validate()
+        if self.max_minutes is not None:
+            check_range("max_minutes", self.max_minutes, 0.0, lo_open=True)
+        if self.threads is not None:
+            check_range("threads", self.threads, 1)
+        check_trackers(self.report_to)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def writes_folder(self) -> bool:
+        """False for `--run_dir none` (eval and generate: print, write no run folder)."""
+        return str(self.run_dir).lower() != "none"
+
+
+@dataclass(frozen=True)
+class TrainConfig(RunOptions):
     preset: str = "grpo"                # the algorithm: a key of PRESETS (reinforce, rloo, grpo, ...)
     algorithm: dict[str, Any] = field(default_factory=dict)  # field overrides on top of the preset
     model: ModelConfig = ModelConfig()
@@ -37,20 +74,12 @@ class TrainConfig:
     parallel: ParallelConfig = ParallelConfig()
     lora: LoraConfig = LoraConfig()
     steps: int = 50                     # generated batches
-    max_minutes: float | None = None    # stop training after this wall time (evaluation excluded)
-    seed: int = 0                       # training prompts, sampling noise, minibatch order
-    threads: int | None = None          # torch intra-op threads; None: torch's default
-    run_dir: str | None = None          # None: runs/<preset>-<time>
     eval_every: int = 0                 # held-out greedy accuracy every N steps (0: before/after)
     eval_batch_size: int = 100          # held-out problems per generation batch
-    checkpoint: CheckpointConfig = CheckpointConfig()
     log_samples: int = 2                # completions printed per step with --verbose
     log_tokens: int = 8                 # responses a step whose per-token numbers are recorded
                                         # (tokens/*.parquet, `posttrain view`; whole groups; 0: none)
     tensorboard: bool = True            # also write TensorBoard events when it is installed
-    # trackers beside metrics.jsonl, comma-separated: wandb, trackio, mlflow, tensorboard (each an
-    # optional extra, e.g. pip install "posttrain[wandb]"; offline unless configured: trackers.py)
-    report_to: tuple[str, ...] = ()
 
     @property
     def algo(self) -> AlgorithmConfig:
@@ -62,19 +91,15 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         """Each section checks its own ranges; then the rules that tie sections together."""
+        self.check_run_options()
         algo = self._checked_algorithm()
-        for section in (self.rollout, self.optim, self.data, self.checkpoint, self.teacher,
+        for section in (self.rollout, self.optim, self.data, self.teacher,
                         self.critic, self.lora, self.reward, self.env):
             section.validate()
         check_range("steps", self.steps, 0)
         for name, lo in (("eval_every", 0), ("eval_batch_size", 1), ("log_samples", 0),
                          ("log_tokens", 0)):
             check_range(name, getattr(self, name), lo)
-        if self.max_minutes is not None:
-            check_range("max_minutes", self.max_minutes, 0.0, lo_open=True)
-        if self.threads is not None:
-            check_range("threads", self.threads, 1)
-        check_trackers(self.report_to)
         self._check_sampling(algo)
         self._check_updates(algo)
         self._check_models(algo)
@@ -136,9 +161,6 @@ class TrainConfig:
             raise ConfigError(f"algorithm.advantage={algo.advantage!r} distils from a teacher: "
                               "set teacher.path to a model folder (or teacher.domains)")
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 # what `posttrain train` uses of ModelConfig / OptimConfig and the stages do not (refused if set)
 _TRAIN_ONLY = {"model": ("dtype", "device", "gradient_checkpointing"),
@@ -146,7 +168,7 @@ _TRAIN_ONLY = {"model": ("dtype", "device", "gradient_checkpointing"),
 
 
 @dataclass(frozen=True)
-class StageConfig:
+class StageConfig(RunOptions):
     """`posttrain sft | dpo | reward-model`: offline training on rows of a file (or synthetic ones).
     The sections and names are `posttrain train`'s (model.path, optim.lr, parallel.strategy, data.*)."""
 
@@ -158,13 +180,6 @@ class StageConfig:
     batch_size: int = 8                 # examples (or pairs) per optimizer step
     beta: float = 0.1                   # DPO / log-ratio reward model: the KL strength beta
     max_len: int = 256                  # response tokens kept per example
-    seed: int = 0                       # batch order, synthetic rows, held-out split
-    run_dir: str = "runs/stage"         # where config.json, metrics, summary.json and final_model/ go
-    # stop training after this wall time (evaluation excluded), then finish as at the end: held-out
-    # figures, the final model, and a checkpoint a longer --max_minutes continues from
-    max_minutes: float | None = None
-    threads: int | None = None          # torch intra-op threads; None: torch's default
-    checkpoint: CheckpointConfig = CheckpointConfig()   # for --resume RUN_DIR
     # freeze the token embeddings and the first N decoder layers: backward stops at layer N, so
     # a step is cheaper and more pairs fit in the same time (reward-model: docs/ppo-rlhf.md)
     freeze_layers: int = 0
@@ -187,15 +202,11 @@ class StageConfig:
             for name in names:
                 if getattr(getattr(self, section), name) != getattr(default, name):
                     raise ConfigError(f"{section}.{name} applies to `posttrain train` only")
+        self.check_run_options()
         self.optim.validate()
         self.data.validate()
-        self.checkpoint.validate()
         check_range("batch_size", self.batch_size, 1)
         check_range("max_len", self.max_len, 2)
-        if self.max_minutes is not None:
-            check_range("max_minutes", self.max_minutes, 0.0, lo_open=True)
-        if self.threads is not None:
-            check_range("threads", self.threads, 1)
         check_range("beta", self.beta, 0.0, lo_open=True)
         for name in ("freeze_layers", "lm_coef"):
             check_range(name, getattr(self, name), 0)

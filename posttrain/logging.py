@@ -22,7 +22,18 @@ _CONSOLE_KEYS = [("reward/mean", "reward {:.3f}"), ("reward/accuracy", "acc {:.2
 TOKENS_DIR = "tokens"   # per-token records, one Parquet file a step (token_records.py)
 
 
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """`obj` as indented JSON at `path`, renamed into place: a reader (or a run killed while it
+    writes) sees the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
 class MetricsLogger:
+    """The one writer of a run folder (rank 0's): metrics.jsonl and the trackers, the sample
+    files (`append`), config.json and summary.json (`write_json`, atomic)."""
+
     def __init__(self, run_dir: Path, tensorboard: bool = True, resume: bool = False,
                  report_to: tuple[str, ...] = (), config: dict[str, Any] | None = None) -> None:
         self.path = run_dir / "metrics.jsonl"
@@ -72,6 +83,15 @@ class MetricsLogger:
         for tracker in self.trackers:
             tracker.log(step, {k: v for k, v in record.items() if k != "step"})
 
+    def append(self, name: str, row: dict[str, Any]) -> None:
+        """One JSON line appended to the run folder's `name` (samples.jsonl, eval_samples.jsonl)."""
+        with open(self.run_dir / name, "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+
+    def write_json(self, name: str, obj: Any) -> None:
+        """The run folder's `name` (config.json, summary.json, eval.json), written atomically."""
+        write_json_atomic(self.run_dir / name, obj)
+
     def log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
         """A table of the step's first responses (prompt, completion, reward, correct,
         advantage) to each tracker."""
@@ -97,6 +117,12 @@ class NullLogger:
         pass
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def append(self, name: str, row: dict[str, Any]) -> None:
+        pass
+
+    def write_json(self, name: str, obj: Any) -> None:
         pass
 
     def log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:

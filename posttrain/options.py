@@ -145,6 +145,9 @@ def field_docs(cls: type) -> dict[str, str]:
     """Each field's description, read from the comments beside and above it in the dataclass's
     source (the one place they are written), for `--help`."""
     docs: dict[str, str] = {}
+    for base in cls.__mro__[1:]:   # fields declared on a base (RunOptions' common options)
+        if dataclasses.is_dataclass(base):
+            docs.update(field_docs(base))
     pending: list[str] = []
     names = {f.name for f in fields(cls)}
     lines = inspect.getsource(cls).splitlines()

@@ -1,7 +1,7 @@
-"""One training run's lifecycle (`posttrain train`): check the inputs before any model loads,
-load and place the policy, pi_ref, the teachers and the value model, build the sampler and the
-optimizer, restore a checkpoint; then the checkpoints, the evaluations, a stop by signal, and the
-final model with its summary.
+"""What `posttrain train` builds on the common lifecycle (lifecycle.py): check the inputs before
+any model loads, load and place the policy, pi_ref, the teachers and the value model, build the
+sampler and the optimizer, restore a checkpoint; then its checkpoints' contents, the held-out
+evaluations, and the final model.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -19,30 +18,30 @@ from typing import Any
 import torch
 
 from posttrain.advantages import NEEDS_TEACHER, NEEDS_VALUES
-from posttrain.checkpoint import fsync_path, restore_rng, resume_point, save_checkpoint, seal
+from posttrain.checkpoint import fsync_path, restore_rng, save_checkpoint, seal
 from posttrain.config import ConfigError, TrainConfig
 from posttrain.presets import AlgorithmConfig
 from posttrain.errors import FailingSourceError
 from posttrain.health import FailureWatch, Tally, merge_tallies
-from posttrain.data.source import Sampler, build_task
+from posttrain.data.source import Sampler
 from posttrain.data.tasks import Problem
 from posttrain.evaluation import evaluate
-from posttrain.logging import MetricsLogger, NullLogger, plot_run, resume_logs
+from posttrain.logging import plot_run
 from posttrain.token_records import drop_after
 from posttrain.memory import estimate as estimate_memory
 from posttrain.models import (add_lora, check_model_folder, load_policy, load_tokenizer,
                               merged_lora_copy, resolve_model_path, save_model)
 from posttrain.rewards.scorer import Scorer
-from posttrain.envs import Environment, SingleTurn, for_tokenizer, make_env
-from posttrain.rollout import (HFRolloutEngine, RolloutEngine, async_core_split, make_engine,
-                               vllm_options)
-from posttrain.run import make_adamw, make_scheduler, seed_everything
+from posttrain.envs import Environment, SingleTurn, for_tokenizer
+from posttrain.rollout import HFRolloutEngine, RolloutEngine, async_core_split
+from posttrain.sampling import isolation, sampling_engine, sampling_inputs
+from posttrain.run import make_adamw, make_scheduler
 from posttrain.teachers import Teachers
 from posttrain.critic import Critic
-from posttrain.distributed import (World, barrier, device_for, full_state_dict,
-                                   full_weights_for_generation, global_max, init_world,
+from posttrain.distributed import (World, device_for, full_state_dict,
+                                   full_weights_for_generation, global_max,
                                    load_optimizer_state, wrap)
-from posttrain.lifecycle import resume_command
+from posttrain.lifecycle import Job, finish_job, make_folder, open_folder, start_job
 from posttrain.update_terms import frozen_inputs
 from posttrain.batch_source import make_batch_source, prompts_in_flight
 from posttrain.collect import generate_and_score
@@ -69,14 +68,12 @@ def check_world(cfg: TrainConfig, world: World) -> None:
                           "or run on one process")
 
 
-@dataclass
-class Run:
-    """Everything one training run holds: what `setup` built, and the state the loop moves on
-    (step count and training seconds; the rest lives in the model, optimizer and sampler)."""
+@dataclass(kw_only=True)
+class RLJob(Job):
+    """A `train` run: the common lifecycle's fields (Job) and what `start_training` built; the
+    loop moves the step count and the clock, the rest lives in the models, optimizer and sampler."""
 
     cfg: TrainConfig
-    world: World
-    run_dir: Path
     model: Any
     tokenizer: Any
     engine: RolloutEngine
@@ -84,19 +81,13 @@ class Run:
     scheduler: Any
     sampler: Sampler
     scorer: Scorer
-    generator: torch.Generator
-    logger: MetricsLogger | NullLogger
     eval_problems: list[Problem]
     teachers: Teachers | None = None
     ref_model: Any = None               # pi_ref when it is a separate copy (no LoRA)
     critic: Critic | None = None
     env: Environment = SingleTurn()     # what answers the policy between its turns
-    start_step: int = 0
-    train_seconds: float = 0.0
-    resumed: bool = False
     nonfinite_streak: int = 0           # trainer steps in a row whose every optimizer step was skipped
     watch: FailureWatch | None = None   # sources failing on most calls, step after step
-    saved_step: int = -1                # the step of the last checkpoint written
     batches: Any = None                 # where each step's batch comes from (batch_source.py)
 
     @property
@@ -108,7 +99,7 @@ class Run:
         return self.cfg.lora.rank > 0
 
 
-def check_health(run: Run, step: int, tallies: dict[str, Tally]) -> None:
+def check_health(run: RLJob, step: int, tallies: dict[str, Tally]) -> None:
     """Stop the run (every rank) when a verifier, reward function, tool or environment has failed
     on most of its calls for `reward.max_failing_steps` steps in a row."""
     problem = run.watch.check(step, merge_tallies(tallies, run.scorer.take_tallies()))
@@ -160,7 +151,7 @@ def reference_model(cfg: TrainConfig, model, run_dir: Path, ckpt: Path | None):
     return ref_model
 
 
-def restore(run: Run, state: dict[str, Any]) -> None:
+def restore(run: RLJob, state: dict[str, Any]) -> None:
     """Optimizer, scheduler, RNG, data position and clock of a checkpoint's trainer state: the
     run continues as if it had never stopped."""
     load_optimizer_state(run.model, run.optimizer, state["optimizer"])
@@ -170,14 +161,13 @@ def restore(run: Run, state: dict[str, Any]) -> None:
         run.critic.load_optimizer_state(state["critic_optimizer"])
     run.start_step = state["step"]
     run.sampler.load_state(state.get("data", {"position": state["data_position"]}))
-    resume_logs(run.logger, state)   # rows a killed run wrote after its checkpoint are redone
-    if run.world.main:
-        drop_after(run.run_dir, state["step"])   # and so are its per-token records
+    if run.world.main:   # rows after the checkpoint are redone (open_folder), so are token records
+        drop_after(run.run_dir, state["step"])
     run.saved_step = state["step"]
-    run.train_seconds, run.resumed = state["train_seconds"], True
+    run.train_seconds = state["train_seconds"]
 
 
-def checkpoint(run: Run, step: int) -> None:
+def checkpoint(run: RLJob, step: int) -> None:
     """Save the run at `step` (every rank calls this; rank 0 writes), and pi_ref the first time:
     it is the starting policy, frozen, which a resumed run must get back."""
     if step == run.saved_step:
@@ -187,7 +177,7 @@ def checkpoint(run: Run, step: int) -> None:
         save_run_state(run, step)
 
 
-def save_run_state(run: Run, step: int) -> None:
+def save_run_state(run: RLJob, step: int) -> None:
     """The checkpoint's contents: pi_ref the first time, the model, the optimizer, the data
     position and, asynchronous, the batches sampled and not yet trained on."""
     ref_dir = run.run_dir / "reference_model"
@@ -212,23 +202,7 @@ def save_run_state(run: Run, step: int) -> None:
                     world=run.world, keep=run.cfg.checkpoint.keep)
 
 
-def stopped(run: Run, step: int, summary: dict[str, Any], signal_name: str | None) -> dict[str, Any]:
-    """A signal stopped the run after `step` (its checkpoint is written): summary.json says so and
-    how to continue; no final model, no final evaluation (a pre-empted job has little time)."""
-    run.logger.close()
-    run.batches.close()
-    run.scorer.close()
-    summary.update(steps=step, train_minutes=run.train_seconds / 60, stopped_by=signal_name,
-                   resume=resume_command("train", run.run_dir))
-    if run.world.main:
-        (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        log.warning("stopped by %s after step %d; continue with: %s", signal_name, step,
-                    summary["resume"])
-    barrier(run.world)
-    return summary
-
-
-def run_eval(run: Run, step: int, label: str) -> dict[str, Any]:
+def run_eval(run: RLJob, step: int, label: str) -> dict[str, Any]:
     """Held-out accuracy now, logged with the training minutes so far; samples to a file."""
     t0 = time.perf_counter()
     # in the weights' own precision (not the sampler's bf16), as a user's model.generate reads it
@@ -241,20 +215,22 @@ def run_eval(run: Run, step: int, label: str) -> dict[str, Any]:
     res["eval/seconds"] = time.perf_counter() - t0
     res["perf/train_minutes"] = run.train_seconds / 60
     run.logger.log(step, res)
-    if run.world.main:
-        with open(run.run_dir / "eval_samples.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "label": label, "samples": samples}) + "\n")
+    run.logger.append("eval_samples.jsonl", {"step": step, "label": label, "samples": samples})
     log.info("eval %s (step %d): accuracy %.3f", label, step, res["eval/accuracy"])
     return res
 
 
-def finish(run: Run, step: int, summary: dict[str, Any]) -> dict[str, Any]:
+def close_sources(run: RLJob) -> None:
+    """The engine (its threads, processes and servers) and the reward sandbox."""
+    run.batches.close()
+    run.scorer.close()
+
+
+def save_final(run: RLJob, summary: dict[str, Any]) -> dict[str, Any]:
     """Save the final model (a plain HF model: LoRA adapters merged; under FSDP into a CPU copy
     built from the gathered weights, since peft merges in place and the layers are sharded), the
-    value model, the plot and summary.json."""
+    value model and the plot; then summary.json."""
     world, model, tokenizer, run_dir = run.world, run.model, run.tokenizer, run.run_dir
-    summary["steps"] = step
-    summary["train_minutes"] = run.train_seconds / 60
     t0 = time.perf_counter()
     if run.lora and world.strategy == "fsdp" and world.distributed:
         weights = full_state_dict(model, world)
@@ -271,17 +247,13 @@ def finish(run: Run, step: int, summary: dict[str, Any]) -> dict[str, Any]:
         run.critic.save(value_dir, tokenizer)       # every rank: FSDP gathers the shards
         summary["value_model"] = str(value_dir)
     summary["save_s"] = time.perf_counter() - t0
-    run.logger.close()
-    run.batches.close()
-    run.scorer.close()
+    close_sources(run)
     if world.main:
         try:
             summary["plot"] = str(plot_run(run_dir))
         except Exception as e:  # noqa: BLE001 - a plotting problem must not lose a finished run
             log.warning("could not plot the run: %s", e)
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    barrier(world)
-    return summary
+    return finish_job(run, summary)
 
 
 def log_memory_estimate(cfg: TrainConfig, model, world: World) -> None:
@@ -301,58 +273,24 @@ def optimizer_and_schedule(cfg: TrainConfig, model, world: World):
     return optimizer, scheduler
 
 
-def isolation(scorer: Scorer, env) -> dict[str, str]:
-    """Where the model's text is handled: the reward scorers' sandbox, and each tool that runs
-    the model's code (docs/safety.md); written to the start line, config.json and summary.json."""
-    out = {"rewards": scorer.sandbox or "trainer process (reward.workers 0)"}
-    for tool in getattr(env, "tools", ()):
-        if tool.sandbox is not None:
-            out[f"tool {tool.name}"] = tool.sandbox
-    return out
-
-
-def start_scorer(cfg: TrainConfig, verifier: str, env) -> Scorer:
-    """The reward scorer with its sandbox started, and where the model's text runs said once."""
-    scorer = Scorer(cfg.reward, verifier, cfg.data.system_prompt, cfg.model.autocast)
-    scorer.start()
-    log.info("the model's text runs in: %s",
-             ", ".join(f"{k} {v}" for k, v in isolation(scorer, env).items()))
-    return scorer
-
-
-def check_inputs(cfg: TrainConfig, teacher):
-    """Threads, seed and world; then the task, environment, teachers' folders and the reward
+def check_inputs(job: Job, teacher):
+    """What several ranks need; then the task, environment, teachers' folders and the reward
     scorer (its sandbox started), each of which fails here, before any model loads."""
-    split = async_core_split(cfg.rollout)   # (sampling ahead on a CPU: the lower half of the cores)
-    if cfg.threads or split:
-        torch.set_num_threads(cfg.threads or split[0])
-    generator = seed_everything(cfg.seed)
-    world = init_world(cfg.parallel.strategy)         # torchrun: join the process group
-    check_world(cfg, world)
-    task = build_task(cfg.data)                       # data errors surface before model loading
-    env = make_env(cfg.env, task)                     # so do unknown environments and tools
-    if teacher is None and cfg.algo.advantage in NEEDS_TEACHER:   # so do missing teachers
-        for where, path in teacher_paths(cfg.teacher):
-            check_model_folder(path, where)
-    scorer = start_scorer(cfg, task.verifier, env)   # so does a function its sandbox cannot import
-    return generator, world, task, env, scorer
+    cfg = job.cfg
+    check_world(cfg, job.world)
+
+    def teachers_exist() -> None:
+        if teacher is None and cfg.algo.advantage in NEEDS_TEACHER:
+            for where, path in teacher_paths(cfg.teacher):
+                check_model_folder(path, where)
+    return sampling_inputs(cfg, teachers_exist)
 
 
-def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher) -> Run:
-    """Check the inputs (before any model loads), load the policy, pi_ref, teachers and value
-    model, place and wrap them, build the engine and optimizer, and restore a checkpoint."""
-    generator, world, task, env, scorer = check_inputs(cfg, teacher)
-    run_dir = Path(resume) if resume else Path(
-        cfg.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-    point = resume_point(run_dir) if resume else None   # the newest checkpoint that loads
-    if resume and point is None:
-        raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir}/checkpoints")
-    ckpt, state = point if point is not None else (None, None)
-    model, tokenizer, teachers, path = load_models(cfg, ckpt, model, tokenizer, teacher)
-    env = for_tokenizer(env, tokenizer)               # e.g. the template's tool-call format
-    if world.main:   # created once the inputs have loaded: a refused run leaves no empty folder
-        run_dir.mkdir(parents=True, exist_ok=True)
-    barrier(world)
+def place_models(job: Job, model, tokenizer, teachers, scorer: Scorer):
+    """The policy on its device (gradient checkpointing on request), the memory estimate, the
+    teachers bound to it, pi_ref when a KL term reads it, PPO's value model, the reward model
+    beside the policy. Returns (pi_ref, critic)."""
+    cfg, world, ckpt = job.cfg, job.world, job.ckpt
     device = device_for(world) if cfg.model.device == "auto" else torch.device(cfg.model.device)
     model.to(device)
     if cfg.model.gradient_checkpointing:
@@ -361,37 +299,48 @@ def setup(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher
         log_memory_estimate(cfg, model, world)
     if teachers is not None:
         teachers.bind_student(model)
-    algo = cfg.algo
-    uses_ref = "ref_logp" in frozen_inputs(cfg, algo, teachers is not None)   # a KL term reads pi_ref
-    ref_model = reference_model(cfg, model, run_dir, ckpt) if uses_ref else None
+    uses_ref = "ref_logp" in frozen_inputs(cfg, cfg.algo, teachers is not None)   # a KL term reads pi_ref
+    ref_model = reference_model(cfg, model, job.run_dir, ckpt) if uses_ref else None
     # PPO's value model (§5), initialised from the policy's starting weights or critic.path
     critic = (Critic(cfg.critic, model, world, ckpt / "critic" if ckpt is not None else None)
-              if algo.advantage in NEEDS_VALUES else None)
+              if cfg.algo.advantage in NEEDS_VALUES else None)
     if scorer.cfg.model:
         scorer.reward_model.check_tokenizer(tokenizer)
         scorer.reward_model.to(device)                # beside the policy (a GPU on a GPU run)
-    model = wrap(model, world)                        # FSDP2: shard the layers, in place
-    engine = make_engine(cfg.rollout.backend, model, tokenizer, cfg.rollout.autocast,
-                         cfg.rollout.weights, **vllm_options(cfg, path, model, world))
-    optimizer, scheduler = optimizer_and_schedule(cfg, model, world)
-    if world.main:   # only rank 0 writes files; every rank computes and reduces the metrics
-        record = {**cfg.to_dict(), "_isolation": isolation(scorer, env)}   # (not a config field)
-        (run_dir / "config.json").write_text(json.dumps(record, indent=2, default=str))
-    logger = (MetricsLogger(run_dir, cfg.tensorboard, ckpt is not None, cfg.report_to, cfg.to_dict())
-              if world.main else NullLogger())
-    log.info("run folder %s; algorithm %s", run_dir, algo)
+    return ref_model, critic
+
+
+def start_training(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher,
+                   show_progress: bool = True) -> RLJob:
+    """The common start (threads, seed, world, resume point), the inputs checked before any model
+    loads; the policy, pi_ref, teachers and value model loaded, placed and wrapped; the engine and
+    optimizer; the run folder opened and a checkpoint restored."""
+    split = async_core_split(cfg.rollout)   # (sampling ahead on a CPU: the lower half of the cores)
+    job = start_job("train", cfg, resume, show_progress, threads=split[0] if split else None)
+    task, env, scorer = check_inputs(job, teacher)
+    model, tokenizer, teachers, path = load_models(cfg, job.ckpt, model, tokenizer, teacher)
+    env = for_tokenizer(env, tokenizer)               # e.g. the template's tool-call format
+    make_folder(job)
+    ref_model, critic = place_models(job, model, tokenizer, teachers, scorer)
+    model = wrap(model, job.world)                    # FSDP2: shard the layers, in place
+    engine = sampling_engine(cfg, path, model, tokenizer, job.world)
+    optimizer, scheduler = optimizer_and_schedule(cfg, model, job.world)
+    # config.json records where the model's text runs (not a config field)
+    open_folder(job, {**cfg.to_dict(), "_isolation": isolation(scorer, env)}, cfg.tensorboard)
+    log.info("run folder %s; algorithm %s", job.run_dir, cfg.algo)
     sampler = Sampler(task, cfg.seed, retries=cfg.data.retry_unsolved,
                       max_waiting=cfg.rollout.prompts_per_step)
-    run = Run(cfg, world, run_dir, model, tokenizer, engine, optimizer, scheduler, sampler,
-              scorer, generator, logger, task.eval_problems, teachers, ref_model, critic,
-              env=env, watch=FailureWatch(cfg.reward.max_failing_steps))
-    if ckpt is not None:
-        restore(run, state)
-    run.batches = batch_source(run, ckpt)
+    run = RLJob(**job.parts(), model=model, tokenizer=tokenizer, engine=engine,
+                optimizer=optimizer, scheduler=scheduler, sampler=sampler, scorer=scorer,
+                eval_problems=task.eval_problems, teachers=teachers, ref_model=ref_model,
+                critic=critic, env=env, watch=FailureWatch(cfg.reward.max_failing_steps))
+    if job.ckpt is not None:
+        restore(run, job.state)
+    run.batches = batch_source(run, job.ckpt)
     return run
 
 
-def batch_source(run: Run, ckpt: Path | None):
+def batch_source(run: RLJob, ckpt: Path | None):
     """Where each step's batch comes from (batch_source.py): sampled in turn, or ahead by the
     engine from the step resumed at, with the checkpoint's batches sampled and not trained on."""
     cfg = run.cfg

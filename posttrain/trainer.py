@@ -12,14 +12,14 @@
 REINFORCE, RLOO, GRPO, DAPO and Dr. GRPO are presets of `AlgorithmConfig`: this file has no
 per-algorithm branch, only switches for optional stages (reference model, dynamic sampling,
 overlong handling) that any preset may turn on. Its rooms: collect.py samples and scores a
-step's batch, train_run.py sets a run up and checkpoints, evaluates and finishes it,
+step's batch, train_run.py starts a run and checkpoints, evaluates and finishes it (on lifecycle.py's
+common start and loop),
 step_metrics.py computes what a step logs; this file is the loop and the stages of one step.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-import json
 import logging
 import time
 import warnings
@@ -30,13 +30,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from posttrain.advantages import ADVANTAGES, AdvantageInputs, AdvantageParams, whiten
 from posttrain.config import TrainConfig
 from posttrain.presets import AlgorithmConfig
 from posttrain.health import Tally
-from posttrain.evaluation import evaluate
 from posttrain.logging import console_line
 from posttrain.losses.common import masked_mean
 from posttrain.losses.distill import DISTILL_LOSSES, sampled_reverse_kl
@@ -45,14 +43,15 @@ from posttrain.prompts import encode_prompts, left_pad
 from posttrain.rollout import Rollout
 from posttrain.distributed import global_max, global_sum, mean_metrics
 from posttrain.forward import frozen_logprobs
-from posttrain.lifecycle import Lifecycle
+from posttrain.lifecycle import run_steps, stop_job
 from posttrain.batch import ScoredBatch
 from posttrain.update import check_nonfinite_streak, update_policy
 from posttrain.update_terms import frozen_inputs
 from posttrain.token_records import TokenTrace, step_rows, traced_rows, write_step
 from posttrain.step_metrics import critic_metrics, per_domain, read_floats, rollout_metrics
-from posttrain.train_run import (Run, check_health, checkpoint, finish, isolation, run_eval, setup,
-                                 stopped)
+from posttrain.sampling import isolation
+from posttrain.train_run import (RLJob, check_health, checkpoint, close_sources, run_eval,
+                                 save_final, start_training)
 
 log = logging.getLogger("posttrain")
 
@@ -83,54 +82,40 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
     `tokenizer` and `teacher` may be passed in (tests, notebooks) instead of being loaded.
     The loop is the lecture's: sample and score -> frozen log-probs -> advantages -> update."""
     t_setup = time.perf_counter()
-    run = setup(cfg, resume, model, tokenizer, teacher)
+    run = start_training(cfg, resume, model, tokenizer, teacher, show_progress)
     try:
-        return run_loop(run, cfg, show_progress, time.perf_counter() - t_setup)
+        return train_loop(run, time.perf_counter() - t_setup)
     except BaseException:     # (an error or Ctrl-C twice: vLLM's processes and servers stop too)
         run.batches.close()
         raise
 
 
-def run_loop(run: Run, cfg: TrainConfig, show_progress: bool, setup_s: float) -> dict[str, Any]:
-    """Evaluate, then steps 1-6 of the lecture's loop until `cfg.steps`, `max_minutes` or a
-    stop signal; then evaluate and save."""
-    world = run.world
+def train_loop(run: RLJob, setup_s: float) -> dict[str, Any]:
+    """Evaluate, then steps 1-6 of the lecture's loop (the common loop, lifecycle.run_steps)
+    until `cfg.steps`, `max_minutes` or a stop signal; then evaluate and save."""
+    cfg = run.cfg
     summary: dict[str, Any] = {"run_dir": str(run.run_dir), "preset": cfg.preset,
-                               "setup_s": setup_s,
-                               "isolation": isolation(run.scorer, run.env)}
+                               "setup_s": setup_s, "isolation": isolation(run.scorer, run.env)}
     if run.eval_problems and not run.resumed:
         summary["eval_before"] = run_eval(run, 0, "before")
-    bar = tqdm(total=cfg.steps, initial=run.start_step, desc="train", dynamic_ncols=True,
-               disable=not (show_progress and world.main))
-    lifecycle = Lifecycle(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes, world)
-    step = run.start_step
-    with lifecycle:   # SIGINT / SIGTERM: finish the step, save a checkpoint, stop
-        for step in range(run.start_step + 1, cfg.steps + 1):
-            if cfg.max_minutes is not None and run.train_seconds >= cfg.max_minutes * 60:
-                log.info("max_minutes=%s reached after %d steps", cfg.max_minutes, step - 1)
-                step -= 1
-                if step > run.start_step:   # (a longer --max_minutes can continue from here)
-                    checkpoint(run, step)
-                break
-            train_step(run, step, bar, show_progress)   # steps 1-5 of the lecture's loop
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and run.eval_problems:
-                run_eval(run, step, f"step {step}")
 
-            # 6. checkpoint (every N steps, every M minutes, on a stop signal)
-            save, stop = lifecycle.after_step(step)
-            if save:
-                checkpoint(run, step)
-                lifecycle.saved()
-            if stop:
-                bar.close()
-                return stopped(run, step, summary, lifecycle.stop_signal)
-    bar.close()
+    def evaluate_now(step: int) -> None:   # (outside the training clock)
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and run.eval_problems:
+            run_eval(run, step, f"step {step}")
+
+    # steps 1-5 of the lecture's loop each step; 6. checkpoint every N steps, every M minutes,
+    # on a stop signal
+    signal_name = run_steps(run, cfg.steps, lambda step: train_step(run, step),
+                            lambda step: checkpoint(run, step), "train", after_step=evaluate_now)
+    if signal_name is not None:
+        close_sources(run)
+        return stop_job(run, signal_name, summary)
     if run.eval_problems:
-        summary["eval_after"] = run_eval(run, step, "after")
-    return finish(run, step, summary)
+        summary["eval_after"] = run_eval(run, run.steps_done, "after")
+    return save_final(run, summary)
 
 
-def train_step(run: Run, step: int, bar, show_progress: bool) -> None:
+def train_step(run: RLJob, step: int) -> None:
     """One step of the lecture's loop: sample and score -> frozen log-probs -> advantages ->
     update -> log."""
     cfg, algo, world = run.cfg, run.algo, run.world
@@ -165,17 +150,17 @@ def train_step(run: Run, step: int, bar, show_progress: bool) -> None:
 
         # 5. log and evaluate
         metrics.update({**frozen_metrics, **adv_metrics, **update_metrics})
-        log_step(run, step, batch, metrics, timings, t_step, bar, show_progress)
+        log_step(run, step, batch, metrics, timings, t_step)
         if tokens is not None:   # the per-token numbers of a few groups (posttrain view)
             write_step(run.run_dir, step, step_rows(step, batch, tokens, run.tokenizer, algo.gamma,
                                                     version))
         run.nonfinite_streak = nonfinite_streak(run.nonfinite_streak, metrics, cfg)
     else:
         metrics.update({f"perf/{k}_s": v for k, v in timings.items()})
-        log_empty_step(run, step, metrics, t_step, bar, show_progress)
+        log_empty_step(run, step, metrics, t_step)
 
 
-def frozen_passes(run: Run, batch: ScoredBatch,
+def frozen_passes(run: RLJob, batch: ScoredBatch,
                   timings: Counter) -> tuple[ScoredBatch, dict[str, float]]:
     """The log-probs no gradient flows through (§3, §6, §8): the trainer's own pi_old when
     another engine sampled (its log-probs differ slightly; the update reweights by their ratio),
@@ -221,7 +206,7 @@ def frozen_passes(run: Run, batch: ScoredBatch,
     return batch, metrics
 
 
-def compute_advantages(run: Run, batch: ScoredBatch) -> tuple[ScoredBatch, dict[str, float]]:
+def compute_advantages(run: RLJob, batch: ScoredBatch) -> tuple[ScoredBatch, dict[str, float]]:
     """A_t for every response token by the preset's estimator (ADVANTAGES); PPO also gets the
     value model's V_old and the returns it regresses on. Returns the batch carrying them
     (`adv_B_T`, `old_values_B_T`, `returns_B_T`) and the stage's metrics (the critic's)."""
@@ -249,32 +234,28 @@ def compute_advantages(run: Run, batch: ScoredBatch) -> tuple[ScoredBatch, dict[
     return batch, metrics
 
 
-def log_step(run: Run, step: int, batch: ScoredBatch, metrics: dict[str, Any],
-             timings: Counter, t_step: float, bar, show_progress: bool) -> None:
+def log_step(run: RLJob, step: int, batch: ScoredBatch, metrics: dict[str, Any],
+             timings: Counter, t_step: float) -> None:
     """The step's metrics (JSONL, TensorBoard, console), its first samples, and the clock."""
     cfg, world = run.cfg, run.world
     step_s = global_max(time.perf_counter() - t_step, world)   # ranks stop at the same step
-    run.train_seconds += step_s
     metrics.update(rollout_metrics(batch))
     gen_tokens = metrics.pop("_tokens")
     metrics.update({f"perf/{k}_s": v for k, v in timings.items()})
-    metrics.update({"perf/step_s": step_s, "perf/train_minutes": run.train_seconds / 60,
+    metrics.update({"perf/step_s": step_s, "perf/train_minutes": (run.train_seconds + step_s) / 60,
                     "perf/generated_tokens_per_s": gen_tokens / max(timings["generate"], 1e-9),
                     "perf/samples": run.sampler.position})
     metrics = mean_metrics(metrics, world)
     run.logger.log(step, metrics)
+    n = cfg.log_samples
+    shown = batch.transcripts or batch.completions   # multi-turn: the whole episode
+    run.logger.append("samples.jsonl", {"step": step, "samples": [
+        {"prompt": p.prompt, "completion": c, "reward": r}
+        for p, c, r in zip(batch.problems[:n], shown[:n], batch.rewards_B[:n].tolist())]})
     if world.main:
-        n = cfg.log_samples
-        shown = batch.transcripts or batch.completions   # multi-turn: the whole episode
-        with open(run.run_dir / "samples.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "samples": [
-                {"prompt": p.prompt, "completion": c, "reward": r}
-                for p, c, r in zip(batch.problems[:n], shown[:n],
-                                   batch.rewards_B[:n].tolist())]}) + "\n")
         run.logger.log_completions(step, completion_rows(batch, n))
-    bar.set_postfix_str(console_line(step, cfg.steps, metrics).split(" | ", 1)[-1])
-    bar.update(1)
-    if not show_progress and world.main:
+    run.bar.set_postfix_str(console_line(step, cfg.steps, metrics).split(" | ", 1)[-1])
+    if not run.show_progress and world.main:
         log.info(console_line(step, cfg.steps, metrics))
 
 
@@ -298,8 +279,7 @@ def nonfinite_streak(streak: int, metrics: dict[str, Any], cfg: TrainConfig) -> 
     return streak
 
 
-def log_empty_step(run: Run, step: int, metrics: dict[str, Any], t_step: float, bar,
-                   show_progress: bool) -> None:
+def log_empty_step(run: RLJob, step: int, metrics: dict[str, Any], t_step: float) -> None:
     """A step whose dynamic sampling kept no group: its sampling time and counts, no update.
     The learning-rate schedule still advances by the step's optimizer steps, so it reaches its
     end at the last step as planned (a cosine schedule would otherwise never decay to 0)."""
@@ -310,10 +290,8 @@ def log_empty_step(run: Run, step: int, metrics: dict[str, Any], t_step: float, 
             run.scheduler.step()
     metrics["optim/lr"] = run.scheduler.get_last_lr()[0]
     metrics["perf/step_s"] = time.perf_counter() - t_step
-    run.train_seconds += metrics["perf/step_s"]
     run.logger.log(step, metrics)
-    bar.update(1)
-    if not show_progress and run.world.main:
+    if not run.show_progress and run.world.main:
         log.info("step %d/%d | no group with a signal in %d responses: no update | %.1fs", step,
                  run.cfg.steps, int(metrics.get("rollout/generated_responses", 0)),
                  metrics["perf/step_s"])

@@ -180,12 +180,12 @@ def test_max_minutes_ends_a_stage_early_and_it_finishes_as_at_the_end(tmp_path, 
     held-out figures, final model and summary; a longer budget continues from that checkpoint."""
     import json
 
-    import posttrain.stages.common as common
+    import posttrain.lifecycle as lifecycle
     from posttrain.stages.sft import sft
     from tests.conftest import make_tiny_model, stage_config
 
     clock = iter(float(i) for i in range(1000))   # each step reads it twice: 1 s a step
-    monkeypatch.setattr(common, "_clock", lambda: next(clock))
+    monkeypatch.setattr(lifecycle, "_clock", lambda: next(clock))
     run = tmp_path / "run"
     fields = dict(synthetic="addition", n_pairs=24, eval_size=2, batch_size=8, epochs=2)
     out = sft(stage_config(run_dir=str(run), max_minutes=2.5 / 60, **fields),

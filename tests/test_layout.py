@@ -32,7 +32,7 @@ LAYERS = [
     ["rollout", "rollout.hf", "rollout.vllm", "rollout.vllm_worker", "rollout.vllm_weights",
      "rollout.vllm_engines", "rollout.episodes", "forward",
      "batch", "step_metrics", "token_records"],                              # sampling, forward
-    ["rewards", "rewards.scorer", "rewards.model", "teachers", "critic", "evaluation", "collect",
+    ["rewards", "rewards.scorer", "rewards.model", "teachers", "critic", "sampling", "evaluation", "collect",
      "batch_source"],  # scores, teachers
     ["update_terms", "update"],                                              # the policy update
     ["stages", "stages.common", "train_run"],                                # one run's lifecycle

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import posttrain.lifecycle as lifecycle_mod
-from posttrain.stages.common import Stage
+from posttrain.stages.common import OfflineJob
 from posttrain.stages.sft import sft
 import posttrain.trainer as trainer
 from posttrain.cli import main
@@ -175,7 +175,7 @@ def test_a_stage_stopped_by_a_signal_resumes_to_the_same_weights(tmp_path, token
                   system_prompt="Be brief.")
     sft(stage_config(run_dir=str(tmp_path / "whole"), **fields), model=make_tiny_model(tokenizer),
                tokenizer=tokenizer, show_progress=False)
-    calls, real = [0], Stage.optimizer_step
+    calls, real = [0], OfflineJob.optimizer_step
 
     def step_then_signal(st, loss):
         calls[0] += 1
@@ -183,7 +183,7 @@ def test_a_stage_stopped_by_a_signal_resumes_to_the_same_weights(tmp_path, token
         if calls[0] == 3:
             os.kill(os.getpid(), signal.SIGTERM)
         return lr
-    monkeypatch.setattr(Stage, "optimizer_step", step_then_signal)
+    monkeypatch.setattr(OfflineJob, "optimizer_step", step_then_signal)
     cut = tmp_path / "cut"
     out = sft(stage_config(run_dir=str(cut), **fields), model=make_tiny_model(tokenizer),
                      tokenizer=tokenizer, show_progress=False)

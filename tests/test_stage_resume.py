@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from posttrain.stages.common import Stage, write_jsonl
+from posttrain.stages.common import OfflineJob, write_jsonl
 from posttrain.stages.preference import dpo
 from posttrain.stages.reward_model import reward_model
 from posttrain.stages.sft import sft
@@ -54,17 +54,17 @@ def test_a_stage_killed_between_checkpoints_resumes_to_the_same_final_weights(tm
     stage(_config(whole, **fields), model=make(tokenizer), tokenizer=tokenizer, show_progress=False)
 
     killed = tmp_path / "killed"
-    calls, real_step = [0], Stage.optimizer_step
+    calls, real_step = [0], OfflineJob.optimizer_step
 
     def dies_at_step_5(st, loss):     # after the checkpoint of step 4, before the end
         calls[0] += 1
         if calls[0] == 5:
             raise KeyboardInterrupt("killed")
         return real_step(st, loss)
-    monkeypatch.setattr(Stage, "optimizer_step", dies_at_step_5)
+    monkeypatch.setattr(OfflineJob, "optimizer_step", dies_at_step_5)
     with pytest.raises(KeyboardInterrupt):
         stage(_config(killed, **fields), model=make(tokenizer), tokenizer=tokenizer, show_progress=False)
-    monkeypatch.setattr(Stage, "optimizer_step", real_step)
+    monkeypatch.setattr(OfflineJob, "optimizer_step", real_step)
     assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
     assert not (killed / "final_model").exists() and not (killed / "summary.json").exists()
 

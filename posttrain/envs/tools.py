@@ -21,7 +21,6 @@ import inspect
 import json
 import math
 import operator
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field

@@ -4,7 +4,7 @@ Each experiment is one module with `CLAIM` (the lecture's sentence and section, 
 record), `OVERRIDES` (its changes to the default recipe), `REPEATS` (how many batches or points
 it measures), `MIN_REPEATS`, `KEEP_FREED_MEMORY` (perf.tune_malloc: for buffers of one size
 every batch; not where sizes vary, which fragments), `run(run, out, repeats, progress) -> dict`
-(the numbers) and `plot(numbers, path)`. They run on the real pipeline (`train_run.setup`,
+(the numbers) and `plot(numbers, path)`. They run on the real pipeline (`train_run.start_training`,
 `collect.generate_and_score`) and the library's own formulas; common.py writes the record and
 the figure. This init imports nothing.
 """

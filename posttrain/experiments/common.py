@@ -26,7 +26,7 @@ from posttrain.experiments import EXPERIMENTS
 from posttrain.options import DEFAULT_RECIPE, load_config, recipe_path
 from posttrain.perf import tune_malloc
 from posttrain.provenance import provenance
-from posttrain.train_run import Run, setup
+from posttrain.train_run import RLJob, start_training
 from posttrain.trainer import train
 
 log = logging.getLogger("posttrain")
@@ -45,7 +45,7 @@ def experiment_config(module, overrides: list[str], out: Path) -> TrainConfig:
     return load_config(recipe_path(DEFAULT_RECIPE), [*module.OVERRIDES, *overrides, *fixed])
 
 
-def sample_batch(run: Run) -> ScoredBatch:
+def sample_batch(run: RLJob) -> ScoredBatch:
     """One step's batch as training would draw it: P prompts x G answers, scored."""
     batch, _ = generate_and_score(run.engine, run.tokenizer, run.sampler, run.scorer, run.cfg,
                                   run.algo, run.generator, Counter(), run.world, run.env)
@@ -137,7 +137,7 @@ def mean_of(values: list[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
-def train_arm(run: Run, arm: str, algorithm: dict[str, Any], out: Path, steps: int,
+def train_arm(run: RLJob, arm: str, algorithm: dict[str, Any], out: Path, steps: int,
               progress: bool, *, eval_every: int = 0, keep_model: bool = False,
               **fields: Any) -> dict[str, Any]:
     """Train `steps` steps of the run's recipe with `algorithm` changed (and any other
@@ -220,7 +220,7 @@ def run_experiment(name: str, overrides: list[str], out: Path, repeats: int | No
     if module.KEEP_FREED_MEMORY:   # same-sized buffers every batch: reuse them, no page faults
         tune_malloc()
     t0 = time.perf_counter()
-    run = setup(cfg, None, None, None, None)
+    run = start_training(cfg, None, None, None, None, progress)
     numbers = module.run(run, out, repeats, progress)
     seconds = time.perf_counter() - t0
     record = write_record(out, name, module.CLAIM, numbers, command, seconds)

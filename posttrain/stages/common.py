@@ -13,33 +13,29 @@ from __future__ import annotations
 import json
 import logging
 import random
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
-from posttrain.checkpoint import restore_rng, resume_point, save_checkpoint
+from posttrain.checkpoint import restore_rng, save_checkpoint
 from posttrain.config import StageConfig
 from posttrain.data import read_rows
 from posttrain.data.files import chat_messages
 from posttrain.data.tasks import Problem
 from posttrain.distributed import (World, average_gradients, barrier, device_for,
                                    full_state_dict, full_weights_for_generation, gather_objects,
-                                   init_world, load_optimizer_state, wrap)
-from posttrain.lifecycle import Lifecycle, resume_command
-from posttrain.logging import MetricsLogger, NullLogger, resume_logs
+                                   load_optimizer_state, wrap)
 from posttrain.models import (freeze_lower_layers, load_policy, load_tokenizer, resolve_model_path,
                               save_model)
+from posttrain.lifecycle import Job, open_folder, run_steps, start_job, stop_job
 from posttrain.prompts import encode_prompts
-from posttrain.run import make_adamw, make_scheduler, seed_everything
+from posttrain.run import make_adamw, make_scheduler
 from posttrain.update import check_nonfinite_streak, step_if_finite
 
 log = logging.getLogger("posttrain.stages")
-_clock = time.perf_counter   # the training clock of --max_minutes (a test's own clock replaces it)
 
 
 def response_ids(tokenizer, text: str, max_len: int, ids: list[int] | None = None) -> list[int]:
@@ -88,41 +84,35 @@ def encode_prompts_of(tokenizer, cfg: StageConfig, prompts: list) -> list[list[i
     return encode_prompts(tokenizer, problems, cfg.data.system_prompt)
 
 
-@dataclass
-class Stage:
-    """What `start_stage` built, and where a resumed run stands."""
+@dataclass(kw_only=True)
+class OfflineJob(Job):
+    """An sft / dpo / reward-model run: the common lifecycle's fields (Job) and what
+    `start_offline` built: the rows and their encoded prompts, the model and its optimizer."""
+
+    cfg: StageConfig
     rows: list[dict[str, Any]]
     model: Any
     tokenizer: Any
     prompts: list[list[int]]
     optimizer: torch.optim.Optimizer
-    run_dir: Path
-    logger: MetricsLogger | NullLogger
     rng: random.Random
-    world: World
     device: torch.device
     scheduler: Any = None
-    max_grad_norm: float = 1.0
-    resume_state: dict[str, Any] | None = None   # resuming: the checkpoint's saved state
-    start_step: int = 0                  # optimizer steps already taken
-    saved: dict[str, Any] = field(default_factory=dict)   # the stage's state at that checkpoint
-    max_nonfinite_steps: int = 3         # consecutive skipped (non-finite) steps that stop the run
+    saved: dict[str, Any] = field(default_factory=dict)   # the stage's state at the checkpoint resumed
     nonfinite_streak: int = 0
-    train_s: float = 0.0                 # seconds spent in training steps (this run and before a resume)
-    steps_done: int = 0                  # optimizer steps taken (all of them, unless max_minutes ended early)
 
-    def schedule(self, cfg: StageConfig, total_steps: int) -> None:
+    def schedule(self, total_steps: int) -> None:
         """Set the learning-rate schedule once the number of optimizer steps is known; on resume,
         restore the optimizer, schedule and RNG states of the checkpoint."""
-        self.scheduler = make_scheduler(self.optimizer, total_steps, cfg.optim.warmup_steps,
-                                        cfg.optim.schedule)
-        state = self.resume_state
+        o = self.cfg.optim
+        self.scheduler = make_scheduler(self.optimizer, total_steps, o.warmup_steps, o.schedule)
+        state = self.state
         if state is not None:
             load_optimizer_state(self.model, self.optimizer, state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             restore_rng(state["rng"], torch.Generator())
             self.start_step, self.saved = state["step"], state["stage"]
-            self.train_s = state.get("train_s", 0.0)
+            self.train_seconds = state.get("train_s", 0.0)
         self.steps_done = self.start_step
 
     def optimizer_step(self, loss: Tensor) -> float:
@@ -132,101 +122,44 @@ class Stage:
         params = list(self.model.parameters())   # after backward: FSDP2 has re-registered its shards
         average_gradients(params, self.world)
         lr = self.optimizer.param_groups[0]["lr"]
-        _, stepped = step_if_finite(params, self.optimizer, self.scheduler, self.max_grad_norm,
-                                    self.world)
+        _, stepped = step_if_finite(params, self.optimizer, self.scheduler,
+                                    self.cfg.optim.max_grad_norm, self.world)
         self.optimizer.zero_grad(set_to_none=True)
         self.nonfinite_streak = 0 if stepped else self.nonfinite_streak + 1
-        check_nonfinite_streak(self.nonfinite_streak, self.max_nonfinite_steps)
+        check_nonfinite_streak(self.nonfinite_streak, self.cfg.optim.max_nonfinite_steps)
         return lr
 
 
-def run_steps(st: Stage, cfg: StageConfig, batches: list, step_fn, state, desc: str,
-              show_progress: bool) -> dict[str, Any] | None:
-    """The stages' loop: `step_fn(step, batch)` for every batch after the ones a resumed run
-    already took, and a checkpoint (weights, optimizer, schedule, RNG and `state()`: what the
-    stage needs to finish as if it had never stopped, its before-training figures, a DPO
-    reference's log-probs) every `cfg.checkpoint` steps or minutes and when SIGINT / SIGTERM
-    arrives. `cfg.max_minutes` of training ends the loop early (checkpoint written; the stage
-    then finishes as at the end). `st.steps_done` counts the steps taken. Returns None, or the
-    summary of a run a signal stopped (checkpoint written)."""
-    bar = tqdm(total=len(batches), initial=st.start_step, desc=desc,
-               disable=not (show_progress and st.world.main))
-    lifecycle = Lifecycle(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes, st.world)
-    with lifecycle:
-        for step in range(st.start_step + 1, len(batches) + 1):
-            if cfg.max_minutes is not None and st.train_s >= cfg.max_minutes * 60:
-                log.info("max_minutes=%s reached after %d steps", cfg.max_minutes, step - 1)
-                if step - 1 > st.start_step:   # (a longer --max_minutes continues from here)
-                    _save(st, cfg, step - 1, state)
-                break
-            t0 = _clock()
-            step_fn(step, batches[step - 1])
-            st.train_s += _clock() - t0
-            st.steps_done = step
-            bar.update(1)
-            save, stop = lifecycle.after_step(step)
-            if (save and step < len(batches)) or stop:
-                _save(st, cfg, step, state)
-                lifecycle.saved()
-            if stop:
-                bar.close()
-                return _stopped(st, step, lifecycle.stop_signal, desc)
-    bar.close()
-    return None
+def train_batches(st: OfflineJob, batches: list, step_fn, state) -> dict[str, Any] | None:
+    """The common loop (lifecycle.run_steps) over the stage's batches: `step_fn(step, batch)` for
+    every batch after the ones a resumed run already took, and a checkpoint (weights, optimizer,
+    schedule, RNG and `state()`: what the stage needs to finish as if it had never stopped, its
+    before-training figures, a DPO reference's log-probs) on the configured cadence and when
+    SIGINT / SIGTERM arrives. Returns None, or the summary of a run a signal stopped."""
+    signal_name = run_steps(st, len(batches), lambda step: step_fn(step, batches[step - 1]),
+                            lambda step: save_stage(st, step, state), st.command, save_last=False)
+    if signal_name is None:
+        return None
+    return stop_job(st, signal_name, {"run_dir": str(st.run_dir)})
 
 
-def _save(st: Stage, cfg: StageConfig, step: int, state) -> None:
+def save_stage(st: OfflineJob, step: int, state) -> None:
     save_checkpoint(st.run_dir, step, st.model, st.tokenizer, st.optimizer, st.scheduler,
                     torch.Generator(), {"stage": state(), "log_rows": st.logger.line_counts(),
-                                        "train_s": st.train_s},
-                    asdict(cfg), world=st.world, keep=cfg.checkpoint.keep)
-
-
-def _stopped(st: Stage, step: int, signal_name: str, command: str) -> dict[str, Any]:
-    """The summary of a run a signal stopped after `step` (its checkpoint is written)."""
-    st.logger.close()
-    summary = {"run_dir": str(st.run_dir), "steps": step, "stopped_by": signal_name,
-               "resume": resume_command(command, st.run_dir)}
-    write_summary(st, summary)
-    log.warning("stopped by %s after step %d; continue with: %s", signal_name, step,
-                summary["resume"])
-    return summary
-
-
-def write_summary(st: Stage, summary: dict[str, Any]) -> None:
-    if st.world.main:
-        (st.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+                                        "train_s": st.train_seconds},
+                    st.cfg.to_dict(), world=st.world, keep=st.cfg.checkpoint.keep)
 
 
 def _load_lm(path: str | Path, resumed: bool = False):
     return load_policy(path)
 
 
-def start_stage(cfg: StageConfig, model, tokenizer, fields: list[str],
-           rows: list[dict] | None = None, load=None, resume: str | Path | None = None) -> Stage:
-    """Read and check the data (before any model loads), join the process group under torchrun,
-    seed, load (`load(path)`; resuming: the latest checkpoint's weights,
-    `load(path, resumed=True)`), place and wrap the model, open the run folder and write its
-    config.json."""
-    cfg.validate()   # (a StageConfig built in code has not been checked yet)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    load = load or _load_lm
-    run_dir = Path(resume or cfg.run_dir)
-    point = resume_point(run_dir) if resume else None   # the newest checkpoint that loads
-    if resume and point is None:
-        raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir}/checkpoints")
-    ckpt, state = point if point is not None else (None, None)
-    if rows is None:
-        rows = read_rows(cfg.data.train_path)
-        check_rows(cfg.data.train_path, rows, fields)
-    world = init_world(cfg.parallel.strategy)
-    if world.distributed and cfg.batch_size < world.size:
-        raise ValueError(f"batch_size={cfg.batch_size} is smaller than the {world.size} ranks: "
-                         "each rank needs a share of every batch")
-    seed_everything(cfg.seed)
-    if ckpt is not None:
-        tokenizer, model = load_tokenizer(ckpt / "model"), load(ckpt / "model", resumed=True)
+def load_stage_model(job: Job, model, tokenizer, load):
+    """The starting model (`load(path)`; resuming: the checkpoint's, `load(path, resumed=True)`),
+    its attention kernel, pad token and frozen lower layers."""
+    cfg = job.cfg
+    if job.ckpt is not None:
+        tokenizer, model = load_tokenizer(job.ckpt / "model"), load(job.ckpt / "model", resumed=True)
     elif model is None:
         path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
         tokenizer, model = load_tokenizer(path), load(path)
@@ -235,13 +168,12 @@ def start_stage(cfg: StageConfig, model, tokenizer, fields: list[str],
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     freeze_lower_layers(model, cfg.freeze_layers)
-    device = device_for(world)
-    model = wrap(model.to(device), world)      # FSDP2: the decoder layers sharded, in place
-    if world.main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    barrier(world)
-    # a freshly initialised head (reward model's `score`) may learn faster than the body it reads
+    return model, tokenizer
+
+
+def stage_optimizer(cfg: StageConfig, model, world: World) -> torch.optim.Optimizer:
+    """AdamW; a freshly initialised head (reward model's `score`) may learn faster than the body
+    it reads (`head_lr`)."""
     head = getattr(model, "score", None) if cfg.head_lr is not None else None
     head_ids = {id(p) for p in head.parameters()} if head is not None else set()
     groups = [{"params": [p for p in model.parameters() if id(p) not in head_ids and p.requires_grad],
@@ -249,17 +181,31 @@ def start_stage(cfg: StageConfig, model, tokenizer, fields: list[str],
     if head_ids:
         groups.append({"params": list(head.parameters()), "lr": cfg.head_lr})
     o = cfg.optim
-    optimizer = make_adamw(groups, o.lr, (o.beta1, o.beta2), o.weight_decay,
-                           sharded=world.strategy == "fsdp")
-    logger = NullLogger()
-    if world.main:
-        logger = MetricsLogger(run_dir, tensorboard=False, resume=ckpt is not None)
-        if state is not None:   # rows a killed run wrote after its last checkpoint are redone
-            resume_logs(logger, state)
-    return Stage(rows, model, tokenizer, encode_prompts_of(tokenizer, cfg, [r[cfg.data.prompt_field] for r in rows]),
-                  optimizer, run_dir, logger, random.Random(cfg.seed), world, device,
-                  max_grad_norm=o.max_grad_norm, resume_state=state,
-                  max_nonfinite_steps=o.max_nonfinite_steps)
+    return make_adamw(groups, o.lr, (o.beta1, o.beta2), o.weight_decay,
+                      sharded=world.strategy == "fsdp")
+
+
+def start_offline(command: str, cfg: StageConfig, model, tokenizer, fields: list[str],
+                  rows: list[dict] | None = None, load=None, resume: str | Path | None = None,
+                  show_progress: bool = True) -> OfflineJob:
+    """The common start (threads, seed, world, resume point); the data read and checked before
+    any model loads; the model loaded (`load`), placed and wrapped; the run folder opened."""
+    cfg.validate()   # (a StageConfig built in code has not been checked yet)
+    job = start_job(command, cfg, resume, show_progress)
+    if rows is None:
+        rows = read_rows(cfg.data.train_path)
+        check_rows(cfg.data.train_path, rows, fields)
+    if job.world.distributed and cfg.batch_size < job.world.size:
+        raise ValueError(f"batch_size={cfg.batch_size} is smaller than the {job.world.size} ranks: "
+                         "each rank needs a share of every batch")
+    model, tokenizer = load_stage_model(job, model, tokenizer, load or _load_lm)
+    device = device_for(job.world)
+    model = wrap(model.to(device), job.world)      # FSDP2: the decoder layers sharded, in place
+    open_folder(job, cfg.to_dict())
+    prompts = encode_prompts_of(tokenizer, cfg, [r[cfg.data.prompt_field] for r in rows])
+    return OfflineJob(**job.parts(), rows=rows, model=model, tokenizer=tokenizer, prompts=prompts,
+                      optimizer=stage_optimizer(cfg, model, job.world),
+                      rng=random.Random(cfg.seed), device=device)
 
 
 def share_of_batch(batch: list[int], world: World) -> tuple[list[int], float]:
@@ -290,14 +236,13 @@ def sharded_rows(fn, n: int, chunk: int, world: World) -> tuple[Tensor, ...]:
     return tuple(torch.cat(cols) for cols in zip(*shares))
 
 
-def finish_stage(stage: Stage, extra_files: dict[str, str] | None = None) -> str:
+def save_final_model(st: OfflineJob, extra_files: dict[str, str] | None = None) -> str:
     """Save the final model once (rank 0; FSDP shards are gathered first)."""
-    stage.logger.close()
-    folder = stage.run_dir / "final_model"
-    weights = full_state_dict(stage.model, stage.world)
-    if stage.world.main:
-        save_model(stage.model, stage.tokenizer, folder, weights, extra_files)
-    barrier(stage.world)
+    folder = st.run_dir / "final_model"
+    weights = full_state_dict(st.model, st.world)
+    if st.world.main:
+        save_model(st.model, st.tokenizer, folder, weights, extra_files)
+    barrier(st.world)
     return str(folder)
 
 

@@ -20,10 +20,11 @@ from posttrain.distributed import global_sum
 from posttrain.forward import pack, sequence_logprobs
 from posttrain.losses.common import sequence_logprob
 from posttrain.losses.preference import dpo_loss
-from posttrain.stages.common import (Stage, check_rows, encode_prompts_of, finish_stage,
-                                     held_out_behaviour, length_buckets, response_ids, run_steps,
-                                     share_of_batch, sharded_rows, start_stage, synthetic_task,
-                                     write_summary)
+from posttrain.lifecycle import finish_job
+from posttrain.stages.common import (OfflineJob, check_rows, encode_prompts_of,
+                                     held_out_behaviour, length_buckets, response_ids,
+                                     save_final_model, share_of_batch, sharded_rows, start_offline,
+                                     synthetic_task, train_batches)
 
 
 def preference_rows(cfg: StageConfig) -> tuple[list[dict], list[dict], str]:
@@ -62,7 +63,7 @@ def _pair_responses(tok, cfg: StageConfig, rows: list[dict]) -> tuple[list, list
             [response_ids(tok, str(r[cfg.data.rejected_field]), cfg.max_len) for r in rows])
 
 
-def _pair_logp(st: Stage, cfg: StageConfig, data, batch: list[int]) -> tuple[Tensor, Tensor]:
+def _pair_logp(st: OfflineJob, cfg: StageConfig, data, batch: list[int]) -> tuple[Tensor, Tensor]:
     """log pi(y_c|x), log pi(y_r|x) of the pairs `batch`, chosen and rejected in one forward
     (rows [c_0..c_n, r_0..r_n])."""
     prompts, chosen, rejected = data
@@ -75,7 +76,7 @@ def _pair_logp(st: Stage, cfg: StageConfig, data, batch: list[int]) -> tuple[Ten
 
 
 @torch.no_grad()
-def _all_pair_logp(st: Stage, cfg: StageConfig, data) -> tuple[Tensor, Tensor]:
+def _all_pair_logp(st: OfflineJob, cfg: StageConfig, data) -> tuple[Tensor, Tensor]:
     """_pair_logp of every pair, split over the ranks and gathered."""
     st.model.eval()
     out = sharded_rows(lambda idx: _pair_logp(st, cfg, data, idx), len(data[0]), 16, st.world)
@@ -104,7 +105,7 @@ def public_metrics(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if not k.startswith("_")}
 
 
-def _dpo_step(st: Stage, cfg: StageConfig, step: int, batch: list[int], data, ref) -> float:
+def _dpo_step(st: OfflineJob, cfg: StageConfig, step: int, batch: list[int], data, ref) -> float:
     """One DPO optimizer step on a global batch of pairs (this rank's share); returns the
     batch's implicit-reward accuracy."""
     world = st.world
@@ -161,16 +162,17 @@ def train_on_pairs(cfg: StageConfig, reading: PairReading, model=None, tokenizer
     `reading` says before and after."""
     fields = [cfg.data.prompt_field, cfg.data.chosen_field, cfg.data.rejected_field]
     train_rows, eval_rows, source = preference_rows(cfg)
-    st = start_stage(cfg, model, tokenizer, fields, rows=train_rows, resume=resume)
+    st = start_offline(reading.command, cfg, model, tokenizer, fields, rows=train_rows,
+                       resume=resume, show_progress=show_progress)
     tok = st.tokenizer
     train_data = (st.prompts, *_pair_responses(tok, cfg, train_rows))
     eval_data = (encode_prompts_of(tok, cfg, [r[cfg.data.prompt_field] for r in eval_rows]),
                  *_pair_responses(tok, cfg, eval_rows))
     lengths = [len(p) + max(len(c), len(r)) for p, c, r in zip(*train_data)]
     batches = [b for _ in range(cfg.optim.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
-    st.schedule(cfg, len(batches))
+    st.schedule(len(batches))
     task = synthetic_task(cfg) if cfg.data.synthetic and reading.answers else None
-    if st.resume_state is not None:
+    if st.state is not None:
         summary, (ref_train, ref_eval) = st.saved["summary"], st.saved["reference"]
     else:
         summary, ref_train, ref_eval = _reference_and_before(st, cfg, reading, train_data, eval_data,
@@ -180,9 +182,7 @@ def train_on_pairs(cfg: StageConfig, reading: PairReading, model=None, tokenizer
     def step_fn(step: int, batch: list[int]) -> None:
         acc[0] = _dpo_step(st, cfg, step, batch, train_data, ref_train)
 
-    if (stopped := run_steps(st, cfg, batches, step_fn,
-                             lambda: {"summary": summary, "reference": (ref_train, ref_eval)},
-                             reading.command, show_progress)):
+    if (stopped := train_batches(st, batches, step_fn, lambda: {"summary": summary, "reference": (ref_train, ref_eval)})):
         return stopped
     summary["train_minutes"] = (time.perf_counter() - t_start) / 60
     after = _implicit_reward_metrics(*_all_pair_logp(st, cfg, eval_data), ref_eval, cfg.beta,
@@ -193,12 +193,12 @@ def train_on_pairs(cfg: StageConfig, reading: PairReading, model=None, tokenizer
         summary["behaviour_after"] = held_out_behaviour(st.model, tok, task, cfg, st.world)
         st.logger.log(st.steps_done, summary["behaviour_after"])
     extra = reading.saved_files(cfg, after, source) if reading.saved_files else None
-    summary.update(steps=st.steps_done, reward_accuracy_last=acc[0], final_model=finish_stage(st, extra))
-    write_summary(st, summary)
+    summary.update(steps=st.steps_done, reward_accuracy_last=acc[0], final_model=save_final_model(st, extra))
+    finish_job(st, summary)
     return summary
 
 
-def _reference_and_before(st: Stage, cfg: StageConfig, reading: PairReading, train_data, eval_data,
+def _reference_and_before(st: OfflineJob, cfg: StageConfig, reading: PairReading, train_data, eval_data,
                           eval_rows: list[dict], source: str, task) -> tuple[dict, tuple, tuple]:
     """The reference's log-probs of every training and held-out pair (the starting model's), and
     the figures before training: (summary, reference of the training pairs, of the held-out)."""

@@ -17,9 +17,10 @@ import torch
 from posttrain.config import StageConfig
 from posttrain.distributed import global_sum
 from posttrain.models import resolve_model_path
-from posttrain.stages.common import (Stage, encode_prompts_of, finish_stage, length_buckets,
-                                     run_steps, share_of_batch, sharded_rows, start_stage,
-                                     write_summary)
+from posttrain.lifecycle import finish_job
+from posttrain.stages.common import (OfflineJob, encode_prompts_of, length_buckets,
+                                     save_final_model, share_of_batch, sharded_rows, start_offline,
+                                     train_batches)
 from posttrain.stages.preference import PairReading, public_metrics, preference_rows, train_on_pairs
 
 
@@ -33,7 +34,7 @@ def load_reward_model_start(path: str | Path, resumed: bool = False):
     return model
 
 
-def _bradley_terry_step(st: Stage, cfg: StageConfig, step: int, batch: list[int], scores,
+def _bradley_terry_step(st: OfflineJob, cfg: StageConfig, step: int, batch: list[int], scores,
                         chosen: list[list[int]]) -> None:
     """One reward-model optimizer step on a global batch of pairs (this rank's share):
     -log sigmoid(r_c - r_r), plus lm_coef x the next-token loss on the chosen responses."""
@@ -95,7 +96,7 @@ def _log_ratio_stats(cfg: StageConfig, after: dict[str, float], source: str,
 @dataclass
 class ScoredPairs:
     """A score-head reward model's view of pairs: their token ids, and r(x, y) of both sides."""
-    st: Stage
+    st: OfflineJob
     cfg: StageConfig
 
     def encode(self, rows: list[dict], heads: list[list[int]]) -> tuple[list, list, list]:
@@ -135,8 +136,8 @@ def score_head_reward_model(cfg: StageConfig, model=None, tokenizer=None, show_p
     from posttrain.rewards.model import STATS_FILE
     fields = [cfg.data.prompt_field, cfg.data.chosen_field, cfg.data.rejected_field]
     train_rows, eval_rows, source = preference_rows(cfg)
-    st = start_stage(cfg, model, tokenizer, fields, rows=train_rows, load=load_reward_model_start,
-                     resume=resume)
+    st = start_offline("reward-model", cfg, model, tokenizer, fields, rows=train_rows,
+                       load=load_reward_model_start, resume=resume, show_progress=show_progress)
     st.model.config.pad_token_id = st.tokenizer.pad_token_id
     if cfg.lm_coef > 0:
         from posttrain.rewards.model import tied_lm_head
@@ -144,10 +145,10 @@ def score_head_reward_model(cfg: StageConfig, model=None, tokenizer=None, show_p
     pairs = ScoredPairs(st, cfg)
     eval_parts = pairs.encode(eval_rows, encode_prompts_of(
         st.tokenizer, cfg, [r[cfg.data.prompt_field] for r in eval_rows]))
-    heads, chosen, rejected = pairs.encode(train_rows, st.prompts)   # prompts encoded by start_stage
+    heads, chosen, rejected = pairs.encode(train_rows, st.prompts)   # prompts encoded by start_offline
     lengths = [len(h) + max(len(c), len(r)) for h, c, r in zip(heads, chosen, rejected)]
     batches = [b for _ in range(cfg.optim.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
-    st.schedule(cfg, len(batches))
+    st.schedule(len(batches))
     before = st.saved.get("eval_before")
     if before is None:
         before = public_metrics(pairs.evaluate(eval_parts, eval_rows))
@@ -159,18 +160,17 @@ def score_head_reward_model(cfg: StageConfig, model=None, tokenizer=None, show_p
         _bradley_terry_step(st, cfg, step, batch, lambda mine: pairs.scores(
             mine, heads, chosen, rejected, cfg.lm_coef > 0), chosen)
 
-    if (stopped := run_steps(st, cfg, batches, step_fn, lambda: {"eval_before": before},
-                             "reward-model", show_progress)):
+    if (stopped := train_batches(st, batches, step_fn, lambda: {"eval_before": before})):
         return stopped
     train_minutes = (time.perf_counter() - t_start) / 60
     after = pairs.evaluate(eval_parts, eval_rows)
     st.logger.log(st.steps_done, public_metrics(after))
     stats = json.dumps({"mean": after["_mean"], "std": after["_std"], "source": source,
                         "end_of_turn": cfg.end_of_turn})
-    summary = {"run_dir": str(st.run_dir), "final_model": finish_stage(st, {STATS_FILE: stats}),
+    summary = {"run_dir": str(st.run_dir), "final_model": save_final_model(st, {STATS_FILE: stats}),
                "steps": st.steps_done, "train_pairs": len(train_rows), "eval_pairs": len(eval_rows),
                "train_minutes": train_minutes, "eval_before": before, "eval_after": public_metrics(after)}
-    write_summary(st, summary)
+    finish_job(st, summary)
     return summary
 
 

@@ -14,9 +14,10 @@ from posttrain.config import StageConfig
 from posttrain.distributed import global_sum
 from posttrain.forward import pack, sequence_logprobs
 from posttrain.losses.preference import sft_loss
-from posttrain.stages.common import (held_out_behaviour, length_buckets, response_ids, run_steps,
-                                     share_of_batch, start_stage, synthetic_task, write_summary,
-                                     finish_stage)
+from posttrain.lifecycle import finish_job
+from posttrain.stages.common import (held_out_behaviour, length_buckets, response_ids,
+                                     save_final_model, share_of_batch, start_offline,
+                                     synthetic_task, train_batches)
 
 
 def _teacher_ids(tokenizer, path: str, rows: list[dict], response_field: str) -> list[list[int] | None]:
@@ -73,17 +74,17 @@ def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
     latest checkpoint the run continues from, to the same final weights."""
     task = synthetic_task(cfg) if cfg.data.synthetic else None
     rows = synthetic_answers(task, cfg.data.n_pairs, cfg.seed) if task is not None else None
-    st = start_stage(cfg, model, tokenizer, [cfg.data.prompt_field, cfg.data.response_field], rows=rows,
-                resume=resume)
+    st = start_offline("sft", cfg, model, tokenizer, [cfg.data.prompt_field, cfg.data.response_field],
+                       rows=rows, resume=resume, show_progress=show_progress)
     ids = _teacher_ids(st.tokenizer, cfg.data.train_path, st.rows, cfg.data.response_field)
     responses = [response_ids(st.tokenizer, r[cfg.data.response_field], cfg.max_len, t)
                  for r, t in zip(st.rows, ids)]
     masks = _policy_masks(cfg.data.train_path, st.rows, responses)
     lengths = [len(p) + len(r) for p, r in zip(st.prompts, responses)]
     batches = [b for _ in range(cfg.optim.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
-    st.schedule(cfg, len(batches))
+    st.schedule(len(batches))
     summary: dict[str, Any] = {"run_dir": str(st.run_dir), **st.saved.get("summary", {})}
-    if task is not None and st.resume_state is None:
+    if task is not None and st.state is None:
         summary["behaviour_before"] = held_out_behaviour(st.model, st.tokenizer, task, cfg, st.world)
         st.logger.log(0, summary["behaviour_before"])
     losses: list[float] = st.saved.get("losses", [])
@@ -103,13 +104,12 @@ def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True
                              "perf/step_s": time.perf_counter() - t0,
                              "perf/padding_frac": 1 - sum(lengths[i] for i in mine) / (len(mine) * width)})
 
-    if (stopped := run_steps(st, cfg, batches, step_fn,
-                             lambda: {"summary": summary, "losses": losses}, "sft", show_progress)):
+    if (stopped := train_batches(st, batches, step_fn, lambda: {"summary": summary, "losses": losses})):
         return stopped
     if task is not None:
         summary["behaviour_after"] = held_out_behaviour(st.model, st.tokenizer, task, cfg, st.world)
         st.logger.log(st.steps_done, summary["behaviour_after"])
     summary.update(steps=st.steps_done, first_loss=losses[0], last_loss=losses[-1],
-                   final_model=finish_stage(st))
-    write_summary(st, summary)
+                   final_model=save_final_model(st))
+    finish_job(st, summary)
     return summary
