@@ -35,7 +35,7 @@ def teachers() -> dict[str, float]:
     """Each domain's teacher accuracy from its record (A: a train run, B: an SFT run)."""
     a = json.loads((MOPD / "teacher-a/record.json").read_text())["summary"]["eval_after"]["eval/accuracy"]
     b = json.loads((MOPD / "teacher-b/record.json").read_text())["summary"]["behaviour_after"]
-    return {"addition": a, "subtraction": b["behaviour/accuracy"]}
+    return {"addition": a, "subtraction": b.get("eval/accuracy", b.get("behaviour/accuracy"))}
 
 
 def draw(out: Path) -> Path:

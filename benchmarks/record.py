@@ -29,17 +29,18 @@ sys.path.insert(0, str(ROOT))
 from posttrain.provenance import provenance  # noqa: E402
 
 KEPT = ("summary.json", "metrics.jsonl")
-RUN_FOLDER = {"train", "sft", "dpo", "reward-model"}   # the subcommands that write a run folder
+RUN_FOLDER = {"train", "sft", "dpo", "reward-model", "eval", "generate"}   # those that write a run folder
 WEIGHTS = ("final_model", "checkpoints", "final_value_model", "reference_model")   # PPO keeps the last two
 
 
 def with_run_dir(command: list[str], out: Path) -> tuple[list[str], Path | None]:
     """The command with `--run_dir OUT/run` added where it writes a run folder and names none,
-    and that folder (None for a command without one: eval, generate)."""
+    and that folder (None for a command without one, or `--run_dir none`)."""
     if command[1] not in RUN_FOLDER:
         return command, None
     if "--run_dir" in command:
-        return command, Path(command[command.index("--run_dir") + 1])
+        given = command[command.index("--run_dir") + 1]
+        return command, None if given.lower() == "none" else Path(given)
     return [*command, "--run_dir", str(out / "run")], out / "run"
 
 

@@ -27,6 +27,12 @@ from learning import at_minutes  # noqa: E402
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 
+
+def held_out_accuracy(behaviour: dict, name: str = "accuracy") -> float:
+    """A stage's greedy held-out accuracy (or `name`: length_mean); records written before the
+    stages used the one evaluator name it behaviour/accuracy."""
+    return behaviour.get(f"eval/{name}", behaviour.get(f"behaviour/{name}"))
+
 def mean_sd(xs: list[float], scale: float = 1.0, digits: int = 3, unit: str = "") -> str:
     """learning.py's 'mean ± sd' over seeds; one seed's value alone (it has no spread)."""
     if len([x for x in xs if x is not None]) == 1:
@@ -330,7 +336,7 @@ def mopd_table(root: Path) -> str:
     sft_min = sft_minutes(folder / "sft-mix")
     kept = {d: printed_json(folder / f"generate-{d}" / "run.log") for d in "ab"}
     teacher_a = rec["teacher-a"]["summary"]["eval_after"]["eval/accuracy"]
-    teacher_b = rec["teacher-b"]["summary"]["behaviour_after"]["behaviour/accuracy"]
+    teacher_b = held_out_accuracy(rec["teacher-b"]["summary"]["behaviour_after"])
     return "\n".join([
         "| model | addition | subtraction | training minutes |", "|---" * 4 + "|",
         domain_row("SmolLM2-135M-Instruct", mopd[0], "-"),
@@ -363,10 +369,10 @@ def dpo_table(root: Path) -> str:
         "| | before | after |", "|---|---|---|",
         f"| {s['eval_pairs']} held-out pairs ranked by `beta log(pi/pi_ref)` | - | "
         f"**{100 * ev['dpo/eval_reward_accuracy']:.1f}%** ({kinds}) |",
-        f"| held-out problems, greedy, no stop string | {100 * before['behaviour/accuracy']:.1f}% | "
-        f"**{100 * after['behaviour/accuracy']:.1f}%** |",
-        f"| mean response length (tokens) | {before['behaviour/length_mean']:.1f} | "
-        f"{after['behaviour/length_mean']:.1f} |",
+        f"| held-out problems, greedy, no stop string | {100 * held_out_accuracy(before):.1f}% | "
+        f"**{100 * held_out_accuracy(after):.1f}%** |",
+        f"| mean response length (tokens) | {held_out_accuracy(before, 'length_mean'):.1f} | "
+        f"{held_out_accuracy(after, 'length_mean'):.1f} |",
         "",
         f"{s['train_pairs']} training pairs, {s['steps']} steps in {s['train_minutes']:.1f} training "
         f"minutes (+ {s['reference_s'] / 60:.1f} for the reference pass), one seed. Record: "

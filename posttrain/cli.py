@@ -150,45 +150,19 @@ def print_summary(summary: dict) -> None:
 
 
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
-    import torch
-
-    from posttrain.models import load_policy, load_tokenizer, resolve_model_path
-    from posttrain.rewards.scorer import Scorer
-    from posttrain.rollout import close_engine, make_engine
-    from posttrain.distributed import SINGLE
-    from posttrain.data.source import build_task
-    from posttrain.evaluation import evaluate
-    from posttrain.rollout import vllm_options
-
-    overrides = [*overrides, "--model.path", args.model_path]
+    if args.model_path:
+        overrides = [*overrides, "--model.path", args.model_path]
     if args.task:
         overrides += ["--data.task", args.task]
     # Same generation settings as the default job unless a config says otherwise.
     cfg = load_config(args.config or recipe_path(DEFAULT_RECIPE), overrides)
-    from posttrain.envs import for_tokenizer, make_env
+    from posttrain.stages.evaluate import evaluate_model   # (torch: once the config is valid)
 
-    task = build_task(cfg.data)
-    env = make_env(cfg.env, task)
-    scorer = Scorer(cfg.reward, task.verifier)
-    path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-    tokenizer, model = load_tokenizer(path), load_policy(path, cfg.model.dtype)
-    env = for_tokenizer(env, tokenizer)
-    engine = make_engine(cfg.rollout.backend, model, tokenizer,
-                         **vllm_options(cfg, path, model, SINGLE))
-    try:
-        res = evaluate(model, tokenizer, engine, task.eval_problems, scorer, cfg, env=env)
-        samples = res.pop("_samples")
-        if args.k > 1:
-            n = max(args.samples, args.k)
-            res_k = evaluate(model, tokenizer, engine, task.eval_problems, scorer, cfg, samples=n,
-                             k=args.k, temperature=cfg.rollout.temperature,
-                             generator=torch.Generator().manual_seed(cfg.seed), env=env)
-            res[f"eval/pass@{args.k}"] = res_k[f"eval/pass@{args.k}"]
-    finally:
-        close_engine(engine)
-        scorer.close()
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}, indent=2))
-    for s in samples[:3]:
+    summary = evaluate_model(cfg, args.k, args.samples, show_progress=not args.no_progress)
+    shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()
+             if k != "samples"}
+    print(json.dumps(shown, indent=2))
+    for s in summary["samples"]:
         print(f"  {s['prompt']!r} -> {s['completion']!r} ({'correct' if s['correct'] else 'wrong'})")
     return 0
 
@@ -217,10 +191,13 @@ def cmd_stage(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     from posttrain.stages.generate import generate
 
-    overrides = [*overrides, "--model.path", args.model_path]
+    if args.model_path:
+        overrides = [*overrides, "--model.path", args.model_path]
     cfg = load_config(args.config or recipe_path(DEFAULT_RECIPE), overrides)
+    if args.out is None and not cfg.writes_folder:
+        raise ConfigError("--run_dir none writes no folder: give the rows a file with --out FILE")
     out = generate(cfg, args.n, args.out, args.samples, not args.keep_wrong,
-                   demonstrate=args.demonstrate)
+                   demonstrate=args.demonstrate, show_progress=not args.no_progress)
     print(json.dumps(out, indent=2))
     return 0
 
@@ -228,8 +205,7 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_experiment(args: argparse.Namespace, overrides: list[str]) -> int:
     from posttrain.experiments.common import run_experiment
 
-    out = args.out or Path("runs") / "experiments" / args.name
-    res = run_experiment(args.name, overrides, out, args.repeats, not args.no_progress,
+    res = run_experiment(args.name, overrides, args.out, args.repeats, not args.no_progress,
                          args.command_line)
     print(json.dumps({k: res[k] for k in ("record", "figure", "seconds")}, indent=2))
     return 0
@@ -297,9 +273,12 @@ def _add_train(sub) -> None:
 
 
 def _add_eval(sub) -> None:
-    p = sub.add_parser("eval", help="held-out greedy accuracy and pass@k of a model")
-    p.add_argument("--model.path", dest="model_path", required=True,
-                   help="model folder, or 'smollm2-135m-instruct'")
+    p = sub.add_parser("eval", help="held-out greedy accuracy and pass@k of a model",
+                       epilog="Any config field can follow as an override of the default recipe "
+                       "(--seed, --threads, --max_minutes, --run_dir DIR or none, ...).")
+    p.add_argument("--model.path", dest="model_path",
+                   help="model folder, or 'smollm2-135m-instruct' (default: the recipe's, the "
+                   "embedded model)")
     p.add_argument("--data.task", dest="task", help="built-in task (addition, arithmetic, countdown) or 'file'")
     p.add_argument("--config", type=Path, help="YAML config for data/reward/rollout settings "
                    "(default: the packaged default recipe, or pass a run's config.json)")
@@ -332,9 +311,11 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="write a model's answers to training problems as SFT data",
                        epilog="Any config field can follow as an override, e.g. --data.task "
                        "subtraction --rollout.max_new_tokens 32.")
-    p.add_argument("--model.path", dest="model_path", required=True,
-                   help="the teacher: model folder or embedded name")
-    p.add_argument("--out", required=True, help="output JSONL (prompt, response, answer, correct)")
+    p.add_argument("--model.path", dest="model_path",
+                   help="the teacher: model folder or embedded name (default: the recipe's, the "
+                   "embedded model)")
+    p.add_argument("--out", help="output JSONL (prompt, response, answer, correct; default: "
+                   "sft.jsonl in the run folder)")
     p.add_argument("--n", type=int, default=1000, help="training problems to answer")
     p.add_argument("--samples", type=int, default=1, help="answers per problem (1: greedy)")
     p.add_argument("--keep-wrong", action="store_true", help="also keep answers the verifier rejects")
@@ -354,8 +335,8 @@ def _add_experiment(sub) -> None:
                        epilog="Any config field can follow as an override of the default recipe, "
                        "e.g. --model.path DIR --rollout.prompts_per_step 8.")
     p.add_argument("name", choices=sorted(EXPERIMENTS))
-    p.add_argument("--out", type=Path, help="folder for NAME.json and NAME.png "
-                   "(default runs/experiments/NAME)")
+    p.add_argument("--out", type=Path, help="folder for NAME.json and NAME.png (default: "
+                   "--run_dir, else runs/experiments/NAME)")
     p.add_argument("--repeats", type=int, help="batches (or points) to measure over "
                    "(default: the experiment's own)")
     _add_no_progress(p)

@@ -49,3 +49,19 @@ def sampling_engine(cfg: TrainConfig, path: str | Path, model: Any, tokenizer: A
     """The engine `rollout.backend` names over `model` (vLLM: loaded from `path`)."""
     return make_engine(cfg.rollout.backend, model, tokenizer, cfg.rollout.autocast,
                        cfg.rollout.weights, **vllm_options(cfg, path, model, world))
+
+
+def load_sampled_model(cfg: TrainConfig, model: Any = None, tokenizer: Any = None,
+                       weights: bool = True) -> tuple[Any, Any, str | Path]:
+    """The model `model.path` names (default: the embedded one) and its tokenizer, unless given;
+    `weights=False`: the tokenizer only. Returns (model, tokenizer, the folder it came from)."""
+    from posttrain.models import load_policy, load_tokenizer, resolve_model_path
+    path: str | Path = cfg.model.path
+    if tokenizer is None:
+        path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        tokenizer = load_tokenizer(path)
+    if model is None and weights:
+        model = load_policy(path, cfg.model.dtype)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer, path

@@ -25,7 +25,7 @@ from posttrain.errors import FailingSourceError
 from posttrain.health import FailureWatch, Tally, merge_tallies
 from posttrain.data.source import Sampler
 from posttrain.data.tasks import Problem
-from posttrain.evaluation import evaluate
+from posttrain.evaluation import eval_settings, evaluate
 from posttrain.logging import plot_run
 from posttrain.token_records import drop_after
 from posttrain.memory import estimate as estimate_memory
@@ -210,8 +210,8 @@ def run_eval(run: RLJob, step: int, label: str) -> dict[str, Any]:
               else run.engine)
     with full_weights_for_generation(run.model, run.world), run.batches.paused():
         res = evaluate(run.model, run.tokenizer, engine, run.eval_problems, run.scorer,
-                       run.cfg, world=run.world, env=run.env)
-    samples = res.pop("_samples")
+                       eval_settings(run.cfg), world=run.world, env=run.env)
+    samples, _ = res.pop("_samples"), res.pop("_lengths")
     res["eval/seconds"] = time.perf_counter() - t0
     res["perf/train_minutes"] = run.train_seconds / 60
     run.logger.log(step, res)

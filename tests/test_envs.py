@@ -437,7 +437,7 @@ def test_generate_records_whole_episodes_with_their_masks(tmp_path, tokenizer):
     from posttrain.stages.generate import generate
     cfg = load_config(None, ["--data.task", "guess_number", "--data.difficulty", "4", "--env.max_turns",
                              "3", "--rollout.max_new_tokens", "3", "--data.system_prompt", "null",
-                             "--eval_batch_size", "4"])
+                             "--eval_batch_size", "4", "--run_dir", "none"])
     out = generate(cfg, 4, tmp_path / "ep.jsonl", samples=1, only_correct=False,
                    model=make_tiny_model(tokenizer), tokenizer=tokenizer)
     rows = [json.loads(line) for line in open(tmp_path / "ep.jsonl")]

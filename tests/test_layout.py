@@ -36,7 +36,7 @@ LAYERS = [
      "batch_source"],  # scores, teachers
     ["update_terms", "update"],                                              # the policy update
     ["stages", "stages.common", "train_run"],                                # one run's lifecycle
-    ["trainer", "stages.sft", "stages.preference", "stages.generate",        # the loops
+    ["trainer", "stages.sft", "stages.preference", "stages.generate", "stages.evaluate",   # the loops
      "experiments", "experiments.common"],                                   # (and their measures)
     ["stages.reward_model", "experiments.baselines", "experiments.kl_estimators",
      "experiments.importance_sampling", "experiments.length_bias",

@@ -17,7 +17,11 @@ def test_a_run_folder_is_added_only_where_the_command_writes_one(tmp_path):
     cmd, run = rec.with_run_dir(["posttrain", "train", "--run_dir", "runs/x"], tmp_path)
     assert cmd == ["posttrain", "train", "--run_dir", "runs/x"] and run == Path("runs/x")
     cmd, run = rec.with_run_dir(["posttrain", "eval", "--model.path", "m"], tmp_path)
-    assert cmd == ["posttrain", "eval", "--model.path", "m"] and run is None
+    assert cmd[-2:] == ["--run_dir", str(tmp_path / "run")] and run == tmp_path / "run"
+    cmd, run = rec.with_run_dir(["posttrain", "generate", "--run_dir", "none"], tmp_path)
+    assert cmd == ["posttrain", "generate", "--run_dir", "none"] and run is None
+    cmd, run = rec.with_run_dir(["posttrain", "plot", "runs/x"], tmp_path)
+    assert cmd == ["posttrain", "plot", "runs/x"] and run is None
 
 
 def test_the_record_keeps_summary_and_metrics_and_drops_the_weights(tmp_path):

@@ -60,10 +60,10 @@ def test_dpo_on_synthetic_pairs_reports_held_out_pairs_and_behaviour(tmp_path, t
     after = out["eval_after"]
     # concise > rambling and answer > no answer differ in wording a tiny model can pick up
     assert after["dpo/eval_reward_accuracy@concise>rambling"] > 0.5, after
-    assert set(out["behaviour_before"]) == {"behaviour/accuracy", "behaviour/length_mean"}
+    assert set(out["behaviour_before"]) == {"eval/accuracy", "eval/length_mean"}
     assert after["dpo/eval_margin"] > 0
     for b in (out["behaviour_before"], out["behaviour_after"]):   # greedy, at most 48 new tokens
-        assert 0 < b["behaviour/length_mean"] <= 48 and 0 <= b["behaviour/accuracy"] <= 1
+        assert 0 < b["eval/length_mean"] <= 48 and 0 <= b["eval/accuracy"] <= 1
 
 
 @pytest.mark.parametrize("row,msg", [({"prompt": "p", "chosen": "a"}, "line 1: field 'rejected'"),
@@ -79,7 +79,7 @@ def test_generate_writes_verified_teacher_answers_for_sft(tmp_path, tokenizer):
     from posttrain.options import load_config
     from posttrain.stages.generate import generate
     cfg = load_config(None, ["--data.eval_size", "5", "--rollout.max_new_tokens", "4",
-                             "--reward.verifier", "none"])
+                             "--reward.verifier", "none", "--run_dir", "none"])
     out = generate(cfg, 6, tmp_path / "g.jsonl", samples=2, only_correct=False,
                    model=make_tiny_model(tokenizer), tokenizer=tokenizer)
     rows = [json.loads(line) for line in open(tmp_path / "g.jsonl")]
@@ -109,7 +109,7 @@ def test_generated_responses_keep_the_teachers_stop_string(tmp_path, tokenizer, 
     from posttrain.options import load_config
     from posttrain.stages.generate import generate
     cfg = load_config(None, ["--data.eval_size", "5", "--rollout.max_new_tokens", "4",
-                             "--reward.verifier", "none"])
+                             "--reward.verifier", "none", "--run_dir", "none"])
     monkeypatch.setattr(tokenizer, "batch_decode", lambda ids, **kw: [" 12 + 3 = 15.\n\n"] * len(ids))
     generate(cfg, 2, tmp_path / "g.jsonl", only_correct=False, model=make_tiny_model(tokenizer),
              tokenizer=tokenizer)
@@ -134,9 +134,9 @@ def test_sft_on_synthetic_answers_reports_held_out_behaviour(tmp_path, tokenizer
                           batch_size=6, run_dir=str(tmp_path / "run")),
               model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
     assert out["last_loss"] < 0.5 * out["first_loss"], out
-    assert set(out["behaviour_after"]) == {"behaviour/accuracy", "behaviour/length_mean"}
+    assert set(out["behaviour_after"]) == {"eval/accuracy", "eval/length_mean"}
     # the tiny model learns the answer's shape (and to stop): shorter than 48 tokens of noise
-    assert out["behaviour_after"]["behaviour/length_mean"] < out["behaviour_before"]["behaviour/length_mean"]
+    assert out["behaviour_after"]["eval/length_mean"] < out["behaviour_before"]["eval/length_mean"]
 
 
 def test_lr_factor_warms_up_then_decays_to_zero():

@@ -39,10 +39,16 @@ def experiment_module(name: str):
     return importlib.import_module(f"posttrain.experiments.{EXPERIMENTS[name]}")
 
 
-def experiment_config(module, overrides: list[str], out: Path) -> TrainConfig:
-    """The default recipe, the experiment's own changes, then the user's (the user's win)."""
+def experiment_config(module, name: str, overrides: list[str],
+                      out: Path | None) -> tuple[TrainConfig, Path]:
+    """The default recipe, the experiment's own changes, then the user's (the user's win: a time
+    budget only when they give one). The experiment's folder is `out`, else the user's
+    --run_dir, else runs/experiments/NAME; its runs go under it (run/, run/ARM)."""
+    base = [*module.OVERRIDES, "--max_minutes", "null", *overrides]
+    given = load_config(recipe_path(DEFAULT_RECIPE), base).run_dir
+    out = out or (Path(given) if given else Path("runs") / "experiments" / name)
     fixed = ["--run_dir", str(out / "run"), "--tensorboard", "false", "--eval_every", "0"]
-    return load_config(recipe_path(DEFAULT_RECIPE), [*module.OVERRIDES, *overrides, *fixed])
+    return load_config(recipe_path(DEFAULT_RECIPE), [*base, *fixed]), out
 
 
 def sample_batch(run: RLJob) -> ScoredBatch:
@@ -52,13 +58,20 @@ def sample_batch(run: RLJob) -> ScoredBatch:
     return batch
 
 
+_deadline = [math.inf]   # --max_minutes of an experiment: when its measurement loops stop
+_cut: list[str] = []     # the loops it cut short, said in the record
+
+
 def progress_range(n: int, desc: str, progress: bool):
-    """range(n) with a progress bar, or (--no-progress) a log line as each item starts."""
-    if progress:
-        yield from tqdm(range(n), desc=desc, dynamic_ncols=True)
-        return
-    for i in range(n):
-        log.info("%s: %d/%d", desc, i + 1, n)
+    """range(n) with a progress bar, or (--no-progress) a log line as each item starts; it ends
+    early once the experiment's --max_minutes have passed (the figures then cover fewer items)."""
+    for i in tqdm(range(n), desc=desc, dynamic_ncols=True, disable=not progress):
+        if i and time.monotonic() >= _deadline[0]:   # (the first item always runs)
+            log.warning("%s: max_minutes reached after %d of %d", desc, i, n)
+            _cut.append(f"{desc}: {i} of {n}")
+            return
+        if not progress:
+            log.info("%s: %d/%d", desc, i + 1, n)
         yield i
 
 
@@ -145,9 +158,9 @@ def train_arm(run: RLJob, arm: str, algorithm: dict[str, Any], out: Path, steps:
     step's PER_STEP numbers and held-out accuracy before, every `eval_every` steps and after.
     The arm's run folder (out/run/ARM) keeps its metrics and per-token records (`posttrain
     view`), and its final_model only if `keep_model` (an arm another arm learns from)."""
-    # every arm runs all its steps (no time budget) and saves no checkpoint it would not keep
-    cfg = replace(run.cfg, steps=steps, run_dir=str(out / "run" / arm), max_minutes=None,
-                  eval_every=eval_every,
+    # every arm runs all its steps (unless the user gave --max_minutes: each arm's budget) and
+    # saves no checkpoint it would not keep
+    cfg = replace(run.cfg, steps=steps, run_dir=str(out / "run" / arm), eval_every=eval_every,
                   checkpoint=replace(run.cfg.checkpoint, every_minutes=None, every_steps=0),
                   algorithm={**run.cfg.algorithm, **algorithm}, **fields).validate()
     summary = train(cfg, model=copy.deepcopy(run.model), tokenizer=run.tokenizer,
@@ -207,11 +220,11 @@ def write_record(out: Path, name: str, claim: str, numbers: dict[str, Any], comm
     return path
 
 
-def run_experiment(name: str, overrides: list[str], out: Path, repeats: int | None,
+def run_experiment(name: str, overrides: list[str], out: Path | None, repeats: int | None,
                    progress: bool, command: str) -> dict[str, Any]:
     """Set up the run, measure, write out/NAME.json and out/NAME.png; return the record."""
     module = experiment_module(name)
-    cfg = experiment_config(module, overrides, out)   # refused before any model loads
+    cfg, out = experiment_config(module, name, overrides, out)   # refused before any model loads
     repeats = module.REPEATS if repeats is None else repeats
     if repeats < module.MIN_REPEATS:
         raise ConfigError(f"--repeats {repeats}: experiment {name} needs at least "
@@ -220,8 +233,12 @@ def run_experiment(name: str, overrides: list[str], out: Path, repeats: int | No
     if module.KEEP_FREED_MEMORY:   # same-sized buffers every batch: reuse them, no page faults
         tune_malloc()
     t0 = time.perf_counter()
+    _deadline[0] = time.monotonic() + cfg.max_minutes * 60 if cfg.max_minutes else math.inf
+    _cut.clear()
     run = start_training(cfg, None, None, None, None, progress)
     numbers = module.run(run, out, repeats, progress)
+    if _cut:
+        numbers["max_minutes_cut"] = list(_cut)
     seconds = time.perf_counter() - t0
     record = write_record(out, name, module.CLAIM, numbers, command, seconds)
     figure = module.plot(numbers, out / f"{name}.png")

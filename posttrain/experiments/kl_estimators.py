@@ -168,13 +168,15 @@ def run(run, out, repeats: int, progress: bool) -> dict:
     refs = {d: drifted_copy(run.model, d, seed=run.cfg.seed + i) for i, d in enumerate(DRIFTS)}
     acc = {d: {"errors": {n: [] for n in KL_ESTIMATORS}, "values": {n: [] for n in KL_ESTIMATORS},
                "exact": [], "products": {}} for d in DRIFTS}
+    measured = 0
     for _ in progress_range(repeats, "kl-estimators: batch", progress):
         measure_batch(run, refs, acc)
+        measured += 1
     rows = {}
     for d, a in acc.items():
         products = {p: torch.cat(v) for p, v in a["products"].items()}
         rows[str(d)] = summarise(a["errors"], a["values"], a["exact"], products)
-    return {"drifts": rows, "batches": repeats, "answers_per_batch": run.cfg.batch_size}
+    return {"drifts": rows, "batches": measured, "answers_per_batch": run.cfg.batch_size}
 
 
 def plot(numbers: dict, path):

@@ -25,13 +25,18 @@ from posttrain.config import StageConfig
 from posttrain.data import read_rows
 from posttrain.data.files import chat_messages
 from posttrain.data.tasks import Problem
-from posttrain.distributed import (World, average_gradients, barrier, device_for,
+from posttrain.distributed import (SINGLE, World, average_gradients, barrier, device_for,
                                    full_state_dict, full_weights_for_generation, gather_objects,
                                    load_optimizer_state, wrap)
 from posttrain.models import (freeze_lower_layers, load_policy, load_tokenizer, resolve_model_path,
                               save_model)
 from posttrain.lifecycle import Job, open_folder, run_steps, start_job, stop_job
+from posttrain.evaluation import EvalSettings, evaluate
 from posttrain.prompts import encode_prompts
+from posttrain.rewards.scorer import Scorer
+from posttrain.rollout.episodes import EpisodeSettings
+from posttrain.rollout.hf import HFRolloutEngine
+from posttrain.sections import RewardConfig
 from posttrain.run import make_adamw, make_scheduler
 from posttrain.update import check_nonfinite_streak, step_if_finite
 
@@ -249,36 +254,18 @@ def save_final_model(st: OfflineJob, extra_files: dict[str, str] | None = None) 
 @torch.no_grad()
 def held_out_behaviour(model, tokenizer, task, cfg: StageConfig, world: World | None = None,
                        max_new_tokens: int = 48) -> dict[str, float]:
-    """Greedy answers to the task's held-out problems (no stop string: the model must end its
-    answer itself): accuracy by the verifier and response length. Under torchrun each rank
-    answers a contiguous share (FSDP: with the full weights gathered once)."""
-    from posttrain.sections import RewardConfig
-    from posttrain.distributed import SINGLE
-    from posttrain.rewards.scorer import Scorer
-    from posttrain.rollout import SamplingParams
-    from posttrain.rollout.hf import HFRolloutEngine
-
+    """Greedy answers to a synthetic task's held-out problems by the one evaluator
+    (evaluation.evaluate), with no stop string (the model must end its answer itself):
+    eval/accuracy by the verifier and eval/length_mean. Under torchrun each rank answers its
+    share (FSDP: with the full weights gathered once)."""
     world = world or SINGLE
-    all_problems = task.eval_problems
-    per = -(-len(all_problems) // world.size)
-    problems = all_problems[world.rank * per:(world.rank + 1) * per]
-    engine = HFRolloutEngine(model, tokenizer)
-    scorer = Scorer(RewardConfig(), task.verifier)
-    correct, lengths = [], []
+    settings = EvalSettings(max_new_tokens, (), 50, EpisodeSettings(cfg.data.system_prompt))
     with full_weights_for_generation(model, world):
-        for i in range(0, len(problems), 50):
-            chunk = problems[i:i + 50]
-            rollout = engine.generate(encode_prompts_of(tokenizer, cfg, [p.prompt for p in chunk]), 1,
-                                      SamplingParams(max_new_tokens, greedy=True))
-            texts = tokenizer.batch_decode(rollout.response_ids_B_T.masked_fill(
-                rollout.response_mask_B_T == 0, tokenizer.pad_token_id), skip_special_tokens=True)
-            correct += scorer(chunk, texts, with_model=False).correct_B.tolist()
-            lengths += rollout.lengths_B.tolist()
-    shares = gather_objects((correct, lengths), world)
-    correct = [c for share in shares for c in share[0]]
-    lengths = [n for share in shares for n in share[1]]
-    n = max(len(all_problems), 1)
-    return {"behaviour/accuracy": sum(correct) / n, "behaviour/length_mean": sum(lengths) / n}
+        res = evaluate(model, tokenizer, HFRolloutEngine(model, tokenizer), task.eval_problems,
+                       Scorer(RewardConfig(), task.verifier), settings, world=world)
+    lengths = res.pop("_lengths")
+    return {"eval/accuracy": res["eval/accuracy"],
+            "eval/length_mean": sum(lengths) / max(len(lengths), 1)}
 
 
 def synthetic_task(cfg: StageConfig):

@@ -7,75 +7,70 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from posttrain.data.source import Sampler
+from posttrain.envs import for_tokenizer
 from posttrain.envs.base import Demonstrates
-from posttrain.models import load_policy, load_tokenizer, resolve_model_path
+from posttrain.lifecycle import finish_job, open_folder, run_steps, start_job
+from posttrain.rollout import SamplingParams, close_engine
+from posttrain.sampling import load_sampled_model, sampling_engine, sampling_inputs
 from posttrain.stages.common import write_jsonl
 
 
-def generate(cfg, n: int, out: str | Path, samples: int = 1, only_correct: bool = True,
-             model=None, tokenizer=None, demonstrate: bool = False) -> dict[str, Any]:
+def generate(cfg, n: int, out: str | Path | None = None, samples: int = 1,
+             only_correct: bool = True, model=None, tokenizer=None, demonstrate: bool = False,
+             show_progress: bool = True) -> dict[str, Any]:
     """Teacher outputs for SFT (§8: a short SFT of the student on teacher outputs precedes
     distillation): `samples` episodes from each of the first `n` training problems of `cfg`'s
     task, greedy when samples == 1, written as JSONL rows {prompt, response, response_ids,
-    answer, correct}. A multi-turn or tool task's rows hold the whole episode: `prompt` as chat
-    messages, `response_ids` with the environment's messages in it and `policy_mask` (1 on the
-    policy's tokens, which `sft` trains on). `demonstrate`: ground-truth episodes instead of the
-    model's (envs: `demonstration`), e.g. calculator calls that teach a tool format before RL."""
-    from posttrain.rewards.scorer import Scorer
-    from posttrain.rollout import SamplingParams, close_engine, make_engine
-    from posttrain.distributed import SINGLE
-    from posttrain.data.source import Sampler, build_task
-    from posttrain.envs import for_tokenizer, make_env
-    from posttrain.rollout import vllm_options
-
-    task = build_task(cfg.data)
-    env = make_env(cfg.env, task)
-    scorer = Scorer(cfg.reward, task.verifier)
-    path = cfg.model.path
-    if model is None:
-        path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-        tokenizer = load_tokenizer(path)
-        model = None if demonstrate else load_policy(path, cfg.model.dtype)
+    answer, correct} to `out` (default: sft.jsonl in the run folder). A multi-turn or tool task's
+    rows hold the whole episode: `prompt` as chat messages, `response_ids` with the environment's
+    messages in it and `policy_mask` (1 on the policy's tokens, which `sft` trains on).
+    `demonstrate`: ground-truth episodes instead of the model's (envs: `demonstration`), e.g.
+    calculator calls that teach a tool format before RL. On the common lifecycle: threads, seed,
+    the run folder, batches of problems under `max_minutes` and stop signals (the rows so far
+    are written)."""
+    job = start_job("generate", cfg, None, show_progress)
+    task, env, scorer = sampling_inputs(cfg)
+    model, tokenizer, path = load_sampled_model(cfg, model, tokenizer, weights=not demonstrate)
     env = for_tokenizer(env, tokenizer)
-    sampler = Sampler(task, cfg.seed)
-    if demonstrate:
-        rows = demonstration_rows(sampler.next(n), env, tokenizer, cfg)
-        write_jsonl(out, rows)
-        return {"written": len(rows), "generated": n, "out": str(out)}
-    engine = make_engine(cfg.rollout.backend, model, tokenizer,
-                         **vllm_options(cfg, path, model, SINGLE))
-    r = cfg.rollout
+    open_folder(job, cfg.to_dict())
+    out = Path(out) if out is not None else job.run_dir / "sft.jsonl"
+    sampler, rows = Sampler(task, cfg.seed), []
+    engine = None if demonstrate else sampling_engine(cfg, path, model, tokenizer)
+    r, size = cfg.rollout, cfg.eval_batch_size
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, greedy=samples == 1, stop=r.stop)
+
+    def generate_batch(step: int) -> None:
+        problems = sampler.next(min(size, n - (step - 1) * size))
+        rows.extend(demonstration_rows(problems, env, tokenizer, cfg) if demonstrate else
+                    sample_rows(engine, tokenizer, env, problems, scorer, samples, params, cfg,
+                                only_correct, job.generator))
     try:
-        rows = sample_rows(engine, tokenizer, env, sampler, scorer, n, samples, params, cfg,
-                           only_correct)
+        signal_name = run_steps(job, -(-n // size), generate_batch, lambda step: None, "generate")
     finally:
-        close_engine(engine)
+        close_engine(engine) if engine is not None else None
         scorer.close()
     write_jsonl(out, rows)
-    return {"written": len(rows), "generated": n * samples, "out": str(out)}
+    summary = {"written": len(rows), "generated": min(n, job.steps_done * size) * (
+        1 if demonstrate else samples), "out": str(out), "run_dir": str(job.run_dir)}
+    if signal_name is not None:
+        summary["stopped_by"] = signal_name
+    return finish_job(job, summary)
 
 
-def sample_rows(engine, tokenizer, env, sampler, scorer, n: int, samples: int, params, cfg,
-                only_correct: bool) -> list[dict[str, Any]]:
-    """`samples` scored episodes for each of `n` problems, as SFT rows (only the correct ones
-    with `only_correct`)."""
+def sample_rows(engine, tokenizer, env, problems, scorer, samples: int, params, cfg,
+                only_correct: bool, generator) -> list[dict[str, Any]]:
+    """`samples` scored episodes for each problem, as SFT rows (only the correct ones with
+    `only_correct`)."""
     from posttrain.rollout import episode_settings
     from posttrain.rollout.episodes import run_episodes
-    rows: list[dict[str, Any]] = []
-    gen = torch.Generator().manual_seed(cfg.seed)
-    for start in range(0, n, cfg.eval_batch_size):
-        problems = sampler.next(min(cfg.eval_batch_size, n - start))
-        ep = run_episodes(engine, tokenizer, env, problems, samples, params, episode_settings(cfg), gen)
-        per_response = [p for p in problems for _ in range(samples)]
-        res = scorer(per_response, ep.completions)
-        correct = ep.verdicts(res.correct_B).tolist()
-        rows += [{**row, "correct": ok}
-                 for row, ok in zip(episode_rows(ep, per_response, env, tokenizer, cfg), correct)
-                 if ok or not only_correct]
-    return rows
+    ep = run_episodes(engine, tokenizer, env, problems, samples, params, episode_settings(cfg),
+                      generator)
+    per_response = [p for p in problems for _ in range(samples)]
+    correct = ep.verdicts(scorer(per_response, ep.completions).correct_B).tolist()
+    return [{**row, "correct": ok}
+            for row, ok in zip(episode_rows(ep, per_response, env, tokenizer, cfg), correct)
+            if ok or not only_correct]
 
 
 def episode_rows(ep, problems, env, tokenizer, cfg) -> list[dict[str, Any]]:

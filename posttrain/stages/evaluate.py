@@ -1,0 +1,78 @@
+"""`posttrain eval`: a model's held-out accuracy (greedy) and pass@k (sampled) on a task, by the
+one evaluator (evaluation.py), on the common lifecycle: threads, seed, a run folder (config.json,
+metrics.jsonl, eval_samples.jsonl, summary.json; `--run_dir none`: none), the loop over batches
+of problems with its progress bar, `--max_minutes` and stop signals (the figures then cover the
+problems answered so far, and summary.json says how many)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from posttrain.config import TrainConfig
+from posttrain.envs import for_tokenizer
+from posttrain.evaluation import Answers, answer, eval_metrics, eval_settings, sampling_params
+from posttrain.lifecycle import finish_job, open_folder, run_steps, start_job
+from posttrain.rollout import close_engine
+from posttrain.sampling import load_sampled_model, sampling_engine, sampling_inputs
+
+
+def evaluate_model(cfg: TrainConfig, k: int = 1, samples: int = 0, show_progress: bool = True,
+                   model: Any = None, tokenizer: Any = None) -> dict[str, Any]:
+    """Greedy accuracy on the task's held-out problems (split by domain and meta flags), and with
+    k > 1 pass@k from max(samples, k) answers per problem at rollout.temperature (seeded by
+    `seed`). Returns the summary: the metrics, `problems` answered of `of`, the run folder."""
+    job = start_job("eval", cfg, None, show_progress)
+    task, env, scorer = sampling_inputs(cfg)
+    model, tokenizer, path = load_sampled_model(cfg, model, tokenizer)
+    env = for_tokenizer(env, tokenizer)
+    engine = sampling_engine(cfg, path, model, tokenizer)
+    open_folder(job, cfg.to_dict())
+    settings, problems = eval_settings(cfg), task.eval_problems
+    n = max(samples, k) if k > 1 else 1
+    greedy, sampled = Answers(), Answers()
+
+    def answer_batch(step: int) -> None:
+        chunk = problems[(step - 1) * settings.batch_size:step * settings.batch_size]
+        answer(engine, tokenizer, env, chunk, scorer, settings, sampling_params(settings, 1, 1.0),
+               1, None, greedy)
+        if n > 1:
+            answer(engine, tokenizer, env, chunk, scorer, settings,
+                   sampling_params(settings, n, cfg.rollout.temperature), n, job.generator, sampled)
+    try:
+        batches = -(-len(problems) // settings.batch_size)
+        signal_name = run_steps(job, batches, answer_batch, lambda step: None, "eval")
+    finally:
+        close_engine(engine)
+        scorer.close()
+    return write_results(job, problems, greedy, sampled, k, env, signal_name)
+
+
+def results(problems, answers: Answers, k: int, env) -> dict[str, Any]:
+    """The metrics of the problems answered so far (their counts per episode)."""
+    c = torch.cat(answers.correct) if answers.correct else torch.zeros(0, 1, dtype=torch.bool)
+    episodes = max(len(answers.texts) * c.shape[1], 1)
+    return eval_metrics(problems, c, answers.texts, answers.lengths, k, env,
+                        {key: v / episodes for key, v in answers.counts.items()})
+
+
+def write_results(job, problems, greedy: Answers, sampled: Answers, k: int, env,
+                  signal_name: str | None) -> dict[str, Any]:
+    """metrics.jsonl's row, eval_samples.jsonl (greedy answers; sampled: each problem's first),
+    summary.json."""
+    res = results(problems, greedy, k, env)
+    samples, lengths = res.pop("_samples"), res.pop("_lengths")
+    res["eval/length_mean"] = sum(lengths) / max(len(lengths), 1)
+    job.logger.append("eval_samples.jsonl", {"step": 0, "label": "greedy", "samples": samples})
+    if sampled.correct:
+        res_k = results(problems, sampled, k, env)
+        res[f"eval/pass@{k}"] = res_k[f"eval/pass@{k}"]
+        job.logger.append("eval_samples.jsonl", {"step": 0, "label": f"sampled (pass@{k})",
+                                                 "samples": res_k["_samples"]})
+    job.logger.log(0, res)
+    summary = {"run_dir": str(job.run_dir) if job.run_dir else None, "model": job.cfg.model.path,
+               "problems": len(samples), "of": len(problems), **res, "samples": samples[:3]}
+    if signal_name is not None:
+        summary["stopped_by"] = signal_name
+    return finish_job(job, summary)
