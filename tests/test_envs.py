@@ -299,11 +299,11 @@ class Scripted:
 
 
 def test_broken_tools_never_stop_a_run_and_are_counted(tmp_path, tokenizer, monkeypatch):
-    import posttrain.train_run as train_run
+    import posttrain.sampling as sampling
     model = make_tiny_model(tokenizer)
     turns = ["<tool_raises>a</tool_raises><tool_hangs>b</tool_hangs><tool_garbage>c</tool_garbage>"
              "<calculator>2+</calculator>", "12 + 10 = 22"]
-    monkeypatch.setattr(train_run, "make_engine", lambda *a, **k: Scripted(model, tokenizer, turns))
+    monkeypatch.setattr(sampling, "make_engine", lambda *a, **k: Scripted(model, tokenizer, turns))
     cfg = load_config(None, [*TINY, "--run_dir", str(tmp_path / "run"), "--steps", "2",
                              "--data.eval_size", "0", "--env.tool_timeout_s", "0.3", "--env.tools",
                              "tests.toy_rewards:tool_raises,tests.toy_rewards:tool_hangs,"
@@ -485,4 +485,6 @@ def test_every_preset_trains_on_multi_turn_episodes(tmp_path, tokenizer, preset)
                     teacher=teacher)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert summary["steps"] == 2 and all(1.0 <= r["env/turns"] <= 2.0 for r in rows)
+    # the environment answered: a random policy's guesses are wrong, so episodes go to turn 2
+    assert any(r["env/turns"] > 1.0 for r in rows)
     assert all(math.isfinite(r["policy/grad_norm"]) for r in rows if "policy/grad_norm" in r)

@@ -128,6 +128,7 @@ def test_trainer_uses_the_reward_model_as_reward(tmp_path, trained_rm, tokenizer
     for r in rows:   # the reward is exactly 2 x the normalised reward-model score
         assert r["reward/mean"] == pytest.approx(2.0 * r["reward/model_score"], abs=1e-5)
         assert "reward/accuracy" in r        # the truth is still measured beside the proxy
+    assert any(abs(r["reward/model_score"]) > 1e-3 for r in rows)   # (not 0 = 2 x 0)
 
 
 def test_a_reward_model_with_another_tokenizer_is_fed_retokenised_text(tmp_path, trained_rm,

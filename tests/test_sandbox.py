@@ -417,7 +417,7 @@ def test_a_training_run_whose_policy_writes_hostile_python_finishes(bwrap, secre
     left, and the transcripts hold none of the secrets."""
     import json
 
-    import posttrain.train_run as train_run
+    import posttrain.sampling as sampling
     from posttrain import load_config, train
     from tests.conftest import make_tiny_model
     from tests.test_redteam import TINY, HostileWriter
@@ -431,7 +431,7 @@ def test_a_training_run_whose_policy_writes_hostile_python_finishes(bwrap, secre
     texts = [f"<python>{p}</python>" for p in
              hostile_programs(os.getpid(), run, outside, server.getsockname()[1])]
     model = make_tiny_model(tokenizer)
-    monkeypatch.setattr(train_run, "make_engine", lambda *a, **k: HostileWriter(model, tokenizer, texts))
+    monkeypatch.setattr(sampling, "make_engine", lambda *a, **k: HostileWriter(model, tokenizer, texts))
     cfg = load_config(None, [*TINY, "--run_dir", str(run), "--steps", "2", "--rollout.prompts_per_step",
                              "3", "--log_samples", "12", "--env.tools", "python", "--env.max_turns",
                              "2", "--env.tool_timeout_s", "2", "--env.sandbox", "bwrap",
