@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 def make_model_folder(out: Path) -> Path:
     """A tiny random Llama with the embedded SmolLM2 tokenizer, saved as a model folder."""
-    from posttrain.models import load_tokenizer, prepare_embedded
+    from posttrain.model.loading import load_tokenizer, prepare_embedded
     from tests.conftest import make_tiny_model
     folder = out / "tiny_model"
     if not (folder / "config.json").is_file():
@@ -108,7 +108,7 @@ def compare(a: Path, b: Path) -> dict[str, int]:
     """Differences between two finished runs: weight tensors, optimizer tensors, metrics rows."""
     import torch
     from safetensors.torch import load_file
-    from posttrain.checkpoint import latest_checkpoint, load_trainer_state
+    from posttrain.run.checkpoint import latest_checkpoint, load_trainer_state
     wa, wb = (load_file(str(p / "final_model" / "model.safetensors")) for p in (a, b))
     weights = sum(not torch.equal(wa[k], wb[k]) for k in wa) + len(set(wa) ^ set(wb))
     oa, ob = (load_trainer_state(latest_checkpoint(p))["optimizer"]["state"] for p in (a, b))
@@ -125,7 +125,7 @@ def compare(a: Path, b: Path) -> dict[str, int]:
 
 
 def _steps_done(run_dir: Path) -> int:
-    from posttrain.checkpoint import latest_checkpoint
+    from posttrain.run.checkpoint import latest_checkpoint
     ckpt = latest_checkpoint(run_dir)
     return int(ckpt.name.split("_")[1]) if ckpt is not None else 0
 
@@ -133,7 +133,7 @@ def _steps_done(run_dir: Path) -> int:
 def truncate_newest(run_dir: Path) -> int:
     """Cut the largest file of the newest complete checkpoint to half its size (a disk that lost
     the end of a file), when an older complete one exists to fall back to. Returns 1 if it did."""
-    from posttrain.checkpoint import is_complete, step_folders
+    from posttrain.run.checkpoint import is_complete, step_folders
     complete = [p for p in step_folders(run_dir) if is_complete(p)]
     if len(complete) < 2:
         return 0
@@ -179,7 +179,7 @@ def kill_truncate_resume(out: Path, steps: int = 6, at_checkpoint: int = 3) -> d
     """Deterministic version of the damaged-disk case: SIGKILL the run as soon as its checkpoint
     of step `at_checkpoint` is complete, truncate a file of that checkpoint, resume (it must
     fall back to the checkpoint before) and compare with the uninterrupted run."""
-    from posttrain.checkpoint import latest_checkpoint
+    from posttrain.run.checkpoint import latest_checkpoint
     out.mkdir(parents=True, exist_ok=True)
     model = make_model_folder(out)
     whole, cut = out / f"train-whole-{steps}", out / f"train-cut-{steps}-truncate"

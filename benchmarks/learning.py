@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # install points to (a git worktree beside it)
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from step_time import MALLOC_ENV, ensure_trl_venv  # noqa: E402
-from posttrain.provenance import provenance as record_provenance  # noqa: E402
+from posttrain.run.provenance import provenance as record_provenance  # noqa: E402
 
 FINAL_HELDOUT = True   # --no-final: skip benchmarks/heldout.py on the final models (cut for time)
 RECIPE = dict(prompts=16, group=4, lr=2e-5, max_new_tokens=24, threads=2)
@@ -79,13 +79,13 @@ def preset_args(name: str) -> list[str]:
     the preset's own aggregation back (so a new preset needs no line here)."""
     if name in PRESET_ARGS:
         return PRESET_ARGS[name]
-    from posttrain.presets import PRESETS
+    from posttrain.config.presets import PRESETS
     return ["--preset", name, "--algorithm.aggregation", PRESETS[name].aggregation]
 
 
 def table_presets() -> list[str]:
     """Every preset that runs on the default task alone (OPD needs a teacher: docs/distillation.md)."""
-    from posttrain.presets import PRESETS
+    from posttrain.config.presets import PRESETS
     return [name for name in PRESETS if name != "opd"]
 
 
@@ -163,7 +163,7 @@ class TreeMemory:
 
 
 def provenance(cmd: list[str]) -> dict:
-    """The record's provenance (posttrain/provenance.py) for a `posttrain train` command line."""
+    """The record's provenance (posttrain/run/provenance.py) for a `posttrain train` command line."""
     return record_provenance(" ".join(["posttrain", *cmd[3:]]))
 
 
@@ -477,7 +477,7 @@ def run_side(out: Path, side: str, label: str, args: argparse.Namespace, overrid
     if side == "posttrain" or not meta.is_file():
         meta.write_text(json.dumps({"label": label, "overrides": overrides,
                                     "steps": args.steps, "seeds": args.seeds}))
-    from posttrain.models import prepare_embedded
+    from posttrain.model.loading import prepare_embedded
     model_dir = prepare_embedded()
     for seed in args.seeds:
         t0 = time.time()

@@ -17,11 +17,11 @@ import torch
 
 from posttrain.data.preferences import synthetic_preferences
 from posttrain.data.tasks import Problem, make_task
-from posttrain.forward import frozen_logprobs
+from posttrain.rollout.forward import frozen_logprobs
 from posttrain.losses.common import sequence_logprob
-from posttrain.models import load_policy, load_tokenizer, resolve_model_path
-from posttrain.forward import pack
-from posttrain.prompts import encode_prompts
+from posttrain.model.loading import load_policy, load_tokenizer, resolve_model_path
+from posttrain.rollout.forward import pack
+from posttrain.model.prompts import encode_prompts
 
 
 def response_logprobs(model, tok, prompts: list[str], responses: list[str]) -> torch.Tensor:

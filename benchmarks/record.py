@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from posttrain.provenance import provenance  # noqa: E402
+from posttrain.run.provenance import provenance  # noqa: E402
 
 KEPT = ("summary.json", "metrics.jsonl")
 RUN_FOLDER = {"train", "sft", "dpo", "reward-model", "eval", "generate"}   # those that write a run folder

@@ -19,9 +19,9 @@ import json
 import sys
 import time
 
-from posttrain.options import merge_dicts, build_config, parse_overrides
-from posttrain.perf import tune_malloc
-from posttrain.config import StageConfig
+from posttrain.config.options import merge_dicts, build_config, parse_overrides
+from posttrain.util.perf import tune_malloc
+from posttrain.config.commands import StageConfig
 from posttrain.stages.reward_model import reward_model
 
 COMMON = {"data": {"synthetic": "addition", "eval_size": 200}, "batch_size": 8,

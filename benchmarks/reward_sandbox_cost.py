@@ -23,7 +23,7 @@ MEASURE = r"""
 import json, random, statistics, sys, time
 sys.path.insert(0, sys.argv[1])
 from posttrain.data.tasks import Problem
-from posttrain.sections import RewardConfig
+from posttrain.config.sections import RewardConfig
 from posttrain.rewards import Scorer
 settings = json.loads(sys.argv[2])
 rng = random.Random(0)
@@ -75,7 +75,7 @@ def main() -> None:
         print(f"{name:66s} {r['first_batch_s']:>10.2f} s {r['median_ms']:>6.1f} ms {r['p90_ms']:>6.1f} ms"
               f" {r['accuracy']:>9.3f}")
     if args.out:
-        from posttrain.provenance import provenance
+        from posttrain.run.provenance import provenance
         record = {"rows": rows, "provenance": provenance("python benchmarks/reward_sandbox_cost.py "
                                                          + " ".join(sys.argv[1:]))}
         args.out.parent.mkdir(parents=True, exist_ok=True)

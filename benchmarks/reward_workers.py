@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
-    from posttrain.sections import RewardConfig
+    from posttrain.config.sections import RewardConfig
     from posttrain.data.tasks import Problem
     from posttrain.rewards import Scorer
     problems, texts = [Problem("What is 40 + 2?", "42")] * 16, ["42"] * 16

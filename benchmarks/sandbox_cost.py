@@ -59,7 +59,7 @@ def main() -> None:
     print(f"{'mode':28s}" + "".join(f"{p + ' (median / p90 ms)':>34s}" for p in PROGRAMS))
     for name, row in figures.items():
         print(f"{name:28s}" + "".join(f"{v['median_ms']:>25.1f} / {v['p90_ms']:<6.1f}" for v in row.values()))
-    from posttrain.provenance import provenance
+    from posttrain.run.provenance import provenance
     record = {"figures": figures, "calls": args.calls,
               "bwrap": subprocess.run(["bwrap", "--version"], capture_output=True, text=True).stdout.strip()
               if bwrap_works() else None,

@@ -36,8 +36,8 @@ WORKLOAD = dict(prompts=8, group=4, max_new_tokens=32, beta=0.04, lr=1e-5, threa
 def run_posttrain(steps: int, autocast: str = "none", attention: str = "auto") -> dict:
     import torch
 
-    from posttrain.options import load_config
-    from posttrain.trainer import train
+    from posttrain.config.options import load_config
+    from posttrain.rl.loop import train
 
     torch.set_num_threads(WORKLOAD["threads"])
     w = WORKLOAD
@@ -140,7 +140,7 @@ def main() -> None:
     if args.child:
         print("RESULT", json.dumps(run_posttrain(args.steps, args.autocast, args.attention)))
         return
-    from posttrain.models import prepare_embedded
+    from posttrain.model.loading import prepare_embedded
     model_dir = prepare_embedded()
     print(f"workload: {WORKLOAD}, model {model_dir}", flush=True)
     t0 = time.time()

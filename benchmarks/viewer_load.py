@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from posttrain.provenance import provenance   # noqa: E402
+from posttrain.run.provenance import provenance   # noqa: E402
 from posttrain.view.server import serve, token_steps   # noqa: E402
 
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import textwrap
 import json
 import logging
 import os
@@ -13,39 +12,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from posttrain import __version__
-from posttrain.errors import EngineError, FailingSourceError, NonFiniteError
-from posttrain.config import ConfigError, StageConfig, TrainConfig
-from posttrain.options import (DEFAULT_RECIPE, check_option_names, load_config, load_stage_config,
-                               recipe_path)
-from posttrain.presets import PRESETS
+from posttrain.util.errors import EngineError, FailingSourceError, NonFiniteError
+from posttrain.config.commands import ConfigError, StageConfig, TrainConfig
+from posttrain.config.options import (DEFAULT_RECIPE, STAGE_EPILOG, TRAIN_EPILOG, check_option_names,
+                                      command_epilog, load_config, load_stage_config, recipe_path)
 
 log = logging.getLogger("posttrain")
-
-EPILOG = f"""
-Configuration: every field can be set in a YAML file (--config) and overridden on the command line
-as --section.field VALUE, e.g. --optim.lr 2e-5 --rollout.group_size 8 --algorithm.clip_high 0.28.
-Without --config, `train` uses the packaged recipe {DEFAULT_RECIPE} (GRPO on 2-digit addition with
-the embedded SmolLM2-135M-Instruct, 10 minutes on a 2-core CPU).
-
-Presets (--preset): {', '.join(PRESETS)}. The algorithm.* fields override the preset's.
-Options (type, dataclass default; the recipe overrides some):
-"""
-
-
-def _epilog(cls: type, head: str) -> str:
-    """`head`, then one line per option with its type, default and description."""
-    from posttrain.options import options_help
-    lines = [textwrap.fill(line, 100, subsequent_indent="      ") for line in options_help(cls)]
-    return head + "\n".join(lines)
-
-
-STAGE_EPILOG = """
-Configuration: every option below can also be set in a YAML file (--config FILE; the command line
-wins). Under torchrun: torchrun --nproc-per-node N -m posttrain.cli sft ... --parallel.strategy fsdp.
-
-Options (type, default):
-"""
-
 
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
@@ -63,7 +35,7 @@ def _config_and_resume(args: argparse.Namespace, config_file, overrides: list[st
     this very config holding a checkpoint, or a new run when there is none."""
     if args.resume == "auto":
         cfg = load(config_file, overrides)
-        from posttrain.lifecycle import find_run_to_resume   # (torch: only once the config is valid)
+        from posttrain.run.lifecycle import find_run_to_resume   # (torch: only once the config is valid)
 
         found = find_run_to_resume(to_dict(cfg), cfg.run_dir)
         if found is None:
@@ -75,7 +47,7 @@ def _config_and_resume(args: argparse.Namespace, config_file, overrides: list[st
         run = Path(args.resume)
         if not (run / "config.json").is_file():
             raise ConfigError(f"--resume {args.resume}: {run / 'config.json'} not found")
-        from posttrain.checkpoint import CheckpointError, checkpoint_config
+        from posttrain.run.checkpoint import CheckpointError, checkpoint_config
 
         try:   # the checkpoint's own, hash-checked copy of the config: never the folder's
             ckpt, saved = checkpoint_config(run)
@@ -102,7 +74,7 @@ def _say_if_edited(run: Path, ckpt: Path, saved: dict) -> None:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from posttrain.perf import tune_malloc
+    from posttrain.util.perf import tune_malloc
 
     tune_malloc()
     config_file = args.config
@@ -110,7 +82,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         config_file = recipe_path(DEFAULT_RECIPE)
     cfg, resume = _config_and_resume(args, config_file, overrides, load_config,
                                      lambda c: c.to_dict())
-    from posttrain.trainer import train   # after the config is valid: a refused run stays fast
+    from posttrain.rl.loop import train   # after the config is valid: a refused run stays fast
 
     summary = train(cfg, resume=resume, show_progress=not args.no_progress)
     if _main_process():
@@ -168,7 +140,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_stage(args: argparse.Namespace, overrides: list[str]) -> int:
-    from posttrain.perf import tune_malloc
+    from posttrain.util.perf import tune_malloc
 
     tune_malloc()
     check_option_names(overrides, StageConfig, ("--config", "--resume"))
@@ -212,13 +184,13 @@ def cmd_experiment(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_prepare_model(args: argparse.Namespace, overrides: list[str]) -> int:
-    from posttrain.models import prepare_embedded
+    from posttrain.model.loading import prepare_embedded
     print(prepare_embedded(args.cache_dir))
     return 0
 
 
 def cmd_plot(args: argparse.Namespace, overrides: list[str]) -> int:
-    from posttrain.logging import plot_run
+    from posttrain.logs.metrics import plot_run
     print(plot_run(Path(args.run_dir)))
     return 0
 
@@ -263,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_train(sub) -> None:
     p = sub.add_parser("train", help="policy-gradient training (default: GRPO on addition)",
-                       epilog=_epilog(TrainConfig, EPILOG),
+                       epilog=command_epilog(TrainConfig, TRAIN_EPILOG),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, help="YAML config file (default: packaged recipe)")
     p.add_argument("--resume", help="run folder to resume from its latest checkpoint, or 'auto': "
@@ -297,8 +269,8 @@ def _add_stages(sub) -> None:
              "posttrain dpo --data.synthetic addition --beta 0.1"),
             ("reward-model", "train a Bradley-Terry reward model on preference pairs",
              "posttrain reward-model --data.synthetic addition --reward_form log_ratio")):
-        p = sub.add_parser(name, help=what, epilog=_epilog(StageConfig, f"\nExample: {example}\n"
-                                                           + STAGE_EPILOG),
+        p = sub.add_parser(name, help=what, epilog=command_epilog(StageConfig, f"\nExample: {example}\n"
+                                                                  + STAGE_EPILOG),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--config", type=Path, help="YAML file of the options below")
         p.add_argument("--resume", help="run folder to resume from its latest checkpoint, or "

@@ -25,13 +25,13 @@ def benchmark_module(name: str):
 @pytest.fixture(scope="session")
 def embedded_dir(tmp_path_factory):
     """The embedded SmolLM2-135M-Instruct converted by the real code path, once per session."""
-    from posttrain.models import prepare_embedded
+    from posttrain.model.loading import prepare_embedded
     return prepare_embedded(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="session")
 def tokenizer(embedded_dir):
-    from posttrain.models import load_tokenizer
+    from posttrain.model.loading import load_tokenizer
     return load_tokenizer(embedded_dir)
 
 
@@ -101,7 +101,7 @@ def stage_config(**kw):
     """A StageConfig from short keywords (lr=..., synthetic=...), the tests' shorthand for the
     nested sections (optim.lr, data.synthetic, ...); not validated, as a library user's is not."""
     from dataclasses import replace
-    from posttrain.config import StageConfig
+    from posttrain.config.commands import StageConfig
     cfg, sections = StageConfig(), {}
     for k, v in kw.items():
         if k in _STAGE_FIELDS:

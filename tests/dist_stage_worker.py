@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from posttrain.models import load_tokenizer  # noqa: E402
+from posttrain.model.loading import load_tokenizer  # noqa: E402
 from posttrain.stages.preference import dpo  # noqa: E402
 from posttrain.stages.reward_model import reward_model  # noqa: E402
 from posttrain.stages.sft import sft  # noqa: E402

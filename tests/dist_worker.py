@@ -10,9 +10,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from posttrain.options import load_config  # noqa: E402
-from posttrain.models import load_tokenizer  # noqa: E402
-from posttrain.trainer import train  # noqa: E402
+from posttrain.config.options import load_config  # noqa: E402
+from posttrain.model.loading import load_tokenizer  # noqa: E402
+from posttrain.rl.loop import train  # noqa: E402
 from tests.conftest import make_tiny_model  # noqa: E402
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from posttrain.advantages import (ADVANTAGES, AdvantageInputs, AdvantageParams,
+from posttrain.losses.advantages import (ADVANTAGES, AdvantageInputs, AdvantageParams,
                                   batch_mean_baseline_advantage, discounted_returns, gae,
                                   grpo_advantage, group_mean_baseline_advantage,
                                   reinforce_advantage, rloo_advantage, whiten)

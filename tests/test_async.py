@@ -11,12 +11,12 @@ from collections import Counter
 import pytest
 import torch
 
-from posttrain.batch import ScoredBatch
-from posttrain.batch_source import Ahead, InTurn, load_sampled, make_batch_source, save_sampled
-from posttrain.config import ConfigError
+from posttrain.rl.batch import ScoredBatch
+from posttrain.rl.batch_source import Ahead, InTurn, load_sampled, make_batch_source, save_sampled
+from posttrain.config.commands import ConfigError
 from posttrain.data.source import Sampler
 from posttrain.data.tasks import Problem, Task
-from posttrain.options import load_config
+from posttrain.config.options import load_config
 from posttrain.rollout.base import Rollout
 
 P, G = 2, 2
@@ -264,7 +264,7 @@ def test_a_dropped_batchs_prompts_are_drawn_again_first_and_no_longer_wait_for_a
 
 
 def test_a_checkpoints_batches_in_flight_name_their_prompts_for_a_run_resumed_in_turn(tmp_path):
-    from posttrain.batch_source import prompts_in_flight
+    from posttrain.rl.batch_source import prompts_in_flight
     source, _, _, _ = make(2, gen_s=0.0)
     try:
         source.next(1, Counter(), {})

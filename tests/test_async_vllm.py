@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.trainer import train
+from posttrain.rl.loop import train
 from tests.test_trainer import toy_config
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (scripts/install-cpu.sh installs it)")

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from posttrain.cli import main
-from posttrain.config import StageConfig, TrainConfig
-from posttrain.options import hint_path, option_names
+from posttrain.config.commands import StageConfig, TrainConfig
+from posttrain.config.options import hint_path, option_names
 
 _BOOL_WORDS = {"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"}
 _MODEL_FREE = {"model.path", "teacher.path", "critic.path", "reward.model"}   # (checked on disk)

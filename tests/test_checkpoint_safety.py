@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import posttrain.checkpoint as ckpt
+import posttrain.run.checkpoint as ckpt
 from posttrain import load_config, train
 from tests.conftest import make_tiny_model
 
@@ -106,7 +106,7 @@ def test_the_old_checkpoint_stays_until_the_new_one_is_in_place(tmp_path, tokeni
             raise OSError(5, "Input/output error")
         return real(src, dst)
     monkeypatch.setattr(ckpt.os, "replace", power_cut)
-    from posttrain.checkpoint import save_checkpoint
+    from posttrain.run.checkpoint import save_checkpoint
     model = make_tiny_model(tokenizer)
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)

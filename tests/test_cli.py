@@ -23,8 +23,8 @@ def test_help_lists_presets_and_fields(capsys):
 def test_every_option_of_every_command_has_a_description(capsys):
     """--help of each command lists each config field with its type, default and description
     (read from the comments beside the dataclass field)."""
-    from posttrain.config import StageConfig, TrainConfig
-    from posttrain.options import option_names, options_help
+    from posttrain.config.commands import StageConfig, TrainConfig
+    from posttrain.config.options import option_names, options_help
     for cls in (TrainConfig, StageConfig):
         lines = options_help(cls)
         assert len(lines) == len(option_names(cls))
@@ -51,7 +51,7 @@ def test_stage_commands_read_a_yaml_config_and_the_command_line_wins(tmp_path, m
     f.write_text("data:\n  synthetic: subtraction\noptim:\n  lrr: 3.0e-5\n")
     assert main(["sft", "--config", str(f)]) == 2
     # --resume RUN: the config its checkpoint recorded (hash-checked), then the command line
-    from posttrain.checkpoint import seal
+    from posttrain.run.checkpoint import seal
     run = tmp_path / "run"
     step = run / "checkpoints" / "step_000001"
     step.mkdir(parents=True)
@@ -132,8 +132,8 @@ def _command_options() -> dict[str, set[str]]:
     the config fields it takes as overrides."""
     import argparse
     from posttrain.cli import build_parser
-    from posttrain.config import StageConfig, TrainConfig
-    from posttrain.options import option_names
+    from posttrain.config.commands import StageConfig, TrainConfig
+    from posttrain.config.options import option_names
     subs = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     config_of = {"train": TrainConfig, "eval": TrainConfig, "generate": TrainConfig,
                  "sft": StageConfig, "dpo": StageConfig, "reward-model": StageConfig}
@@ -180,7 +180,7 @@ def test_max_minutes_ends_a_stage_early_and_it_finishes_as_at_the_end(tmp_path, 
     held-out figures, final model and summary; a longer budget continues from that checkpoint."""
     import json
 
-    import posttrain.lifecycle as lifecycle
+    import posttrain.run.lifecycle as lifecycle
     from posttrain.stages.sft import sft
     from tests.conftest import make_tiny_model, stage_config
 

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-import posttrain.lifecycle as lifecycle
+import posttrain.run.lifecycle as lifecycle
 from posttrain.cli import main
 from tests.conftest import make_tiny_model
 
@@ -56,7 +56,7 @@ def threads_seen(monkeypatch):
         seen.append(torch.get_num_threads())
         return real(job, *a, **kw)
     monkeypatch.setattr(lifecycle, "open_folder", spy)
-    for module in ("posttrain.train_run", "posttrain.stages.common", "posttrain.stages.evaluate",
+    for module in ("posttrain.rl.job", "posttrain.stages.common", "posttrain.stages.evaluate",
                    "posttrain.stages.generate"):
         monkeypatch.setattr(f"{module}.open_folder", spy)
     before = torch.get_num_threads()

@@ -2,9 +2,9 @@
 
 import pytest
 
-from posttrain.config import ConfigError
-from posttrain.options import load_config, parse_overrides
-from posttrain.presets import PRESETS
+from posttrain.config.commands import ConfigError
+from posttrain.config.options import load_config, parse_overrides
+from posttrain.config.presets import PRESETS
 
 
 def test_presets_are_configurations_of_the_parts():
@@ -68,7 +68,7 @@ def test_invalid_configs_name_the_field(overrides, msg):
                                               ("max_grad_norm", "0", "optim.max_grad_norm=0.0 must be > 0")])
 def test_train_and_the_stages_check_the_optimizer_alike(option, value, msg):
     """One OptimConfig.validate for every command: the same value is refused with the same line."""
-    from posttrain.options import load_stage_config
+    from posttrain.config.options import load_stage_config
     with pytest.raises(ConfigError, match=msg):
         load_config(None, [f"--optim.{option}", value])
     with pytest.raises(ConfigError, match=msg):
@@ -102,7 +102,7 @@ def test_preset_table_runs_each_preset_as_defined():
     block overrides GRPO's aggregation: every row must get its own preset's loss back."""
     from dataclasses import replace
 
-    from posttrain.options import DEFAULT_RECIPE, recipe_path
+    from posttrain.config.options import DEFAULT_RECIPE, recipe_path
     from tests.conftest import ROOT, benchmark_module
 
     learning = benchmark_module("learning")
@@ -133,7 +133,7 @@ def test_memory_estimate_counts_what_the_run_holds(tmp_path):
     (16 bytes a parameter), a reference copy only with the KL on, and the bf16 sampler copy (2 bytes
     a parameter) only with rollout.weights=bfloat16."""
     from types import SimpleNamespace
-    from posttrain.memory import estimate
+    from posttrain.model.memory import estimate
     mc = SimpleNamespace(hidden_size=8, num_hidden_layers=2, vocab_size=100, tie_word_embeddings=True,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=4)
     n = 10_000
@@ -152,7 +152,7 @@ def test_memory_estimate_counts_what_the_run_holds(tmp_path):
 def test_sampling_that_is_not_the_trainers_float32_policy_is_off_the_trainer():
     """bf16 autocast while sampling, or a top-p nucleus: the recorded log-probs are not pi_old,
     so the trainer recomputes pi_old and corrects (truncated IS) as for vLLM."""
-    from posttrain.sections import RolloutConfig
+    from posttrain.config.rollout import RolloutConfig
     assert not RolloutConfig().off_trainer
     assert RolloutConfig(autocast="bfloat16").off_trainer
     assert RolloutConfig(top_p=0.9).off_trainer

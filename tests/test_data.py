@@ -50,8 +50,8 @@ def test_subtraction_problems_are_non_negative_and_flag_borrows():
 
 
 def test_a_mixture_takes_a_difficulty_per_task():
-    from posttrain.config import ConfigError
-    from posttrain.options import load_config
+    from posttrain.config.commands import ConfigError
+    from posttrain.config.options import load_config
     from posttrain.data.source import build_task
     task = build_task(load_config(None, ["--data.task", "addition+arithmetic:1",
                                          "--data.eval_size", "10"]).data)
@@ -98,7 +98,7 @@ def test_datasets_folder(tmp_path):
 
 
 def test_file_task_splits_a_held_out_set_off_the_file(tmp_path):
-    from posttrain.options import load_config
+    from posttrain.config.options import load_config
     from posttrain.data.source import build_task
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(json.dumps({"q": f"What is {i} + 1?", "a": str(i + 1)}) for i in range(50)))

@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from posttrain.config import ConfigError
-from posttrain.options import load_config
-from posttrain.models import check_same_tokenizer, save_model
-from posttrain.trainer import train
+from posttrain.config.commands import ConfigError
+from posttrain.config.options import load_config
+from posttrain.model.loading import check_same_tokenizer, save_model
+from posttrain.rl.loop import train
 from tests.conftest import make_tiny_model
 
 OPD = ["--preset", "opd", "--reward.verifier", "none", "--data.eval_size", "0",
@@ -83,11 +83,11 @@ def test_opsd_teacher_logprobs_line_up_under_a_longer_privileged_context(tmp_pat
     from collections import Counter
     from posttrain.rewards import Scorer
     from posttrain.rollout import make_engine
-    from posttrain.collect import generate_and_score
-    from posttrain.trainer import teacher_view
+    from posttrain.rl.collect import generate_and_score
+    from posttrain.rl.loop import teacher_view
     from posttrain.data.source import Sampler, build_task
-    from posttrain.prompts import encode_prompts
-    from posttrain.forward import frozen_logprobs
+    from posttrain.model.prompts import encode_prompts
+    from posttrain.rollout.forward import frozen_logprobs
     cfg = load_config(None, [*OPD, "--teacher.path", "self", "--teacher.context_template",
                              "{prompt} (The reference answer is {answer}.)",
                              "--rollout.prompts_per_step", "3", "--rollout.group_size", "2"])
@@ -137,13 +137,13 @@ def test_opsd_config_errors(overrides, msg):
 
 def test_mopd_routes_each_domain_to_its_teacher_loaded_lazily_and_shared(tmp_path, tokenizer):
     from collections import Counter
-    from posttrain.sections import TeacherConfig
+    from posttrain.config.sections import TeacherConfig
     from posttrain.rewards import Scorer
     from posttrain.rollout import make_engine
-    from posttrain.teachers import Teachers
-    from posttrain.collect import generate_and_score
+    from posttrain.rl.teachers import Teachers
+    from posttrain.rl.collect import generate_and_score
     from posttrain.data.source import Sampler, build_task
-    from posttrain.forward import frozen_logprobs
+    from posttrain.rollout.forward import frozen_logprobs
     a = make_tiny_model(tokenizer, seed=11)
     b = make_tiny_model(tokenizer, seed=12)
     save_model(a, tokenizer, tmp_path / "a")
@@ -171,7 +171,7 @@ def test_mopd_routes_each_domain_to_its_teacher_loaded_lazily_and_shared(tmp_pat
         torch.testing.assert_close(routed[i], (by_a if d == "addition" else by_b)[i])
     assert not torch.allclose(by_a, by_b)
     # exact distillation: full teacher logits, routed the same way, for any subset of groups
-    from posttrain.forward import response_logits
+    from posttrain.rollout.forward import response_logits
     rows = torch.arange(len(domains))[2:]
     logits = teachers.response_logits(batch.rollout, rows, domains, "none")
     r = batch.rollout
@@ -213,13 +213,13 @@ def test_exact_loss_targets_the_teacher_at_its_own_temperature(tmp_path, tokeniz
                                                                teacher_temperature):
     """teacher.temperature: the exact loss is KL(softmax(z_S / T) || softmax(z_T / T_teacher))."""
     from collections import Counter
-    from posttrain.forward import response_logits
+    from posttrain.rollout.forward import response_logits
     from posttrain.losses.kl import exact_kl_from_logits
     from posttrain.rewards import Scorer
     from posttrain.rollout import make_engine
-    from posttrain.teachers import Teachers
-    from posttrain.collect import generate_and_score
-    from posttrain.update import update_policy
+    from posttrain.rl.teachers import Teachers
+    from posttrain.rl.collect import generate_and_score
+    from posttrain.rl.update import update_policy
     from posttrain.data.source import Sampler, build_task
     extra = ["--teacher.temperature", str(teacher_temperature)] if teacher_temperature else []
     cfg = load_config(None, [*OPD, "--teacher.path", "t", "--algorithm.distill_loss", "exact",

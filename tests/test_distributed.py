@@ -128,7 +128,7 @@ def test_offline_stages_on_two_ranks_match_one(embedded_dir, tmp_path, single_st
         stats = [json.loads((d / "final_model" / "reward_stats.json").read_text()) for d in (one, two)]
         assert stats[1]["mean"] == pytest.approx(stats[0]["mean"], abs=1e-4)
     if stage == "sft-frozen":   # --freeze_layers 1 on FSDP2 shards: frozen stays put, the top learns
-        from posttrain.models import load_tokenizer
+        from posttrain.model.loading import load_tokenizer
         from tests.conftest import make_tiny_model
         start = make_tiny_model(load_tokenizer(embedded_dir)).state_dict()
         w = weights(two)

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from posttrain.losses.policy import (POLICY_LOSSES, ObjectiveParams, PolicyInputs, binary_kl,
-                                     binary_tv)
+from posttrain.losses.policy import POLICY_LOSSES, ObjectiveParams, PolicyInputs
+from posttrain.losses.policy_selective import binary_kl, binary_tv
 
 # two responses: row 0 (A = +1) has three tokens, row 1 (A = -1) two and one padding column
 PI = [[0.5, 0.9, 0.2], [0.1, 0.5, 0.7]]
@@ -79,7 +79,7 @@ def test_without_a_separate_sampler_dppo_reads_pi_old():
 
 
 def tiny_batch():
-    from posttrain.batch import ScoredBatch
+    from posttrain.rl.batch import ScoredBatch
     from posttrain.data.tasks import Problem
     from posttrain.rollout.base import Rollout
     ones = torch.ones(2, 3)
@@ -90,7 +90,7 @@ def tiny_batch():
 
 
 def test_dppo_takes_no_second_correction_and_may_update_several_times(tmp_path):
-    from posttrain.update_terms import update_terms
+    from posttrain.rl.loss_terms import update_terms
     from tests.test_trainer import toy_config
     cfg = toy_config(tmp_path, "--rollout.backend", "vllm", "--optim.epochs", "2",
                      "--algorithm.policy_loss", "dppo_tv")

@@ -7,22 +7,22 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from posttrain.batch import ScoredBatch
-from posttrain.errors import ConfigError
-from posttrain.sections import EnvConfig
-from posttrain.options import load_config
+from posttrain.rl.batch import ScoredBatch
+from posttrain.util.errors import ConfigError
+from posttrain.config.sections import EnvConfig
+from posttrain.config.options import load_config
 from posttrain.data.source import build_task
 from posttrain.data.tasks import Problem, make_task
 from posttrain.envs import GuessNumber, Reply, SingleTurn, ToolEnv, for_tokenizer, make_env
 from posttrain.envs.tools import calculate, make_tools, parse_calls, run_call, run_python
-from posttrain.forward import sequence_logprobs
+from posttrain.rollout.forward import sequence_logprobs
 from posttrain.losses.aggregation import AGGREGATIONS
 from posttrain.losses.kl import kl_k3
-from posttrain.prompts import ReplyEncoder, encode_prompts
+from posttrain.model.prompts import ReplyEncoder, encode_prompts
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.rollout.episodes import EpisodeSettings, run_episodes
-from posttrain.trainer import train
-from posttrain.update_terms import Metrics, policy_terms, update_terms
+from posttrain.rl.loop import train
+from posttrain.rl.loss_terms import Metrics, policy_terms, update_terms
 from tests.conftest import make_tiny_model
 
 
@@ -299,7 +299,7 @@ class Scripted:
 
 
 def test_broken_tools_never_stop_a_run_and_are_counted(tmp_path, tokenizer, monkeypatch):
-    import posttrain.sampling as sampling
+    import posttrain.rl.sampling as sampling
     model = make_tiny_model(tokenizer)
     turns = ["<tool_raises>a</tool_raises><tool_hangs>b</tool_hangs><tool_garbage>c</tool_garbage>"
              "<calculator>2+</calculator>", "12 + 10 = 22"]
@@ -400,7 +400,7 @@ def test_chat_template_kwargs_reach_the_template(tokenizer):
 # ---------------------------------------------------------------------------------------------
 
 def test_demonstrations_hold_calls_results_and_masks_and_sft_trains_on_policy_tokens(tmp_path, tokenizer):
-    from posttrain.forward import pack
+    from posttrain.rollout.forward import pack
     from posttrain.losses.preference import sft_loss
     from posttrain.stages.common import write_jsonl
     from posttrain.stages.generate import demonstration_rows

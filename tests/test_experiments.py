@@ -189,7 +189,7 @@ def test_quarters_average_the_first_and_last_quarter_of_the_steps_with_a_value()
 
 def test_each_arm_is_labelled_by_what_bounds_its_update():
     from dataclasses import replace
-    from posttrain.presets import PRESETS
+    from posttrain.config.presets import PRESETS
     grpo = PRESETS["grpo"]
     assert bound(replace(grpo, clip_high=0.28)) == "ratio in [0.80, 1.28]"
     assert bound(PRESETS["gspo"]) == "sequence ratio in [1 - 0.0003, 1 + 0.0004]"

@@ -4,11 +4,11 @@ group's rest of the prompt once, then the responses; the result must be the plai
 import pytest
 import torch
 
-from posttrain.options import load_config
-from posttrain.forward import response_logits
+from posttrain.config.options import load_config
+from posttrain.rollout.forward import response_logits
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.data.source import build_task
-from posttrain.prompts import after_shared_prefix, common_prefix_length, encode_prompts
+from posttrain.model.prompts import after_shared_prefix, common_prefix_length, encode_prompts
 from tests.conftest import make_tiny_model
 
 

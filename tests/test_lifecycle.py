@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import posttrain.lifecycle as lifecycle_mod
+import posttrain.run.lifecycle as lifecycle_mod
 from posttrain.stages.common import OfflineJob
 from posttrain.stages.sft import sft
-import posttrain.trainer as trainer
+import posttrain.rl.loop as trainer
 from posttrain.cli import main
-from posttrain.options import load_config
-from posttrain.lifecycle import Lifecycle, find_run_to_resume
-from posttrain.trainer import train
+from posttrain.config.options import load_config
+from posttrain.run.lifecycle import Lifecycle, find_run_to_resume
+from posttrain.rl.loop import train
 from tests.conftest import make_tiny_model, stage_config
 from tests.test_trainer import reward_curve, toy_config
 
@@ -127,7 +127,7 @@ def test_max_minutes_ends_with_a_checkpoint_and_only_the_newest_k_are_kept(tmp_p
 
 
 def _fake_run(folder, config, with_checkpoint=True):
-    from posttrain.checkpoint import seal
+    from posttrain.run.checkpoint import seal
     (folder / "checkpoints" / "step_000001").mkdir(parents=True)
     (folder / "checkpoints" / "step_000001" / "trainer_state.pt").write_bytes(b"x")
     if with_checkpoint:   # (one without its COMPLETE marker was never finished)
@@ -200,8 +200,8 @@ def test_a_checkpoint_write_that_dies_halfway_leaves_the_previous_one_intact(tmp
                                                                             monkeypatch):
     """A full disk (or a kill) while the trainer state is written: the half-written folder is
     never taken for a checkpoint, the previous one stays the latest, and the next save works."""
-    import posttrain.checkpoint as ckpt
-    from posttrain.run import make_scheduler
+    import posttrain.run.checkpoint as ckpt
+    from posttrain.run.optim import make_scheduler
     model = make_tiny_model(tokenizer)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = make_scheduler(opt, 10)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from posttrain.logging import MetricsLogger, console_line, plot_run
+from posttrain.logs.metrics import MetricsLogger, console_line, plot_run
 
 
 def test_jsonl_console_and_plot(tmp_path):

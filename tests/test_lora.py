@@ -8,14 +8,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from posttrain.sections import LoraConfig
-from posttrain.options import load_config
-from posttrain.models import add_lora
+from posttrain.config.sections import LoraConfig
+from posttrain.config.options import load_config
+from posttrain.model.loading import add_lora
 from posttrain.rollout import SamplingParams, make_engine
-from posttrain.trainer import train
+from posttrain.rl.loop import train
 from posttrain.data.source import build_task
-from posttrain.prompts import encode_prompts
-from posttrain.forward import frozen_logprobs
+from posttrain.model.prompts import encode_prompts
+from posttrain.rollout.forward import frozen_logprobs
 from tests.conftest import make_tiny_model
 from tests.test_trainer import reward_curve, toy_config
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from posttrain.models import (_cache_is_complete, embedded_gguf_path, prepare_embedded,
+from posttrain.model.loading import (_cache_is_complete, embedded_gguf_path, prepare_embedded,
                               resolve_model_path, save_model)
 
 

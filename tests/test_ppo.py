@@ -7,16 +7,16 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification
 
-from posttrain.advantages import ADVANTAGES, AdvantageInputs, AdvantageParams
-from posttrain.sections import CriticConfig
-from posttrain.options import load_config
-from posttrain.critic import Critic
+from posttrain.losses.advantages import ADVANTAGES, AdvantageInputs, AdvantageParams
+from posttrain.config.sections import CriticConfig
+from posttrain.config.options import load_config
+from posttrain.rl.critic import Critic
 from posttrain.rollout import Rollout, SamplingParams, make_engine
-from posttrain.batch import ScoredBatch
-from posttrain.step_metrics import critic_metrics, read_floats
-from posttrain.trainer import ppo_token_rewards, train
+from posttrain.rl.batch import ScoredBatch
+from posttrain.rl.step_metrics import critic_metrics, read_floats
+from posttrain.rl.loop import ppo_token_rewards, train
 from posttrain.data.source import build_task
-from posttrain.prompts import encode_prompts
+from posttrain.model.prompts import encode_prompts
 from tests.conftest import make_tiny_model
 from tests.test_trainer import toy_config
 
@@ -70,8 +70,8 @@ def test_one_critic_update_lowers_the_value_loss_on_fixed_returns(tmp_path, toke
 
     from posttrain.data.source import Sampler
     from posttrain.rewards import Scorer
-    from posttrain.collect import generate_and_score
-    from posttrain.update import update_policy
+    from posttrain.rl.collect import generate_and_score
+    from posttrain.rl.update import update_policy
     cfg = toy_config(tmp_path, "--preset", "ppo", "--steps", "1", "--algorithm.kl_coef", "0",
                      "--critic.shared_backbone", shared, "--critic.lr", "1e-3")
     model = make_tiny_model(tokenizer, seed=6)

@@ -3,7 +3,7 @@ without its .git folder; the GPU's name, or None without one."""
 
 import torch
 
-from posttrain import provenance as prov
+from posttrain.run import provenance as prov
 
 
 def test_commit_from_git_in_a_checkout():
@@ -29,7 +29,7 @@ def test_machine_names_its_gpu(monkeypatch):
 
 
 def test_dirty_reads_git_status_of_the_package(monkeypatch):
-    monkeypatch.setattr(prov, "_git", lambda *a: " M posttrain/trainer.py" if a[0] == "status" else "c" * 40)
+    monkeypatch.setattr(prov, "_git", lambda *a: " M posttrain/rl/loop.py" if a[0] == "status" else "c" * 40)
     assert prov.provenance("x")["dirty"] is True
     monkeypatch.setattr(prov, "_git", lambda *a: "" if a[0] == "status" else "c" * 40)
     assert prov.provenance("x")["dirty"] is False

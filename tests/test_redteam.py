@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from posttrain import load_config, train
-from posttrain.sections import RewardConfig
+from posttrain.config.sections import RewardConfig
 from posttrain.data.tasks import Problem
-from posttrain.errors import FailingSourceError
-from posttrain.health import FailureWatch, Tally
+from posttrain.util.errors import FailingSourceError
+from posttrain.util.health import FailureWatch, Tally
 from posttrain.rewards import Scorer
 from posttrain.rewards.pool import Outcome
 from posttrain.sandbox.procs import processes
@@ -405,7 +405,7 @@ class HostileWriter:
 
 def test_a_training_run_scores_hostile_answers_and_rewards_and_finishes(tmp_path, tokenizer, monkeypatch):
     pytest.importorskip("reasoning_gym")
-    import posttrain.sampling as sampling
+    import posttrain.rl.sampling as sampling
     marker = tmp_path / "PWNED"
     model = make_tiny_model(tokenizer)
     monkeypatch.setattr(sampling, "make_engine",
@@ -455,7 +455,7 @@ def test_failure_watch_needs_most_calls_failing_on_consecutive_steps():
 
 
 def test_a_nonfinite_metric_is_logged_as_such(tmp_path):
-    from posttrain.logging import MetricsLogger, number, read_metrics
+    from posttrain.logs.metrics import MetricsLogger, number, read_metrics
     logger = MetricsLogger(tmp_path, tensorboard=False)
     logger.log(1, {"loss/policy": float("nan"), "policy/kl_ref": torch.tensor(float("inf")),
                    "rollout/length_correct": None, "reward/mean": 0.5})
@@ -468,7 +468,7 @@ def test_a_nonfinite_metric_is_logged_as_such(tmp_path):
 
 def test_a_chat_template_that_raises_is_reported(tokenizer):
     import copy
-    from posttrain.prompts import ReplyEncoder
+    from posttrain.model.prompts import ReplyEncoder
     strict = copy.deepcopy(tokenizer)
     strict.chat_template = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
                             "{{ raise_exception('roles must be user/assistant') }}{% endif %}"
@@ -482,7 +482,7 @@ def test_a_chat_template_that_raises_is_reported(tokenizer):
     ("calculator", "<calculator>2+</calculator>", False)])                     # the model's bad input
 def test_a_broken_tool_stops_the_run_and_bad_arguments_do_not(tmp_path, tokenizer, monkeypatch,
                                                               tool, text, stops):
-    import posttrain.sampling as sampling
+    import posttrain.rl.sampling as sampling
     model = make_tiny_model(tokenizer)
     monkeypatch.setattr(sampling, "make_engine", lambda *a, **k: HostileWriter(model, tokenizer, [text]))
     cfg = load_config(None, [*TINY, "--run_dir", str(tmp_path / "run"), "--steps", "4",
@@ -532,7 +532,7 @@ def test_a_malformed_tool_call_is_the_models_error(case):
 def test_a_policy_writing_malformed_calls_cannot_stop_the_run(tmp_path, tokenizer, monkeypatch):
     """Four steps of nothing but malformed calls (the failure watch stops a run after 3 steps
     of a broken environment): the run finishes, every call counted as the model's error."""
-    import posttrain.sampling as sampling
+    import posttrain.rl.sampling as sampling
     model = make_tiny_model(tokenizer)
     texts = [MALFORMED_CALLS[k] for k in ("name is a list", "call is a list", "a number past 2**63",
                                           "arguments are a list")]

@@ -8,13 +8,13 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from posttrain.cli import main
-from posttrain.options import load_config
+from posttrain.config.options import load_config
 from posttrain.data.preferences import synthetic_preferences
 from posttrain.data.tasks import make_task
 from posttrain.rewards.model import RewardModel
 from posttrain.rewards.verifiers import final_answer
 from posttrain.stages.reward_model import reward_model
-from posttrain.trainer import train
+from posttrain.rl.loop import train
 from tests.conftest import make_tiny_model, make_tiny_reward_model as tiny_reward_model, stage_config
 from tests.test_trainer import toy_config
 
@@ -178,7 +178,7 @@ def test_pair_scores_share_the_prompt_and_equal_full_sequence_scores(tokenizer):
 
 
 def test_reward_model_config_errors(tmp_path):
-    from posttrain.config import ConfigError
+    from posttrain.config.commands import ConfigError
     with pytest.raises(ConfigError, match="reward.model="):
         load_config(None, ["--reward.model", str(tmp_path / "missing")])
 

@@ -7,10 +7,10 @@ import threading
 import pytest
 import torch
 
-from posttrain.sections import RewardConfig
+from posttrain.config.sections import RewardConfig
 from posttrain.data.tasks import Problem, countdown_task
 from posttrain.rewards import Scorer
-from posttrain.usercode import call_with_limits, load_function
+from posttrain.util.usercode import call_with_limits, load_function
 from posttrain.rewards.verifiers import (countdown_correct, exact_correct, final_answer,
                                          is_bare_answer, math_correct, overlong_penalty)
 
@@ -147,8 +147,8 @@ def test_bad_function_specs_are_named(spec, msg):
 def test_one_training_run_survives_every_kind_of_reward_failure(tmp_path, tokenizer):
     """Raise, hang after calling math-verify, NaN, a segfault and os._exit, all in the same run:
     it finishes, and every failure is counted by its kind, on every step."""
-    from posttrain.options import load_config
-    from posttrain.trainer import train
+    from posttrain.config.options import load_config
+    from posttrain.rl.loop import train
     from tests.conftest import make_tiny_model
     bad = ",".join(f"tests.toy_rewards:{f}" for f in ("raises", "verify_then_hang", "not_a_number",
                                                         "segfaults", "dies", "first_letter_a_to_e"))

@@ -4,7 +4,7 @@ import torch
 
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.rollout.hf import HFRolloutEngine, left_pad, sample_next
-from posttrain.prompts import encode_prompts
+from posttrain.model.prompts import encode_prompts
 from posttrain.data.tasks import Problem
 
 
@@ -90,9 +90,9 @@ def test_hashed_sampling_draws_from_the_distribution_independently():
 
 
 def test_bf16_sampling_records_the_logprobs_of_the_trainers_bf16_forward(tokenizer):
-    """autocast='bfloat16': body in bf16, LM head in float32, as forward.py computes the policy;
+    """autocast='bfloat16': body in bf16, LM head in float32, as rollout/forward.py computes the policy;
     the recorded log-probs are that forward's (not the float32 model's)."""
-    from posttrain.forward import frozen_logprobs
+    from posttrain.rollout.forward import frozen_logprobs
     from tests.conftest import make_tiny_model
     model = make_tiny_model(tokenizer, seed=2, init_range=0.2)
     prompts = [tokenizer("What is 12 + 34?")["input_ids"], tokenizer("Hi")["input_ids"]]
@@ -110,7 +110,7 @@ def test_bf16_copy_samples_near_the_policy_and_follows_its_updates(tokenizer):
     """weights='bfloat16': a bf16 copy of the body (rotary frequencies kept in float32), the
     policy's own float32 head; its log-probs are close to the policy's, and `sync_weights` (not
     anything else) carries an update over."""
-    from posttrain.forward import frozen_logprobs
+    from posttrain.rollout.forward import frozen_logprobs
     from tests.conftest import make_tiny_model
     model = make_tiny_model(tokenizer, seed=2, init_range=0.2)
     engine = HFRolloutEngine(model, tokenizer, weights="bfloat16")

@@ -8,7 +8,7 @@ import pytest
 from posttrain.stages.common import length_buckets, write_jsonl
 from posttrain.stages.preference import dpo
 from posttrain.stages.sft import sft
-from posttrain.forward import pack
+from posttrain.rollout.forward import pack
 from tests.conftest import make_tiny_model, stage_config
 
 
@@ -76,7 +76,7 @@ def test_bad_preference_rows_are_named(tmp_path, tokenizer, row, msg):
 
 
 def test_generate_writes_verified_teacher_answers_for_sft(tmp_path, tokenizer):
-    from posttrain.options import load_config
+    from posttrain.config.options import load_config
     from posttrain.stages.generate import generate
     cfg = load_config(None, ["--data.eval_size", "5", "--rollout.max_new_tokens", "4",
                              "--reward.verifier", "none", "--run_dir", "none"])
@@ -106,7 +106,7 @@ def test_generate_command_takes_config_overrides(tmp_path, monkeypatch):
 
 def test_generated_responses_keep_the_teachers_stop_string(tmp_path, tokenizer, monkeypatch):
     """An SFT warm-up must end answers as the teacher does ('... = 12.\n\n', not '... = 12.')."""
-    from posttrain.options import load_config
+    from posttrain.config.options import load_config
     from posttrain.stages.generate import generate
     cfg = load_config(None, ["--data.eval_size", "5", "--rollout.max_new_tokens", "4",
                              "--reward.verifier", "none", "--run_dir", "none"])
@@ -140,7 +140,7 @@ def test_sft_on_synthetic_answers_reports_held_out_behaviour(tmp_path, tokenizer
 
 
 def test_lr_factor_warms_up_then_decays_to_zero():
-    from posttrain.run import lr_factor
+    from posttrain.run.optim import lr_factor
     assert [lr_factor(i, 4) for i in range(4)] == [1.0] * 4
     assert [lr_factor(i, 6, 2, "linear") for i in range(7)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
     assert [round(lr_factor(i, 4, 0, "cosine"), 6) for i in range(5)] == [1.0, 0.853553, 0.5, 0.146447, 0.0]

@@ -1,4 +1,4 @@
-"""Per-token records (posttrain/token_records.py): the numbers stored are the ones the update used,
+"""Per-token records (posttrain/rl/token_records.py): the numbers stored are the ones the update used,
 recomputed here independently on tiny runs (GRPO, PPO, OPD)."""
 
 import copy
@@ -8,13 +8,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from posttrain.advantages import grpo_advantage
-from posttrain.forward import frozen_logprobs
+from posttrain.losses.advantages import grpo_advantage
+from posttrain.rollout.forward import frozen_logprobs
 from posttrain.losses.policy import clip_sides
-from posttrain.options import load_config
+from posttrain.config.options import load_config
 from posttrain.rollout import Rollout
-from posttrain.token_records import TokenTrace, td_residuals, traced_rows
-from posttrain.trainer import train
+from posttrain.rl.token_records import TokenTrace, td_residuals, traced_rows
+from posttrain.rl.loop import train
 from tests.conftest import make_tiny_model
 from tests.test_distillation import OPD, peaked_teacher, sharpened
 from tests.test_trainer import toy_config
@@ -28,7 +28,7 @@ def response_rollout(recs, tokenizer, cfg):
     """The stored responses after their prompts, encoded as the run encoded them: what an
     independent recomputation reads."""
     from posttrain.data.tasks import Problem
-    from posttrain.prompts import encode_prompts, left_pad
+    from posttrain.model.prompts import encode_prompts, left_pad
     prompts, prompt_mask = left_pad(encode_prompts(
         tokenizer, [Problem(r["prompt"], r["answer"]) for r in recs], cfg.data.system_prompt,
         cfg.data.chat_template), tokenizer.pad_token_id)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.config import ConfigError
-from posttrain.trackers import flat, wandb_mode
-from posttrain.trainer import train
+from posttrain.config.commands import ConfigError
+from posttrain.logs.trackers import flat, wandb_mode
+from posttrain.rl.loop import train
 from tests.conftest import make_tiny_model
 from tests.test_trainer import toy_config
 
@@ -31,7 +31,7 @@ def tiny_run(tmp_path, tokenizer, tracker: str) -> tuple[Path, dict[int, float]]
 def test_unknown_or_missing_trackers_are_refused_before_anything_loads(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="report_to='nope' is not valid; accepted: .*'mlflow'"):
         toy_config(tmp_path, "--report_to", "nope")
-    monkeypatch.setattr("posttrain.sections.missing_package", lambda name: name)
+    monkeypatch.setattr("posttrain.config.sections.missing_package", lambda name: name)
     with pytest.raises(ConfigError, match=r'report_to wandb needs the .wandb. package.*posttrain\[wandb\]'):
         toy_config(tmp_path, "--report_to", "wandb")
 

@@ -7,18 +7,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from posttrain.options import load_config
+from posttrain.config.options import load_config
 from posttrain.rewards import Scorer
 from posttrain.rollout import SamplingParams, make_engine
-from posttrain.batch import equal_reward_groups
-from posttrain.distributed import SINGLE
-from posttrain.collect import generate_and_score
-from posttrain.trainer import train
+from posttrain.rl.batch import equal_reward_groups
+from posttrain.model.distributed import SINGLE
+from posttrain.rl.collect import generate_and_score
+from posttrain.rl.loop import train
 from posttrain.losses.policy import POLICY_LOSSES, objective_reads
-from posttrain.update import update_policy
+from posttrain.rl.update import update_policy
 from posttrain.data.source import Sampler, build_task
-from posttrain.prompts import encode_prompts
-from posttrain.forward import frozen_logprobs
+from posttrain.model.prompts import encode_prompts
+from posttrain.rollout.forward import frozen_logprobs
 from tests.conftest import make_tiny_model
 
 TOY = ["--reward.verifier", "none", "--reward.functions", "tests.toy_rewards:first_letter_a_to_e",
@@ -47,10 +47,10 @@ def test_every_preset_moves_the_policy_toward_its_own_advantages(tmp_path, token
     wrong sign, a lost gradient or a broken estimator fails it."""
     from types import SimpleNamespace
 
-    from posttrain.forward import sequence_logprobs
+    from posttrain.rollout.forward import sequence_logprobs
     from posttrain.losses.aggregation import AGGREGATIONS
-    from posttrain.trainer import compute_advantages
-    from posttrain.update import response_budget
+    from posttrain.rl.loop import compute_advantages
+    from posttrain.rl.update import response_budget
     two = [] if preset == "reinforce" else ["--optim.minibatches", "2"]
     if preset == "dapo":   # (3-token answers are all "overlong"; shaping is tested on its own)
         two += ["--algorithm.overlong", "none"]
@@ -174,7 +174,7 @@ def test_each_objective_moves_the_policy_toward_its_advantages(tmp_path, tokeniz
     """Two minibatches of plain SGD on one fixed batch (the second is off-policy): the
     advantage-weighted log-likelihood of the batch's own tokens rises, for every objective. To
     first order the change is lr |g|^2 > 0, so a wrong sign or a dropped gradient fails it."""
-    from posttrain.forward import sequence_logprobs
+    from posttrain.rollout.forward import sequence_logprobs
     from posttrain.losses.aggregation import AGGREGATIONS
     cfg = toy_config(tmp_path, "--steps", "1", "--optim.minibatches", "2",
                      "--algorithm.policy_loss", objective, "--algorithm.cov_frac", "0.05")
@@ -201,8 +201,8 @@ def test_frozen_inputs_name_only_the_passes_the_terms_read(tmp_path):
     """update_terms.frozen_inputs: pi_ref only for a KL term, the trainer's own pi_old only where the
     sampler's numbers differ and a term reads pi_old (the ratio over several updates, the KL in
     PPO's rewards, a teacher's advantage)."""
-    from posttrain.config import ConfigError
-    from posttrain.update_terms import frozen_inputs
+    from posttrain.config.commands import ConfigError
+    from posttrain.rl.loss_terms import frozen_inputs
 
     def needs(*args, teachers=False):
         cfg = toy_config(tmp_path, *args)
@@ -344,7 +344,7 @@ def test_skipping_zero_advantage_groups_gives_the_same_update(tmp_path, tokenize
     """All-equal groups are not run through the model, yet the step equals the full-batch step."""
     from posttrain.losses.aggregation import AGGREGATIONS, aggregate
     from posttrain.losses.policy import clipped_surrogate_loss
-    from posttrain.forward import sequence_logprobs
+    from posttrain.rollout.forward import sequence_logprobs
     cfg = toy_config(tmp_path, "--steps", "1", "--optim.max_grad_norm", "1e9")
     model = make_tiny_model(tokenizer, seed=8)
     engine = make_engine("hf", model, tokenizer)
@@ -387,7 +387,7 @@ def test_a_batch_without_any_signal_still_steps(tmp_path, tokenizer):
 @pytest.mark.parametrize("retry_if,expected", [("unsolved", [1, 2]), ("mixed", [1])])
 def test_retry_if_picks_the_unsolved_or_the_mixed_groups(retry_if, expected):
     from posttrain.data.tasks import make_task
-    from posttrain.collect import report_solved
+    from posttrain.rl.collect import report_solved
     correct = torch.tensor([1, 1, 1, 0, 0, 0], dtype=torch.bool)   # G=2: solved, mixed, all wrong
     sampler = Sampler(make_task("addition", 2), 0, retries=1)
     sampler.draw(3)
@@ -396,7 +396,7 @@ def test_retry_if_picks_the_unsolved_or_the_mixed_groups(retry_if, expected):
 
 
 def test_adamw_is_fused_on_cpu_and_takes_the_for_loops_steps():
-    from posttrain.run import make_adamw
+    from posttrain.run.optim import make_adamw
     torch.manual_seed(0)
     start = [torch.randn(n) for n in (7, 50, 3)]
     fused_w = [torch.nn.Parameter(p.clone()) for p in start]

@@ -12,15 +12,15 @@ import torch
 
 import posttrain
 from tests.conftest import make_tiny_model
-from posttrain.batch import ScoredBatch, merge
-from posttrain.options import load_config
+from posttrain.rl.batch import ScoredBatch, merge
+from posttrain.config.options import load_config
 from posttrain.data.source import Sampler, build_task
 from posttrain.data.tasks import Problem
 from posttrain.rewards import Scorer
 from posttrain.rollout import Rollout, make_engine
-from posttrain.collect import generate_and_score
-from posttrain.update import update_policy
-from posttrain.update_terms import Metrics
+from posttrain.rl.collect import generate_and_score
+from posttrain.rl.update import update_policy
+from posttrain.rl.loss_terms import Metrics
 
 PACKAGE = os.path.dirname(posttrain.__file__) + os.sep
 
@@ -78,7 +78,7 @@ def test_one_update_reads_its_metrics_from_the_device_once(tmp_path, tokenizer, 
     critic = None
     batch = replace(batch, adv_B_T=adv)
     if preset == "ppo":
-        from posttrain.critic import Critic
+        from posttrain.rl.critic import Critic
         critic = Critic(cfg.critic, model)
         batch = replace(batch, old_values_B_T=torch.zeros_like(adv), returns_B_T=adv.clone())
     syncs = _Syncs(monkeypatch)
@@ -141,8 +141,8 @@ def test_padding_of_every_per_token_logprob_is_zero_whatever_the_engine_left_the
 
 
 def test_a_step_with_a_non_finite_gradient_leaves_weights_and_adam_untouched():
-    from posttrain.distributed import SINGLE
-    from posttrain.update import step_if_finite
+    from posttrain.model.distributed import SINGLE
+    from posttrain.rl.update import step_if_finite
     w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     opt = torch.optim.AdamW([w], lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (i + 1))
@@ -159,9 +159,9 @@ def test_a_step_with_a_non_finite_gradient_leaves_weights_and_adam_untouched():
 
 
 def test_a_run_stops_after_k_non_finite_steps_in_a_row(tmp_path, tokenizer, monkeypatch, capsys):
-    import posttrain.update as update
-    from posttrain.errors import NonFiniteError
-    from posttrain.trainer import train
+    import posttrain.rl.update as update
+    from posttrain.util.errors import NonFiniteError
+    from posttrain.rl.loop import train
     real, calls = update.clip_grad_norm, [0]
 
     def nan_from_step_2(params, max_norm, world):
@@ -181,7 +181,7 @@ def test_a_run_stops_after_k_non_finite_steps_in_a_row(tmp_path, tokenizer, monk
 def test_dr_grpo_normaliser_is_an_episodes_budget_not_one_turns():
     """Dr. GRPO divides by the most tokens a response can hold: max_new_tokens for one turn; for
     an episode its policy tokens over all turns, within the episode's token budget."""
-    from posttrain.update import response_budget
+    from posttrain.rl.update import response_budget
     cfg = load_config(None, ["--rollout.max_new_tokens", "32", "--env.max_turns", "3",
                              "--env.max_tokens", "256"])
     one = Rollout(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2), torch.zeros(1, 4, dtype=torch.long),

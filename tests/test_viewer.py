@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from posttrain.cli import main
-from posttrain.trainer import train
+from posttrain.rl.loop import train
 from posttrain.view.server import ViewError, Viewer, check_runs, run_names, serve
 from tests.conftest import make_tiny_model
 from tests.test_trainer import toy_config

@@ -12,15 +12,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from posttrain.config import ConfigError
-from posttrain.options import load_config
+from posttrain.config.commands import ConfigError
+from posttrain.config.options import load_config
 from posttrain.losses.correction import truncated_is_weights
 from posttrain.rewards import Scorer
 from posttrain.rollout import HFRolloutEngine, make_engine
 from posttrain.rollout.vllm import (Completion, completion_from_openai, completion_from_vllm,
                                     request_seed, to_rollout)
-from posttrain.collect import generate_and_score
-from posttrain.update import update_policy
+from posttrain.rl.collect import generate_and_score
+from posttrain.rl.update import update_policy
 from posttrain.data.source import Sampler, build_task
 from tests.conftest import make_tiny_model
 from tests.test_trainer import toy_config
@@ -215,7 +215,7 @@ def test_the_bf16_copy_is_corrected_like_another_engine(tmp_path, tokenizer):
     torch.testing.assert_close(delta, 1.5 * plain, atol=1e-6, rtol=1e-4)
     assert stats["rollout/tis_weight_mean"] == pytest.approx(1.5, rel=1e-4)
     # the trainer's own pi_old pass runs only when a later update needs it
-    from posttrain.trainer import frozen_passes
+    from posttrain.rl.loop import frozen_passes
     model = make_tiny_model(tokenizer, seed=11)
     for extra, passes in (([], 0), (["--optim.minibatches", "2"], 1)):
         c = toy_config(tmp_path, "--rollout.weights", "bfloat16", "--algorithm.kl_coef", "0", *extra)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from posttrain.rollout import HFRolloutEngine, SamplingParams
-from posttrain.sections import RolloutConfig
+from posttrain.config.rollout import RolloutConfig
 from tests.conftest import init_weights
 
 vllm = pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (scripts/install-cpu.sh installs it)")
@@ -61,8 +61,8 @@ def prompts(tokenizer, n: int = 4) -> list[list[int]]:
 
 def trainer_logprobs(model, rollout) -> torch.Tensor:
     """log pi(y_t | x, y_<t) of the sampled tokens under `model` at temperature 1, as the
-    trainer computes them (posttrain/forward.py)."""
-    from posttrain.forward import frozen_logprobs
+    trainer computes them (posttrain/rollout/forward.py)."""
+    from posttrain.rollout.forward import frozen_logprobs
     return frozen_logprobs(model, rollout, 1.0, micro=64)
 
 

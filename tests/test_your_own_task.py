@@ -44,7 +44,7 @@ def run_posttrain(line: str) -> None:
 
 def run_python(code: str, monkeypatch) -> None:
     import posttrain
-    from posttrain import options
+    from posttrain.config import options
 
     def shrunk(path=None, overrides=None, base=None):
         extra = [*SHRINK["train"][:-2], "--model.path", "my-model"]   # (--threads is the CLI's)
@@ -92,7 +92,7 @@ def test_every_block_of_the_guide_runs(tokenizer, tmp_path, monkeypatch, capsys)
 def test_the_guide_recipe_and_rewards_mean_what_it_says(tmp_path):
     """The recipe block is a valid config naming the reward block's function; the reward
     functions return what their docstrings say."""
-    from posttrain.options import load_config
+    from posttrain.config.options import load_config
 
     files = {name: body for _, name, body in blocks() if name}
     (tmp_path / "my_task.yaml").write_text(files["my_task.yaml"])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from posttrain.errors import ConfigError
-from posttrain.sections import DataConfig
+from posttrain.util.errors import ConfigError
+from posttrain.config.sections import DataConfig
 from posttrain.data.files import load_problems
 from posttrain.data.tasks import MixedTask, Problem, Task, make_task
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from posttrain.registry import Registry
+from posttrain.util.registry import Registry
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,19 @@
-"""Environments: what answers the policy between its turns (envs/base.py), tools, built-ins."""
+"""Layer 4: environments: what answers the policy between its turns (envs/base.py), tools, built-ins."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from posttrain.errors import ConfigError
-from posttrain.sections import EnvConfig
+from posttrain.util.errors import ConfigError
+from posttrain.config.sections import EnvConfig
 from posttrain.data.tasks import Task
 from posttrain.envs.base import (BindsTokenizer, Demonstrates, DescribesTools, Environment, Reply,
                                  SingleTurn)
 from posttrain.envs.builtin import GuessNumber, ToolEnv
 from posttrain.envs.tools import TOOLS, Tool, make_tools
-from posttrain.registry import Registry
-from posttrain.usercode import load_function
+from posttrain.util.registry import Registry
+from posttrain.util.usercode import load_function
 
 __all__ = ["ENVIRONMENTS", "BindsTokenizer", "Demonstrates", "DescribesTools", "Environment",
            "GuessNumber", "Reply", "SingleTurn", "Tool",

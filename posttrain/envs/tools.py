@@ -28,8 +28,8 @@ from typing import Any
 
 from posttrain.sandbox.launch import Limits, decide
 from posttrain.sandbox.run import run_python_code
-from posttrain.registry import Registry
-from posttrain.usercode import RewardTimeout, call_with_timeout, load_function
+from posttrain.util.registry import Registry
+from posttrain.util.usercode import RewardTimeout, call_with_timeout, load_function
 
 
 @dataclass(frozen=True)
@@ -277,7 +277,7 @@ def _check_value(value: Any, depth: int) -> None:
 
 
 # what a tool raises on arguments the model got wrong ("2+", a missing field, 1/0): the model's
-# feedback, not a broken tool (FailureWatch counts only the broken ones, posttrain/health.py)
+# feedback, not a broken tool (FailureWatch counts only the broken ones, posttrain/util/health.py)
 ARGUMENT_ERRORS = (ValueError, TypeError, KeyError, ArithmeticError, SyntaxError)
 
 

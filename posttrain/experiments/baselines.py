@@ -23,12 +23,12 @@ import math
 import torch
 from torch import Tensor
 
-from posttrain.advantages import (batch_mean_baseline_advantage, grpo_advantage,
+from posttrain.losses.advantages import (batch_mean_baseline_advantage, grpo_advantage,
                                   group_mean_baseline_advantage, reinforce_advantage,
                                   rloo_advantage)
 from posttrain.experiments.common import (CountSketch, flat_grad, jackknife, progress_range,
                                           sample_batch)
-from posttrain.forward import sequence_logprobs
+from posttrain.rollout.forward import sequence_logprobs
 
 CLAIM = ("a baseline keeps the policy gradient's expectation and cuts its variance; "
          "leave-one-out keeps it exactly (§2)")

@@ -27,7 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from posttrain.experiments.common import mean_of, plot_per_step, train_arm
-from posttrain.presets import PRESETS, AlgorithmConfig
+from posttrain.config.presets import PRESETS, AlgorithmConfig
 
 CLAIM = ("a symmetric clip holds down rare tokens with positive advantage and the entropy "
          "collapses; raising only the upper bound (Clip-Higher, 0.2 -> 0.28) keeps entropy "

@@ -19,15 +19,15 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from posttrain.batch import ScoredBatch
-from posttrain.collect import generate_and_score
-from posttrain.config import ConfigError, TrainConfig
+from posttrain.rl.batch import ScoredBatch
+from posttrain.rl.collect import generate_and_score
+from posttrain.config.commands import ConfigError, TrainConfig
 from posttrain.experiments import EXPERIMENTS
-from posttrain.options import DEFAULT_RECIPE, load_config, recipe_path
-from posttrain.perf import tune_malloc
-from posttrain.provenance import provenance
-from posttrain.train_run import RLJob, start_training
-from posttrain.trainer import train
+from posttrain.config.options import DEFAULT_RECIPE, load_config, recipe_path
+from posttrain.util.perf import tune_malloc
+from posttrain.run.provenance import provenance
+from posttrain.rl.job import RLJob, start_training
+from posttrain.rl.loop import train
 
 log = logging.getLogger("posttrain")
 

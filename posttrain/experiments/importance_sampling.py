@@ -23,9 +23,9 @@ import copy
 import torch
 from torch import Tensor
 
-from posttrain.advantages import grpo_advantage
+from posttrain.losses.advantages import grpo_advantage
 from posttrain.experiments.common import progress_range, sample_batch
-from posttrain.forward import frozen_logprobs, group_chunks, sequence_logprobs
+from posttrain.rollout.forward import frozen_logprobs, group_chunks, sequence_logprobs
 from posttrain.losses.common import masked_mean
 from posttrain.losses.correction import ratio_stats
 from posttrain.losses.policy import POLICY_LOSSES, PolicyInputs, clip_fractions, clip_sides

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from posttrain.experiments.common import jackknife, mean_se, progress_range, sample_batch
-from posttrain.forward import sequence_logprobs
+from posttrain.rollout.forward import sequence_logprobs
 from posttrain.losses.common import token_logprobs
 from posttrain.losses.kl import KL_ESTIMATORS, exact_kl_from_logits
 

@@ -35,14 +35,14 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from posttrain.advantages import ADVANTAGES, AdvantageInputs, AdvantageParams
-from posttrain.config import ConfigError
+from posttrain.losses.advantages import ADVANTAGES, AdvantageInputs, AdvantageParams
+from posttrain.config.commands import ConfigError
 from posttrain.experiments.common import jackknife, progress_range, sample_batch
-from posttrain.forward import group_chunks, sequence_logprobs
+from posttrain.rollout.forward import group_chunks, sequence_logprobs
 from posttrain.losses.aggregation import AGGREGATIONS, aggregate
 from posttrain.losses.common import masked
 from posttrain.losses.policy import POLICY_LOSSES, PolicyInputs
-from posttrain.presets import PRESETS, AlgorithmConfig
+from posttrain.config.presets import PRESETS, AlgorithmConfig
 
 CLAIM = ("GRPO's 1/|o| aggregation pushes long wrong answers down less per token than short ones, "
          "so wrong answers grow; token-mean and Dr. GRPO's constant remove the bias (§7)")

@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from posttrain.experiments.common import mean_of, plot_per_step, train_arm
-from posttrain.presets import PRESETS
+from posttrain.config.presets import PRESETS
 
 CLAIM = ("under GRPO's 1/|o| aggregation wrong answers grow longer over training; token-mean and "
          "Dr. GRPO's constant normaliser do not make them grow (§7)")

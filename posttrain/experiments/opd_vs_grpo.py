@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from posttrain.experiments.common import train_arm
-from posttrain.options import load_config, recipe_path
+from posttrain.config.options import load_config, recipe_path
 
 CLAIM = ("on-policy distillation learns from the teacher's judgement of every token, so the "
          "student reaches the teacher's accuracy in far fewer steps than RL needed (§8)")

@@ -27,8 +27,8 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-from posttrain.config import StageConfig
-from posttrain.sections import ModelConfig, StageDataConfig
+from posttrain.config.commands import StageConfig
+from posttrain.config.sections import ModelConfig, StageDataConfig
 from posttrain.experiments.common import mean_of, plot_per_step, train_arm
 from posttrain.stages.reward_model import reward_model
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from torch import Tensor
 
 from posttrain.losses.common import masked
-from posttrain.registry import Registry
+from posttrain.util.registry import Registry
 
 
 # ---------------------------------------------------------------------------------------------

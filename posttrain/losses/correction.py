@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from posttrain.losses.common import _MAX_LOG_RATIO, masked, masked_mean
-from posttrain.registry import Registry
+from posttrain.util.registry import Registry
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from posttrain.losses.common import masked
 from posttrain.losses.kl import exact_kl_from_logits
-from posttrain.registry import Registry
+from posttrain.util.registry import Registry
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from posttrain.losses.common import _MAX_LOG_RATIO, masked
-from posttrain.registry import Registry
+from posttrain.util.registry import Registry
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Rewards: verifiable checks, an optional format bonus, user functions and reward models, summed
+"""Layer 6: rewards: verifiable checks, an optional format bonus, user functions and reward models, summed
 per response (rewards/scorer.py), scored in the reward sandbox (rewards/pool.py, rewards/host.py).
 
 The names below load on first use, so that the reward sandbox's own program imports

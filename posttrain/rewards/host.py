@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.sandbox import seccomp
-from posttrain.usercode import as_reward, load_function
+from posttrain.util.usercode import as_reward, load_function
 
 MAX_TRACEBACK = 4000              # bytes of a failure's traceback sent back
 MAX_LINE = MAX_TRACEBACK + 400    # bytes of one call's JSON line

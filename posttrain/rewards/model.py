@@ -26,7 +26,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from posttrain.data.tasks import Problem
-from posttrain.models import load_tokenizer
+from posttrain.model.loading import load_tokenizer
 
 log = logging.getLogger("posttrain")
 
@@ -51,7 +51,7 @@ def encode_parts(tokenizer, prompts: list[str], responses: list[str],
     """Token ids of the chat-templated prompt (with generation prompt) and of the response text,
     followed by the template's end-of-turn tokens if `end_of_turn` (the score is then read where
     a finished turn ends, as on any templated conversation)."""
-    from posttrain.prompts import encode_prompts   # the policy's own prompt format
+    from posttrain.model.prompts import encode_prompts   # the policy's own prompt format
     heads = encode_prompts(tokenizer, [Problem(p, "") for p in prompts], system_prompt)
     return heads, encode_responses(tokenizer, responses, end_of_turn)
 
@@ -72,8 +72,8 @@ def _response_states(model, prompt_ids: list[list[int]], responses: list[list[in
                      group_size: int, pad_id: int, autocast: str) -> tuple[Tensor, Tensor]:
     """(hidden (b, T+1, H) predicting each response token and one step past the last, the padded
     response ids (b, T+1)), each prompt run once per group of `group_size` responses."""
-    from posttrain.forward import response_hidden
-    from posttrain.forward import pack
+    from posttrain.rollout.forward import response_hidden
+    from posttrain.rollout.forward import pack
     # one dummy token after each response: the hidden state that "predicts" it is the one at
     # the response's last token, the one the score head reads
     rollout = replace(pack(_Pad(pad_id), [p for p in prompt_ids for _ in range(group_size)],
@@ -109,9 +109,9 @@ def log_ratio_scores(policy, reference, prompt_ids: list[list[int]], responses: 
         r(x, y) = beta * sum_t [ log pi(y_t | x, y_<t) - log pi_ref(y_t | x, y_<t) ]
 
     for groups of `group_size` responses to one prompt (as in group_scores)."""
-    from posttrain.forward import frozen_logprobs
+    from posttrain.rollout.forward import frozen_logprobs
     from posttrain.losses.common import sequence_logprob
-    from posttrain.forward import pack
+    from posttrain.rollout.forward import pack
     rollout = pack(_Pad(pad_id), [p for p in prompt_ids for _ in range(group_size)], responses,
                    next(policy.parameters()).device)
     rollout = replace(rollout, group_size=group_size)
@@ -192,7 +192,7 @@ class RewardModel:
         self.form = saved.get("form", "score_head")
         self.reference = None
         if self.form == "log_ratio":
-            from posttrain.models import resolve_model_path
+            from posttrain.model.loading import resolve_model_path
             self.beta, self.max_len = float(saved["beta"]), int(saved.get("max_len", 256))
             self.model = AutoModelForCausalLM.from_pretrained(path).eval()
             try:
@@ -220,7 +220,7 @@ class RewardModel:
 
     def check_tokenizer(self, policy_tokenizer) -> None:
         """Say in the log when the reward model reads text differently from the policy."""
-        from posttrain.models import check_same_tokenizer
+        from posttrain.model.loading import check_same_tokenizer
         try:
             check_same_tokenizer(policy_tokenizer, self.tokenizer)
         except ValueError as e:

@@ -12,13 +12,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posttrain.sections import RewardConfig
+from posttrain.config.sections import RewardConfig
 from posttrain.data.tasks import Problem
-from posttrain.health import Tally
+from posttrain.util.health import Tally
 from posttrain.rewards.pool import Outcome, RewardPool
 from posttrain.rewards.verifiers import VERIFIERS, is_bare_answer
 from posttrain.sandbox.launch import decide
-from posttrain.usercode import call_with_limits, load_function
+from posttrain.util.usercode import call_with_limits, load_function
 
 log = logging.getLogger("posttrain")
 

@@ -1,4 +1,5 @@
-"""Sampling responses from the policy. The trainer sees only `RolloutEngine` and `Rollout`."""
+"""Layer 5: sampling responses from the policy (the trainer sees only `RolloutEngine` and
+`Rollout`), and the one prompt-shared forward over a rollout (forward.py: log-probs, entropy)."""
 
 from posttrain.rollout.base import (Rollout, RolloutEngine, SamplingParams, async_core_split,
                                     close_engine)

@@ -24,8 +24,8 @@ from torch import Tensor
 
 from posttrain.data.tasks import Problem
 from posttrain.envs.base import DescribesTools, Environment, Reply, StartsBatch
-from posttrain.health import Tally
-from posttrain.prompts import ReplyEncoder, encode_prompts, left_pad
+from posttrain.util.health import Tally
+from posttrain.model.prompts import ReplyEncoder, encode_prompts, left_pad
 from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams
 
 
@@ -196,6 +196,15 @@ def generate_by_turns(engine: RolloutEngine, prompts: list[list[int]], group_siz
             turn_seeds = None if seeds is None else seeds[rows] * 1_000_003 + turn
             out = engine.generate([prompts[r // G] + ids[r] for r in rows], 1, turn_params,
                                   generator, seeds=turn_seeds)
+    return padded_rollout(prompts, G, ids, logps, policy, truncated, pad_id,
+                          out.response_ids_B_T.device)
+
+
+def padded_rollout(prompts: list[list[int]], G: int, ids: list[list[int]], logps: list[list[float]],
+                   policy: list[list[float]], truncated: list[bool], pad_id: int,
+                   device: torch.device) -> Rollout:
+    """Episodes held as per-row lists, as one right-padded Rollout after their left-padded prompts."""
+    B = len(ids)
     p_ids, p_mask = left_pad(prompts, pad_id)
     T = max(len(x) for x in ids)
     resp = torch.full((B, T), pad_id, dtype=torch.long)
@@ -206,7 +215,6 @@ def generate_by_turns(engine: RolloutEngine, prompts: list[list[int]], group_siz
         mask[r, :n] = 1.0
         lp[r, :n] = torch.tensor(logps[r])
         pol[r, :n] = torch.tensor(policy[r])
-    device = out.response_ids_B_T.device
     return Rollout(p_ids.repeat_interleave(G, 0).to(device), p_mask.repeat_interleave(G, 0).to(device),
                    resp.to(device), mask.to(device), lp.to(device),
                    torch.tensor(truncated, device=device), G, pol.to(device))

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from posttrain.models import decoder_and_head
-from posttrain.prompts import after_shared_prefix, common_prefix_length, left_pad
+from posttrain.model.loading import decoder_and_head
+from posttrain.model.prompts import after_shared_prefix, common_prefix_length, left_pad
 from posttrain.rollout.base import Rollout, SamplingParams
 
 
@@ -124,7 +124,7 @@ class HFRolloutEngine:
     `weights='shared'`: from the very model object the trainer updates, so weights are always in
     sync and the recorded log-probs are pi_old. `autocast='bfloat16'`: the transformer body runs
     under bf16 autocast and the LM head in float32 on its output, as in the trainer's forward
-    (forward.py), so the sampled distribution and the recorded log-probs are those of the policy
+    (rollout/forward.py), so the sampled distribution and the recorded log-probs are those of the policy
     the trainer computes.
 
     `weights='bfloat16'`: the body runs from a bf16 copy (`bfloat16_copy`, refreshed by
@@ -202,15 +202,27 @@ class HFRolloutEngine:
         B = logits.shape[0]
         T = params.max_new_tokens if respond is None else max(params.max_episode_tokens or 0,
                                                                params.max_new_tokens)
+        row_seed = seeds.to(device) if seeds is not None else None
+        turns = _Turns(B, T, device) if respond is not None else None
+        tokens, logps, lengths, stopped, eos = self._decode(logits, cache, attn, next_pos, T, params,
+                                                            generator, row_seed, turns, respond)
 
+        model.train(was_training)
+        return self._rollout(ids_P_L, mask_P_L, G, tokens, logps, lengths, eos, stopped, turns)
+
+    def _decode(self, logits: Tensor, cache, attn: Tensor, next_pos: Tensor, T: int,
+                params: SamplingParams, generator: torch.Generator | None, row_seed: Tensor | None,
+                turns: _Turns | None, respond: Respond | None):
+        """Token by token from the prefilled cache: sample, end the rows that finish (dropping
+        them from the cache), feed the rest. Returns (tokens, log-probs, lengths, rows ended by a
+        stop string, the EOS ids)."""
+        B, device = logits.shape[0], logits.device
         tokens = torch.full((B, T), self.pad_id, dtype=torch.long, device=device)
         logps = torch.zeros((B, T), dtype=torch.float32, device=device)
         lengths = torch.full((B,), T, dtype=torch.long, device=device)
         eos = torch.tensor(sorted(self.eos_ids), device=device)
         active = torch.arange(B, device=device)     # rows still writing, in cache order
         stopped = torch.zeros(B, dtype=torch.bool, device=device)
-        row_seed = seeds.to(device) if seeds is not None else None
-        turns = _Turns(B, T, device) if respond is not None else None
         for t in range(T):
             tok, logp = sample_next(logits, params, generator,
                                     row_seed[active] if row_seed is not None else None, t)
@@ -235,9 +247,7 @@ class HFRolloutEngine:
                                        position_ids=next_pos[:, None], use_cache=True,
                                        **{self.cache_kw: cache})
             next_pos = next_pos + 1
-
-        model.train(was_training)
-        return self._rollout(ids_P_L, mask_P_L, G, tokens, logps, lengths, eos, stopped, turns)
+        return tokens, logps, lengths, stopped, eos
 
     def _ends_now(self, tok: Tensor, tokens: Tensor, active: Tensor, t: int, params: SamplingParams,
                   eos: Tensor, stopped: Tensor, turns: _Turns | None, respond: Respond | None) -> Tensor:

@@ -41,8 +41,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from posttrain.errors import EngineError
-from posttrain.prompts import left_pad
+from posttrain.util.errors import EngineError
+from posttrain.model.prompts import left_pad
 from posttrain.rollout.base import Rollout, SamplingParams
 from posttrain.rollout.vllm_worker import same_fingerprint
 
@@ -208,7 +208,7 @@ class VLLMRolloutEngine:
     def check_pushed(self, pushed: Pushed | None) -> None:
         """Every engine holds what was pushed (check_holds); prefix caches emptied; the older
         versions' folders removed."""
-        from posttrain.distributed import barrier
+        from posttrain.model.distributed import barrier
         if pushed is None:                        # another rank: rank 0 pushes and checks
             return barrier(self.world)
         for engine in self.alive:

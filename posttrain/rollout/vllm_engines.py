@@ -6,9 +6,7 @@
 - `ServerEngine`: a `vllm serve` process, started by posttrain on loopback (`vllm_launch`, each
   with its share of the cores) or by you (`vllm_servers`); requests over its OpenAI-compatible
   HTTP API, weights and checks over its development routes.
-- Pushes: `SharedMemoryPush` (a safetensors folder in shared memory, any device, engines on this
-  machine), `CudaIPCPush` and `NcclPush` (vLLM's CUDA weight-transfer engines; written for GPUs,
-  not run on one yet: docs/scaling.md).
+- Pushes (rollout/vllm_push.py): which one `push_kind` picks, and `make_push`.
 """
 
 from __future__ import annotations
@@ -26,12 +24,11 @@ from pathlib import Path
 
 import torch
 
-from posttrain.errors import EngineError
-from posttrain.rollout.vllm import (INSTALL_HINT, WORKER_EXTENSION, Completion, EngineGone, Pushed,
-                                    VLLMRolloutEngine, Written, completion_from_openai,
-                                    completion_from_vllm)
+from posttrain.util.errors import EngineError
+from posttrain.rollout.vllm import (INSTALL_HINT, WORKER_EXTENSION, Completion, EngineGone,
+                                    VLLMRolloutEngine, completion_from_openai, completion_from_vllm)
 from posttrain.rollout.base import async_core_split
-from posttrain.rollout.vllm_weights import WeightFolders
+from posttrain.rollout.vllm_push import CudaIPCPush, NcclPush, SharedMemoryPush
 
 log = logging.getLogger("posttrain")
 
@@ -302,136 +299,13 @@ def push_kind(cfg, local: bool) -> str:
     return "ipc" if local else ("nccl" if len(cfg.vllm_servers) + cfg.vllm_launch == 1 else "shm")
 
 
-class SharedMemoryPush:
-    """Each version of the weights a safetensors folder in shared memory; every engine reloads
-    it in place (rollout/vllm_worker.py) and reports the version and fingerprint it holds."""
-
-    def __init__(self, dtype: torch.dtype, world, copies: int = 2) -> None:
-        self.folders = WeightFolders(dtype, copies=copies)
-        self.world = world
-        self._folder = None
-
-    def write(self, model) -> Written | None:
-        """The trainer's weights as the next version's folder (None on ranks other than 0, which
-        only take part in gathering them). No engine is touched: they may be sampling."""
-        from posttrain.distributed import full_state_dict
-        state = full_state_dict(model, self.world)   # (every rank: FSDP gathers are collective)
-        if not self.world.main:
-            return None
-        return Written(*self.folders.write(state))
-
-    def load(self, engines: list, written: Written | None, owner: VLLMRolloutEngine) -> Pushed | None:
-        """Every engine reloads `written` in place; the version and fingerprint they must report."""
-        if written is None:
-            return None
-        for engine in engines:
-            try:
-                engine.reported = engine.rpc("posttrain_load", {"path": str(written.folder),
-                                                                "version": str(written.version)})
-            except EngineGone as e:
-                owner.drop(engine, str(e))
-        self._folder = written.folder
-        return Pushed(written.version, written.fingerprint)
-
-    def send(self, model, engines: list, owner: VLLMRolloutEngine) -> Pushed | None:
-        """Write the weights, then every engine loads them (`write`, `load`)."""
-        return self.load(engines, self.write(model), owner)
-
-    def loaded(self) -> None:
-        self.folders.loaded(self._folder)
-
-    def close(self) -> None:
-        self.folders.close()
-
-
-class CudaIPCPush:
-    """vLLM's IPC weight transfer into an in-process engine on the trainer's GPU (no copy through
-    the CPU). Written for CUDA; not run on a GPU yet."""
-
-    def __init__(self, model, engine: LocalEngine, dtype: torch.dtype) -> None:
-        from vllm.distributed.weight_transfer.base import ModuleSource
-        from vllm.distributed.weight_transfer.ipc_engine import (IPCTrainerInitInfo,
-                                                                 IPCTrainerWeightTransferEngine)
-        self.engine, self.dtype = engine, dtype
-        self.sender = IPCTrainerWeightTransferEngine.trainer_init(
-            IPCTrainerInitInfo(rank=0), client=_LLMClient(engine.llm), source=ModuleSource(model))
-
-    def send(self, model, engines: list, owner) -> Pushed:
-        self.engine.wake(["weights"])
-        self.sender.send_weights()
-        return Pushed(None, _fingerprint_of(model, self.dtype))
-
-    def loaded(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class NcclPush:
-    """vLLM's NCCL weight broadcast from trainer rank 0 to `vllm serve` servers on other GPUs.
-    Written for CUDA; not run on a GPU yet."""
-
-    def __init__(self, model, servers: list[ServerEngine], world, dtype: torch.dtype) -> None:
-        from vllm.distributed.weight_transfer.base import ModuleSource
-        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-        from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
-                                                                  NCCLTrainerWeightTransferEngine)
-        if len(servers) != 1:
-            raise RuntimeError("rollout.vllm_weight_push nccl takes one server; use shm for several")
-        server = servers[0]
-        inference_world = int(server.http.get(f"{server.url}/get_world_size", timeout=30).json()["world_size"])
-        init = NCCLTrainerInitInfo(
-            master_address=os.environ.get("POSTTRAIN_VLLM_SYNC_ADDR", "127.0.0.1"),
-            master_port=int(os.environ.get("POSTTRAIN_VLLM_SYNC_PORT", "51216")),
-            world_size=1 + inference_world, rank=world.rank)
-        self.sender = NCCLTrainerWeightTransferEngine.trainer_init(
-            init, client=HTTPVLLMWeightSyncClient(server.url), source=ModuleSource(model))
-        self.dtype, self.world = dtype, world
-
-    def send(self, model, engines: list, owner) -> Pushed | None:
-        self.sender.send_weights()   # (every rank takes part in gathering FSDP's shards)
-        return Pushed(None, _fingerprint_of(model, self.dtype)) if self.world.main else None
-
-    def loaded(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class _LLMClient:
-    """vLLM's `VLLMWeightSyncClient` protocol over an in-process `vllm.LLM`."""
-
-    def __init__(self, llm) -> None:
-        self.llm = llm
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
-
-    def update_weights(self, update_info: dict) -> None:
-        self.llm.update_weights({"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
-
-
-def _fingerprint_of(model, dtype: torch.dtype) -> list[float]:
-    """The fingerprint of the weights as the engine holds them (cast to its dtype)."""
-    from posttrain.rollout.vllm_worker import fingerprint
-    return fingerprint((n, p.detach().to(dtype)) for n, p in model.named_parameters())
-
-
 # -- the factory ----------------------------------------------------------------------------------
 
 def make_vllm_engine(model, tokenizer, model_path: str, rollout_cfg, dtype: str, seed: int,
                      max_model_len: int, world=None) -> VLLMRolloutEngine:
     """The engines the config names (in process; launched servers; given servers), the push that
     reaches them, and the RolloutEngine over both."""
-    from posttrain.distributed import SINGLE
+    from posttrain.model.distributed import SINGLE
     world = world or SINGLE
     try:
         import vllm  # noqa: F401

@@ -1,4 +1,4 @@
-"""The sandbox: where text and code a model wrote run (docs/safety.md). Plain Python, no torch:
+"""Layer 0: the sandbox: where text and code a model wrote run (docs/safety.md). Plain Python, no torch:
 it is imported inside the sandbox too.
 
     launch.py   which isolation (`decide`), and starting a program in it (`spawn`)

@@ -1,9 +1,11 @@
-"""The offline stages around RL, one module per command, sharing one lifecycle (`common.py`):
+"""Layer 8: the commands besides `train`, one module each, on the common lifecycle (run/lifecycle.py;
+the offline stages' shared parts: `common.py`):
 
     sft.py           posttrain sft             SFT on (prompt, response) rows (§8)
     preference.py    posttrain dpo             DPO on preference pairs (§9); the log-ratio reward model
     reward_model.py  posttrain reward-model    a Bradley-Terry reward model with a score head (§1)
     generate.py      posttrain generate        a teacher's answers or an environment's demonstrations
+    evaluate.py      posttrain eval            held-out accuracy and pass@k of a model
 
 Short loops with no rollout; they share the trainer's prompt encoding, its response-only forward
 pass, its logging and its data parallelism:

@@ -4,7 +4,7 @@ data-parallel shares, and the held-out greedy answers of a synthetic task.
 
 Every rank builds the same batches (same seed) and runs its contiguous share of each; a rank's
 loss is weighted by the *global* batch's pair or token count, so the averaged gradient is the
-one-process gradient of the whole batch (`distributed.py`). Reference passes and held-out
+one-process gradient of the whole batch (`model/distributed.py`). Reference passes and held-out
 evaluations are split over the ranks and gathered; rank 0 logs and saves.
 """
 
@@ -20,25 +20,25 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posttrain.checkpoint import restore_rng, save_checkpoint
-from posttrain.config import StageConfig
+from posttrain.run.checkpoint import restore_rng, save_checkpoint
+from posttrain.config.commands import StageConfig
 from posttrain.data import read_rows
 from posttrain.data.files import chat_messages
 from posttrain.data.tasks import Problem
-from posttrain.distributed import (SINGLE, World, average_gradients, barrier, device_for,
+from posttrain.model.distributed import (SINGLE, World, average_gradients, barrier, device_for,
                                    full_state_dict, full_weights_for_generation, gather_objects,
                                    load_optimizer_state, wrap)
-from posttrain.models import (freeze_lower_layers, load_policy, load_tokenizer, resolve_model_path,
+from posttrain.model.loading import (freeze_lower_layers, load_policy, load_tokenizer, resolve_model_path,
                               save_model)
-from posttrain.lifecycle import Job, open_folder, run_steps, start_job, stop_job
-from posttrain.evaluation import EvalSettings, evaluate
-from posttrain.prompts import encode_prompts
+from posttrain.run.lifecycle import Job, open_folder, run_steps, start_job, stop_job
+from posttrain.rl.evaluation import EvalSettings, evaluate
+from posttrain.model.prompts import encode_prompts
 from posttrain.rewards.scorer import Scorer
 from posttrain.rollout.episodes import EpisodeSettings
 from posttrain.rollout.hf import HFRolloutEngine
-from posttrain.sections import RewardConfig
-from posttrain.run import make_adamw, make_scheduler
-from posttrain.update import check_nonfinite_streak, step_if_finite
+from posttrain.config.sections import RewardConfig
+from posttrain.run.optim import make_adamw, make_scheduler
+from posttrain.rl.update import check_nonfinite_streak, step_if_finite
 
 log = logging.getLogger("posttrain.stages")
 

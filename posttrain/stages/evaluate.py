@@ -1,5 +1,5 @@
 """`posttrain eval`: a model's held-out accuracy (greedy) and pass@k (sampled) on a task, by the
-one evaluator (evaluation.py), on the common lifecycle: threads, seed, a run folder (config.json,
+one evaluator (rl/evaluation.py), on the common lifecycle: threads, seed, a run folder (config.json,
 metrics.jsonl, eval_samples.jsonl, summary.json; `--run_dir none`: none), the loop over batches
 of problems with its progress bar, `--max_minutes` and stop signals (the figures then cover the
 problems answered so far, and summary.json says how many)."""
@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from posttrain.config import TrainConfig
+from posttrain.config.commands import TrainConfig
 from posttrain.envs import for_tokenizer
-from posttrain.evaluation import Answers, answer, eval_metrics, eval_settings, sampling_params
-from posttrain.lifecycle import finish_job, open_folder, run_steps, start_job
+from posttrain.rl.evaluation import Answers, answer, eval_metrics, eval_settings, sampling_params
+from posttrain.run.lifecycle import finish_job, open_folder, run_steps, start_job
 from posttrain.rollout import close_engine
-from posttrain.sampling import load_sampled_model, sampling_engine, sampling_inputs
+from posttrain.rl.sampling import load_sampled_model, sampling_engine, sampling_inputs
 
 
 def evaluate_model(cfg: TrainConfig, k: int = 1, samples: int = 0, show_progress: bool = True,

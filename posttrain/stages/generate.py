@@ -10,9 +10,9 @@ from typing import Any
 from posttrain.data.source import Sampler
 from posttrain.envs import for_tokenizer
 from posttrain.envs.base import Demonstrates
-from posttrain.lifecycle import finish_job, open_folder, run_steps, start_job
+from posttrain.run.lifecycle import finish_job, open_folder, run_steps, start_job
 from posttrain.rollout import SamplingParams, close_engine
-from posttrain.sampling import load_sampled_model, sampling_engine, sampling_inputs
+from posttrain.rl.sampling import load_sampled_model, sampling_engine, sampling_inputs
 from posttrain.stages.common import write_jsonl
 
 
@@ -79,7 +79,7 @@ def episode_rows(ep, problems, env, tokenizer, cfg) -> list[dict[str, Any]]:
     distillation that follows compares token by token (stripped, the student learned to end with
     EOS where the teacher writes a blank line, docs/distillation.md, MOPD); and its token ids,
     which `sft` trains on (the text may re-tokenise differently)."""
-    from posttrain.prompts import prompt_messages
+    from posttrain.model.prompts import prompt_messages
     r = ep.rollout
     rows = []
     for i, p in enumerate(problems):
@@ -100,7 +100,7 @@ def episode_rows(ep, problems, env, tokenizer, cfg) -> list[dict[str, Any]]:
 def demonstration_rows(problems, env, tokenizer, cfg) -> list[dict[str, Any]]:
     """Ground-truth episodes of `env` (its `demonstration(problem)`: the messages an expert
     writes and receives) as SFT rows with token ids and policy masks."""
-    from posttrain.prompts import ReplyEncoder, prompt_messages
+    from posttrain.model.prompts import ReplyEncoder, prompt_messages
     if not isinstance(env, Demonstrates):
         raise ValueError(f"environment {env.name!r} has no demonstrations; generate episodes "
                          "from a model instead (drop --demonstrate)")

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posttrain.config import StageConfig
+from posttrain.config.commands import StageConfig
 from posttrain.data import read_rows
-from posttrain.distributed import global_sum
-from posttrain.forward import pack, sequence_logprobs
+from posttrain.model.distributed import global_sum
+from posttrain.rollout.forward import pack, sequence_logprobs
 from posttrain.losses.common import sequence_logprob
 from posttrain.losses.preference import dpo_loss
-from posttrain.lifecycle import finish_job
+from posttrain.run.lifecycle import finish_job
 from posttrain.stages.common import (OfflineJob, check_rows, encode_prompts_of,
                                      held_out_behaviour, length_buckets, response_ids,
                                      save_final_model, share_of_batch, sharded_rows, start_offline,

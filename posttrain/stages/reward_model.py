@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from posttrain.config import StageConfig
-from posttrain.distributed import global_sum
-from posttrain.models import resolve_model_path
-from posttrain.lifecycle import finish_job
+from posttrain.config.commands import StageConfig
+from posttrain.model.distributed import global_sum
+from posttrain.model.loading import resolve_model_path
+from posttrain.run.lifecycle import finish_job
 from posttrain.stages.common import (OfflineJob, encode_prompts_of, length_buckets,
                                      save_final_model, share_of_batch, sharded_rows, start_offline,
                                      train_batches)

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from posttrain.config import StageConfig
-from posttrain.distributed import global_sum
-from posttrain.forward import pack, sequence_logprobs
+from posttrain.config.commands import StageConfig
+from posttrain.model.distributed import global_sum
+from posttrain.rollout.forward import pack, sequence_logprobs
 from posttrain.losses.preference import sft_loss
-from posttrain.lifecycle import finish_job
+from posttrain.run.lifecycle import finish_job
 from posttrain.stages.common import (held_out_behaviour, length_buckets, response_ids,
                                      save_final_model, share_of_batch, start_offline,
                                      synthetic_task, train_batches)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from posttrain.logging import TOKENS_DIR
+from posttrain.logs.metrics import TOKENS_DIR
 
 STATIC = Path(__file__).parent / "static"
 

@@ -1,0 +1,326 @@
+"""The sections of a config: one frozen dataclass per section (model, teacher, critic, data, env,
+reward, optim, lora, parallel, checkpoint; the offline stages' data; rollout: config/rollout.py),
+each checking its
+own ranges in `validate`, with an error naming the field. The field comments are `--help`'s
+descriptions (config/options.py). The commands' configs that compose them, and the rules across
+sections, are config/commands.py's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from posttrain.util.checks import check_choice, check_range
+from posttrain.util.errors import ConfigError
+from posttrain.logs.trackers import TRACKERS, missing_package
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = "smollm2-135m-instruct"  # local HF folder, or the embedded 'smollm2-135m-instruct'
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"   # weights as loaded
+    # bf16 autocast for the training forward/backward and the reference (LM head stays float32);
+    # sampling runs in `dtype` unless rollout.autocast says otherwise. Faster on CPUs with
+    # AVX512-BF16 and on GPUs.
+    autocast: Literal["none", "bfloat16"] = "none"
+    # attention kernel: 'auto' (transformers' choice, SDPA), 'sdpa' or 'eager' (plain matmuls;
+    # on a 2-core CPU neither is faster for a whole step, docs/learning-per-step.md)
+    attention: Literal["auto", "sdpa", "eager"] = "auto"
+    cache_dir: str | None = None        # where the embedded GGUF is converted once; None: user cache
+    device: str = "auto"                # 'auto': the rank's GPU when there is one, else the CPU
+    # recompute layer activations in backward instead of keeping them (less memory, ~30% more
+    # compute; the training forward then runs prompt + response per row, without the shared cache)
+    gradient_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    # frozen teacher for distillation: a local folder, the embedded name, or 'self' = the student's
+    # own current weights (no second copy in memory) seeing privileged context: OPSD (§8)
+    path: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"   # the teacher's weights
+    # the teacher's user message, e.g. "{prompt}\nThe reference answer is {answer}."; the student
+    # sees only {prompt}. None: the teacher sees exactly the student's prompt.
+    context_template: str | None = None
+    # MOPD: one teacher per prompt domain (the data's `domain` field; task mixtures such as
+    # 'addition+countdown' use the task names), e.g. {addition: runs/a/final_model, countdown: ...}
+    domains: dict[str, str] = field(default_factory=dict)
+    # the teacher's distribution is softmax(z_T / temperature); None: the sampling temperature.
+    # Below it, the student is distilled toward a sharpened teacher (its modes, not its spread):
+    # OPSD needs this when privileged context leaves the teacher unsure about style tokens.
+    temperature: float | None = None
+
+    def validate(self) -> None:
+        if self.temperature is not None:
+            check_range("teacher.temperature", self.temperature, 0.0, lo_open=True)
+        if self.domains and self.path:
+            raise ConfigError("set either teacher.path (one teacher) or teacher.domains (one per "
+                              "domain, MOPD), not both")
+        if self.path == "self" and not self.context_template:
+            raise ConfigError("teacher.path='self' (OPSD) needs teacher.context_template with the "
+                              "privileged information: the same weights in the same context are no "
+                              "teacher at all (the KL is 0)")
+        if self.context_template is not None:
+            try:
+                shown = self.context_template.format(prompt="P", answer="A")
+            except (KeyError, IndexError, ValueError) as e:
+                raise ConfigError(f"teacher.context_template={self.context_template!r} cannot be "
+                                  f"filled: {e!r}; use the fields {{prompt}} and {{answer}}") from None
+            if "P" not in shown:
+                raise ConfigError(f"teacher.context_template={self.context_template!r} must contain "
+                                  "{prompt}")
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """The value model of PPO (used by the 'gae' advantage; see posttrain/rl/critic.py)."""
+
+    shared_backbone: bool = False       # True: a scalar head on the policy's body (no second model)
+    path: str | None = None             # separate critic from this folder; None: the policy's start
+    lr: float = 1e-5                    # the value model's own learning rate
+    vf_coef: float = 0.5                # weight of the value loss (matters when the body is shared)
+    clip: float | None = 0.2            # value clipping around V_old (None: plain regression)
+    max_grad_norm: float = 1.0          # gradient clipping of the value model
+    warmup_steps: int = 0               # first steps train only the critic (policy frozen)
+
+    def validate(self) -> None:
+        check_range("critic.lr", self.lr, 0.0)
+        check_range("critic.vf_coef", self.vf_coef, 0.0)
+        check_range("critic.warmup_steps", self.warmup_steps, 0)
+        if self.clip is not None:
+            check_range("critic.clip", self.clip, 0.0, lo_open=True)
+        if self.path is not None and self.shared_backbone:
+            raise ConfigError("critic.path loads a separate value model; it cannot be combined "
+                              "with critic.shared_backbone=true")
+        if self.path is not None and not Path(self.path).is_dir():
+            raise ConfigError(f"critic.path={self.path!r} is not a folder")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # built-in task ('addition', 'multiplication', 'countdown', 'guess_number', ...), 'file', or
+    # 'reasoning_gym:NAME' (pip install 'posttrain[gym]'; its settings in task_options)
+    task: str = "addition"
+    difficulty: int = 2                 # task knob: digits per operand; numbers for countdown
+    task_options: dict[str, Any] = field(default_factory=dict)   # reasoning_gym: the dataset's config
+    train_size: int = 5000              # reasoning_gym: training problems generated
+    eval_size: int = 200                # held-out problems (fixed seed, disjoint from training)
+    eval_seed: int = 1234               # seed of the held-out set
+    # a prompt not every answer of whose group was correct is asked again at the next step, up
+    # to this many times (at most half of a step's prompts; Kimi k1.5's prioritised sampling)
+    retry_unsolved: int = 0
+    # which prompts: 'unsolved' (not every answer correct), 'mixed' (some but not all correct)
+    retry_if: Literal["unsolved", "mixed"] = "unsolved"
+    train_path: str | None = None       # task 'file': JSONL / CSV / Parquet file or datasets folder
+    eval_path: str | None = None        # task 'file': held-out file; None splits eval_size off train
+    prompt_field: str = "prompt"        # task 'file': the column holding the question
+    answer_field: str = "answer"        # task 'file': the column holding the ground truth
+    system_prompt: str | None = None    # None: the chat template's own system prompt
+    chat_template: bool = True          # apply the tokenizer's chat template to prompts
+    # extra arguments of the chat template, e.g. {"enable_thinking": false} for Qwen3
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        check_range("data.eval_size", self.eval_size, 0)
+        check_range("data.retry_unsolved", self.retry_unsolved, 0)
+        check_choice("data.retry_if", self.retry_if, ("unsolved", "mixed"))
+        if self.task == "file" and not self.train_path:
+            raise ConfigError("data.task='file' needs data.train_path")
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """The environment of each episode (posttrain/envs, docs/environments.md): what answers the
+    policy between its turns. Single-turn tasks have none beyond the verifier."""
+
+    # 'auto': the task's own ('single_turn' for most; 'tools' when env.tools is set);
+    # 'single_turn', 'tools', 'guess_number', or 'module:function' returning an Environment
+    name: str = "auto"
+    tools: tuple[str, ...] = ()         # tools offered: 'calculator', 'python' (a sandbox), 'module:function'
+    tool_format: Literal["auto", "tag", "json"] = "auto"   # auto: json if the chat template takes tools
+    max_turns: int = 4                  # policy turns per episode
+    max_tokens: int = 256               # the whole episode's tokens (policy + environment)
+    max_reply_tokens: int = 64          # an environment message is cut to this many tokens
+    tool_timeout_s: float = 5.0         # a tool call running longer is answered with an error
+    max_tool_calls_per_turn: int = 4    # tool calls one reply may make; calls past a cap get an error, not run
+    max_tool_calls_per_episode: int = 16   # tool calls one episode may make in all
+    tool_seconds_per_episode: float = 30.0   # tool time one episode may use in all
+    tool_seconds_per_step: float = 120.0     # tool time all of a step's episodes may use in all
+    tool_max_output: int = 2000         # characters of a python tool call's output kept
+    # where the python tool runs the model's code (docs/safety.md): 'bwrap' (bubblewrap: own
+    # namespaces, no network, no view of the trainer or the run folder), 'fallback' (own
+    # session, limits, empty environment; as root that is the machine: asked for by name only),
+    # 'auto' (bwrap where it can start; else fallback with a warning, or an error for root)
+    sandbox: Literal["auto", "bwrap", "fallback"] = "auto"
+    python_memory_mb: int = 512         # address-space limit of the python tool's processes
+    python_max_procs: int = 32          # processes the python tool may run at once
+
+    def validate(self) -> None:
+        for name in ("max_turns", "max_tokens", "max_reply_tokens", "python_memory_mb",
+                     "max_tool_calls_per_turn", "max_tool_calls_per_episode", "tool_max_output",
+                     "python_max_procs"):
+            check_range(f"env.{name}", getattr(self, name), 1)
+        check_range("env.tool_timeout_s", self.tool_timeout_s, 0.0, lo_open=True)
+        check_range("env.tool_seconds_per_episode", self.tool_seconds_per_episode, 0.0, lo_open=True)
+        check_range("env.tool_seconds_per_step", self.tool_seconds_per_step, 0.0, lo_open=True)
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    verifier: Literal["math", "exact", "none"] = "math"  # how an answer is compared to the truth
+    correct_reward: float = 1.0         # reward of a verified answer (0 for a wrong one)
+    format_weight: float = 0.0          # extra reward for an answer in the expected format
+    functions: tuple[str, ...] = ()     # user rewards as 'module:function' (added, weight 1 each)
+    timeout_s: float = 5.0              # a reward call running longer gets the fallback
+    # worker processes that run the verifier and the `functions` on the policy's answers (a hang
+    # is killed at timeout_s, a crash or exit() is survived, calls run in parallel); 0: in the
+    # trainer's process, where the timeout is a SIGALRM that the callee can cancel and a crash
+    # ends the run (unsafe with answers a model wrote: for debugging only)
+    workers: int = 2
+    # where those workers run (docs/safety.md): 'auto' / 'bwrap' / 'fallback' as env.sandbox
+    # (no network, no files but their own code, an empty environment, bounded memory and
+    # processes); 'off': with your files, network and environment, for reward functions that
+    # need them (the answers' scorers then run uncontained: say so by choosing it)
+    sandbox: Literal["auto", "bwrap", "fallback", "off"] = "auto"
+    memory_mb: int = 4096               # the reward workers' memory in all, and each one's address space
+    fallback: float = 0.0               # reward given when a function raises, hangs or returns NaN
+    # a verifier, reward function, tool or environment that fails on most of its calls for this
+    # many steps in a row stops the run with its first failure's traceback (0: never stop)
+    max_failing_steps: int = 3
+    # RLHF (§1): a Bradley-Terry reward model folder (`posttrain reward-model` writes one; any
+    # AutoModelForSequenceClassification with one label works), added with weight model_weight.
+    # Set correct_reward 0 to train on the model's score alone: accuracy is still measured.
+    model: str | None = None
+    model_weight: float = 1.0           # weight of the reward model's score in the reward
+    model_normalize: bool = True        # (score - mean) / std with the stats saved at RM training
+    model_batch_size: int = 32          # responses per reward-model forward
+
+    def validate(self) -> None:
+        check_range("reward.workers", self.workers, 0)
+        check_range("reward.memory_mb", self.memory_mb, 256)
+        check_range("reward.max_failing_steps", self.max_failing_steps, 0)
+        check_range("reward.timeout_s", self.timeout_s, 0.0, lo_open=True)
+        if self.model is not None and not Path(self.model).is_dir():
+            raise ConfigError(f"reward.model={self.model!r} is not a folder (train one with "
+                              "`posttrain reward-model`)")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-5                    # AdamW learning rate (the peak, with a schedule)
+    weight_decay: float = 0.0           # AdamW decoupled weight decay
+    beta1: float = 0.9                  # AdamW first-moment decay
+    beta2: float = 0.99                 # AdamW second-moment decay
+    warmup_steps: int = 0               # optimizer steps of linear warm-up
+    schedule: Literal["constant", "linear", "cosine"] = "constant"  # lr after warm-up (decays to 0 at the last step)
+    max_grad_norm: float = 1.0          # gradient clipping (global norm)
+    # a step whose loss or gradient norm is not finite is skipped (weights and Adam state
+    # untouched); this many in a row stop the run (0: never stop)
+    max_nonfinite_steps: int = 3
+    epochs: int = 1                     # passes over each generated batch (>1 reuses samples, §3)
+    minibatches: int = 1                # optimizer steps per pass
+    micro_batch_size: int = 32          # responses per forward/backward (gradient accumulation)
+
+    @property
+    def single_update(self) -> bool:
+        """One epoch of one minibatch: the policy cannot move between sampling and its update, so
+        pi_old = pi_theta exactly (§3)."""
+        return self.epochs == 1 and self.minibatches == 1
+
+    def validate(self) -> None:
+        """The ranges every command checks the same way (train adds how minibatches split a step)."""
+        check_range("optim.lr", self.lr, 0.0, lo_open=True)
+        check_range("optim.weight_decay", self.weight_decay, 0.0)
+        for name in ("beta1", "beta2"):
+            check_range(f"optim.{name}", getattr(self, name), 0.0, 1.0)
+        check_range("optim.warmup_steps", self.warmup_steps, 0)
+        check_range("optim.max_grad_norm", self.max_grad_norm, 0.0, lo_open=True)
+        check_range("optim.max_nonfinite_steps", self.max_nonfinite_steps, 0)
+        check_range("optim.epochs", self.epochs, 1)
+        check_range("optim.minibatches", self.minibatches, 1)
+        check_range("optim.micro_batch_size", self.micro_batch_size, 1)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters through peft (rank 0: full fine-tuning). The reference policy is then the
+    base model with the adapters switched off: no second copy of the weights."""
+
+    rank: int = 0                       # adapter rank; 0: full fine-tuning
+    alpha: float = 32.0                 # adapter scale alpha (the update is alpha / rank * B A)
+    dropout: float = 0.0                # dropout on the adapters' input
+    # the linear layers that get adapters
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj",
+                                       "gate_proj", "up_proj", "down_proj")
+
+    def validate(self) -> None:
+        check_range("lora.rank", self.rank, 0)
+        check_range("lora.dropout", self.dropout, 0.0, 1.0)
+        if self.rank and not self.target_modules:
+            raise ConfigError("lora.target_modules is empty: name the modules to adapt")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Multi-process training under torchrun (see posttrain/model/distributed.py); ignored otherwise."""
+
+    strategy: Literal["ddp", "fsdp"] = "ddp"   # replicate weights / shard them (FSDP2)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """When a run saves a checkpoint for --resume (weights, optimizer, schedule, RNG, data
+    position). Besides these, one is always written when SIGINT / SIGTERM stops a run (after the
+    step in flight) and when max_minutes ends it."""
+
+    every_steps: int = 0                # every N optimizer steps (0: not by steps)
+    every_minutes: float | None = 5.0   # every M minutes of wall time (null: not by time)
+    keep: int = 2                       # the newest K checkpoints are kept, older ones deleted
+
+    def validate(self) -> None:
+        check_range("checkpoint.every_steps", self.every_steps, 0)
+        if self.every_minutes is not None:
+            check_range("checkpoint.every_minutes", self.every_minutes, 0.0, lo_open=True)
+        check_range("checkpoint.keep", self.keep, 1)
+
+
+def check_trackers(report_to: tuple[str, ...]) -> None:
+    """Every tracker named exists and its package is installed (before any model loads)."""
+    for name in report_to:
+        check_choice("report_to", name, TRACKERS.names())
+        package = missing_package(name)
+        if package is not None:
+            raise ConfigError(f"report_to {name} needs the {package!r} package, which is not "
+                              f"installed: pip install \"posttrain[{name}]\" (or drop it from report_to)")
+
+
+@dataclass(frozen=True)
+class StageDataConfig:
+    """Rows for sft / dpo / reward-model: a file, or rows made from a built-in task's ground truth."""
+
+    train_path: str = ""                # JSONL / CSV / Parquet file or datasets folder
+    eval_path: str = ""                 # held-out pairs file; default: eval_size pairs split off
+    prompt_field: str = "prompt"        # the column holding the user message
+    response_field: str = "response"    # sft: the column holding the answer
+    chosen_field: str = "chosen"        # dpo, reward-model: the preferred answer
+    rejected_field: str = "rejected"    # dpo, reward-model: the other answer
+    system_prompt: str | None = None    # None: the chat template's own system prompt
+    # pairs (dpo, reward-model) or answers (sft) from a built-in task instead of a file
+    # ('addition', 'subtraction', 'arithmetic'), made from the ground truth
+    synthetic: str = ""
+    n_pairs: int = 2000                 # synthetic training pairs (sft: examples)
+    # share of synthetic correct > wrong training pairs whose wrong answer is terse ("{c}", "The
+    # answer is {c}.") whatever the correct one's wording: the answers a reward-hacking policy
+    # drifts to (docs/ppo-rlhf.md: 0.5 kept RLHF from collapsing to bare numbers)
+    terse_wrong_share: float = 0.0
+    eval_size: int = 200                # held-out pairs (or problems) for the before/after figures
+
+    def validate(self) -> None:
+        check_range("data.n_pairs", self.n_pairs, 1)
+        check_range("data.eval_size", self.eval_size, 0)
+        check_range("data.terse_wrong_share", self.terse_wrong_share, 0.0, 1.0)
+        if self.synthetic and self.synthetic not in ("addition", "subtraction", "arithmetic"):
+            raise ConfigError(f"data.synthetic={self.synthetic!r} is not valid; accepted: "
+                              "['addition', 'arithmetic', 'subtraction']")

@@ -1,0 +1,75 @@
+"""A memory estimate printed before training, so a user knows whether a run fits before it starts.
+
+Counted per rank, in bytes, from the model config and the run config (no allocation happens):
+- policy weights, their gradients and AdamW's two moments (FSDP2 divides the decoder layers'
+  share of all four by the number of ranks; the embeddings stay replicated);
+- the frozen reference (when the KL is on), a teacher of the policy's size (distillation) and
+  the sampler's bf16 copy (`rollout.weights bfloat16`);
+- PPO's value model: a second set of weights, gradients and moments (none when it shares the body);
+- generation's KV cache for P x G responses of prompt + max_new_tokens tokens;
+- training activations of one micro-batch (hidden states kept for backward, ~34 numbers per
+  token per layer per hidden unit for a Llama-style block, plus the float32 logits of the head).
+It is an estimate: allocator overhead and framework buffers come on top (measured on the default
+run: peak RSS 5.9 GB against an estimate of about 4 GB for weights, states and activations, the
+rest being the Python process, tokenizer and libraries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from posttrain.config.commands import TrainConfig
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    parts: dict[str, float]          # name -> bytes
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def table(self) -> str:
+        rows = [f"  {name:<28} {value / 2**30:7.2f} GiB" for name, value in self.parts.items()]
+        return "\n".join(["memory estimate per rank:", *rows,
+                          f"  {'total':<28} {self.total / 2**30:7.2f} GiB"])
+
+
+def estimate(cfg: TrainConfig, model_config, n_params: int, world_size: int = 1,
+             lora_params: int | None = None) -> MemoryEstimate:
+    algo = cfg.algo
+    w = _BYTES[cfg.model.dtype]
+    hidden = model_config.hidden_size
+    layers = model_config.num_hidden_layers
+    vocab = model_config.vocab_size
+    embed = vocab * hidden * (1 if getattr(model_config, "tie_word_embeddings", False) else 2)
+    body = max(n_params - embed, 0)
+    shard = (world_size if cfg.parallel.strategy == "fsdp" else 1)
+    per_rank = embed + body / shard                      # parameters this rank holds
+    trainable = lora_params / shard if lora_params is not None else per_rank   # FSDP shards adapters too
+    parts = {"policy weights": per_rank * w,
+             "gradients": trainable * 4 if lora_params is not None else trainable * w,
+             "AdamW moments (2)": trainable * 8}
+    if algo.kl_in != "none" and algo.kl_coef > 0 and lora_params is None:
+        parts["reference policy"] = n_params * w
+    if algo.advantage == "reverse_kl" and cfg.teacher.path not in (None, "self"):
+        parts["teacher (policy-sized)"] = n_params * _BYTES[cfg.teacher.dtype]
+    if cfg.rollout.weights == "bfloat16":
+        parts["bf16 sampler copy"] = n_params * 2
+    if algo.advantage == "gae" and not cfg.critic.shared_backbone:
+        parts["value model + grads + Adam"] = per_rank * (w + w + 8)   # sharded like the policy
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", heads) or heads
+    head_dim = hidden // heads
+    r = cfg.rollout
+    batch = r.prompts_per_step * r.group_size // world_size
+    tokens = 64 + r.max_new_tokens                       # a chat prompt of ~64 tokens
+    kv = 2 if r.weights == "bfloat16" else w             # the bf16 copy's cache is bf16 too
+    parts["KV cache (generation)"] = batch * tokens * layers * 2 * kv_heads * head_dim * kv
+    micro = min(cfg.optim.micro_batch_size, batch)
+    act = 2 if cfg.model.autocast == "bfloat16" else w
+    parts["activations (1 micro-batch)"] = (micro * tokens * layers * hidden * 34 * act
+                                            + micro * r.max_new_tokens * vocab * 4 * 2)
+    return MemoryEstimate(parts)

@@ -1,0 +1,136 @@
+"""Held-out evaluation, the same for every command: greedy accuracy (split by each boolean field of
+the problems' meta, e.g. 'carry', and by domain), or pass@k from sampled answers."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from posttrain.config.commands import TrainConfig
+from posttrain.data.tasks import Problem
+from posttrain.model.distributed import SINGLE, World, gather_objects
+from posttrain.envs import Environment, SingleTurn
+from posttrain.rewards.scorer import Scorer
+from posttrain.rollout import EpisodeSettings, RolloutEngine, SamplingParams, episode_settings
+from posttrain.rollout.episodes import run_episodes
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """How held-out answers are sampled: the answer's token budget and stop strings, problems per
+    generation batch, and how an episode is encoded (one turn for most tasks)."""
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    batch_size: int = 100
+    episodes: EpisodeSettings = EpisodeSettings()
+
+
+def eval_settings(cfg: TrainConfig) -> EvalSettings:
+    """A run's evaluation samples as it trains: its token budget, stop strings and episodes."""
+    return EvalSettings(cfg.rollout.max_new_tokens, tuple(cfg.rollout.stop), cfg.eval_batch_size,
+                        episode_settings(cfg))
+
+
+@dataclass
+class Answers:
+    """Held-out answers so far: verdicts (problems x samples), the first answer's text and
+    length per problem, and the episodes' counts (turns, tool calls, ...)."""
+    correct: list[Tensor] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    counts: dict[str, float] = field(default_factory=dict)
+
+
+def answer(engine: RolloutEngine, tokenizer, env: Environment, chunk: list[Problem], scorer: Scorer,
+           settings: EvalSettings, params: SamplingParams, samples: int, generator,
+           into: Answers) -> None:
+    """`samples` episodes for each problem of `chunk`, scored by the verifier (no reward model),
+    added to `into`."""
+    episodes = run_episodes(engine, tokenizer, env, chunk, samples, params, settings.episodes,
+                            generator)
+    res = scorer([p for p in chunk for _ in range(samples)], episodes.completions, with_model=False)
+    into.correct.append(episodes.verdicts(res.correct_B).reshape(len(chunk), samples))
+    into.texts.extend(episodes.transcripts[::samples])
+    into.lengths.extend(episodes.rollout.lengths_B[::samples].tolist())
+    for key, v in episodes.counts.items():
+        into.counts[key] = into.counts.get(key, 0) + v
+
+
+def gathered(answers: Answers, problems: list[Problem], samples: int,
+             world: World) -> tuple[Tensor, list[str], list[int]]:
+    """Every rank's answers back in problem order (problem i was answered by rank i % W)."""
+    c = torch.cat(answers.correct) if answers.correct else torch.zeros(0, samples, dtype=torch.bool)
+    if not world.distributed:
+        return c, answers.texts, answers.lengths
+    parts = gather_objects((c, answers.texts, answers.lengths), world)
+    c = torch.zeros(len(problems), samples, dtype=torch.bool)
+    texts, lengths = [""] * len(problems), [0] * len(problems)
+    for r, (c_r, t_r, n_r) in enumerate(parts):
+        c[r::world.size], texts[r::world.size], lengths[r::world.size] = c_r, t_r, n_r
+    return c, texts, lengths
+
+
+def evaluate(model, tokenizer, engine: RolloutEngine, problems: list[Problem], scorer: Scorer,
+             settings: EvalSettings, samples: int = 1, k: int = 1, temperature: float = 1.0,
+             generator: torch.Generator | None = None, world: World = SINGLE,
+             env: Environment | None = None) -> dict[str, Any]:
+    """Greedy accuracy (samples=1), or pass@k from `samples` sampled answers per problem; each
+    answer is an episode in `env` (a tool-using or multi-turn task is evaluated as it trains).
+    Under torchrun each rank answers every W-th problem. The one evaluator: `train` before,
+    during and after training, the offline stages' synthetic tasks, `posttrain eval`."""
+    env = env or SingleTurn()
+    params = sampling_params(settings, samples, temperature)
+    answers = Answers()
+    mine = problems[world.rank::world.size]
+    for start in range(0, len(mine), settings.batch_size):
+        answer(engine, tokenizer, env, mine[start:start + settings.batch_size], scorer, settings,
+               params, samples, generator, answers)
+    episodes_here = max(len(answers.texts) * samples, 1)   # this rank's (its counts are its own)
+    counts = {key: v / episodes_here for key, v in answers.counts.items()}
+    return eval_metrics(problems, *gathered(answers, problems, samples, world), k, env, counts)
+
+
+def sampling_params(settings: EvalSettings, samples: int, temperature: float) -> SamplingParams:
+    """Greedy for one answer per problem, else sampled at `temperature`."""
+    greedy = samples == 1
+    return SamplingParams(settings.max_new_tokens, temperature if not greedy else 1.0, 1.0,
+                          greedy=greedy, stop=settings.stop)
+
+
+def eval_metrics(problems: list[Problem], c: Tensor, texts: list[str], lengths: list[int],
+                 k: int, env: Environment, counts: dict[str, float]) -> dict[str, Any]:
+    """eval/accuracy (and pass@k when sampled), split by domain and by every boolean field of the
+    problems' meta (e.g. 'carry' for addition); multi-turn: the episodes' counts; the answers'
+    mean length; `_samples`: each problem's first answer."""
+    out: dict[str, Any] = {"eval/accuracy": c.float().mean().item() if len(c) else float("nan")}
+    if c.shape[1] > 1:
+        out[f"eval/pass@{k}"] = float(np.mean([pass_at_k(c.shape[1], int(row.sum()), k) for row in c]))
+    problems = problems[:len(c)]
+    domains = sorted({p.domain for p in problems})
+    if len(domains) > 1:
+        for d in domains:
+            idx = [i for i, p in enumerate(problems) if p.domain == d]
+            out[f"eval/accuracy@{d}"] = c[idx].float().mean().item()
+    for key in sorted({key for p in problems for key, v in p.meta.items() if isinstance(v, bool)}):
+        for flag in (True, False):
+            idx = [i for i, p in enumerate(problems) if p.meta.get(key) is flag]
+            if idx:
+                out[f"eval/accuracy_{key}={str(flag).lower()}"] = c[idx].float().mean().item()
+    if env.max_turns > 1:   # per held-out episode: turns, tool calls, malformed calls, ...
+        out.update({f"eval/{key}": v for key, v in sorted(counts.items())})
+    out["_lengths"] = lengths
+    out["_samples"] = [{"prompt": p.prompt, "answer": p.answer, "completion": t, "correct": bool(ok)}
+                       for p, t, ok in zip(problems, texts, c[:, 0].tolist())]
+    return out

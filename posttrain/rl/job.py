@@ -1,0 +1,358 @@
+"""What `posttrain train` builds on the common lifecycle (run/lifecycle.py): check the inputs before
+any model loads, load and place the policy, pi_ref, the teachers and the value model, build the
+sampler and the optimizer, restore a checkpoint; then its checkpoints' contents, the held-out
+evaluations, and the final model.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.losses.advantages import NEEDS_TEACHER, NEEDS_VALUES
+from posttrain.run.checkpoint import fsync_path, restore_rng, save_checkpoint, seal
+from posttrain.config.commands import ConfigError, TrainConfig
+from posttrain.config.presets import AlgorithmConfig
+from posttrain.util.errors import FailingSourceError
+from posttrain.util.health import FailureWatch, Tally, merge_tallies
+from posttrain.data.source import Sampler
+from posttrain.data.tasks import Problem
+from posttrain.rl.evaluation import eval_settings, evaluate
+from posttrain.logs.metrics import plot_run
+from posttrain.rl.token_records import drop_after
+from posttrain.model.memory import estimate as estimate_memory
+from posttrain.model.loading import (add_lora, check_model_folder, load_policy, load_tokenizer,
+                              merged_lora_copy, resolve_model_path, save_model)
+from posttrain.rewards.scorer import Scorer
+from posttrain.envs import Environment, SingleTurn, for_tokenizer
+from posttrain.rollout import HFRolloutEngine, RolloutEngine, async_core_split
+from posttrain.rl.sampling import isolation, sampling_engine, sampling_inputs
+from posttrain.run.optim import make_adamw, make_scheduler
+from posttrain.rl.teachers import Teachers
+from posttrain.rl.critic import Critic
+from posttrain.model.distributed import (World, device_for, full_state_dict,
+                                   full_weights_for_generation, global_max,
+                                   load_optimizer_state, wrap)
+from posttrain.run.lifecycle import Job, finish_job, make_folder, open_folder, start_job
+from posttrain.rl.loss_terms import frozen_inputs
+from posttrain.rl.batch_source import make_batch_source, prompts_in_flight
+from posttrain.rl.collect import generate_and_score
+
+
+log = logging.getLogger("posttrain")
+
+
+def check_world(cfg: TrainConfig, world: World) -> None:
+    """What several ranks need from the config (checked before any model loads)."""
+    if not world.distributed:
+        return
+    P = cfg.rollout.prompts_per_step
+    if cfg.rollout.max_staleness:
+        raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} under torchrun is not "
+                          "supported yet (one trainer process samples ahead); run on one process "
+                          "or with max_staleness 0")
+    if P % world.size:
+        raise ConfigError(f"rollout.prompts_per_step={P} must be divisible by the {world.size} "
+                          "ranks: each rank samples and trains on whole groups of its share")
+    if cfg.rollout.backend == "vllm" and (cfg.rollout.vllm_launch or not cfg.rollout.vllm_servers):
+        raise ConfigError("rollout.backend='vllm' under torchrun takes servers you start: "
+                          "`vllm serve` (see posttrain/rollout/vllm.py) and rollout.vllm_servers, "
+                          "or run on one process")
+
+
+@dataclass(kw_only=True)
+class RLJob(Job):
+    """A `train` run: the common lifecycle's fields (Job) and what `start_training` built; the
+    loop moves the step count and the clock, the rest lives in the models, optimizer and sampler."""
+
+    cfg: TrainConfig
+    model: Any
+    tokenizer: Any
+    engine: RolloutEngine
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    sampler: Sampler
+    scorer: Scorer
+    eval_problems: list[Problem]
+    teachers: Teachers | None = None
+    ref_model: Any = None               # pi_ref when it is a separate copy (no LoRA)
+    critic: Critic | None = None
+    env: Environment = SingleTurn()     # what answers the policy between its turns
+    nonfinite_streak: int = 0           # trainer steps in a row whose every optimizer step was skipped
+    watch: FailureWatch | None = None   # sources failing on most calls, step after step
+    batches: Any = None                 # where each step's batch comes from (rl/batch_source.py)
+
+    @property
+    def algo(self) -> AlgorithmConfig:
+        return self.cfg.algo
+
+    @property
+    def lora(self) -> bool:
+        return self.cfg.lora.rank > 0
+
+
+def check_health(run: RLJob, step: int, tallies: dict[str, Tally]) -> None:
+    """Stop the run (every rank) when a verifier, reward function, tool or environment has failed
+    on most of its calls for `reward.max_failing_steps` steps in a row."""
+    problem = run.watch.check(step, merge_tallies(tallies, run.scorer.take_tallies()))
+    if global_max(float(problem is not None), run.world) > 0:
+        run.scorer.close()
+        raise FailingSourceError(problem or "a verifier, reward function, tool or environment kept "
+                                 "failing on another rank (its log has the traceback)")
+
+
+def teacher_paths(t) -> list[tuple[str, str]]:
+    """(option, folder) of every teacher model a config names ('self' is the student)."""
+    named = [("teacher.path", t.path)] if t.path and t.path != "self" else []
+    return named + [(f"teacher.domains.{d}", p) for d, p in sorted(t.domains.items())]
+
+
+def load_models(cfg: TrainConfig, ckpt: Path | None, model, tokenizer, teacher):
+    """The policy (from the checkpoint when resuming; LoRA: the base, then its adapters), its
+    tokenizer and the distillation teachers, whose tokenizers are checked before the student's
+    weights load. Returns (model, tokenizer, teachers, the folder the policy came from)."""
+    lora = cfg.lora.rank > 0
+    path = cfg.model.path
+    if model is None:   # (LoRA: the base model never changes; checkpoints hold the adapters)
+        path = ckpt / "model" if ckpt and not lora else resolve_model_path(cfg.model.path,
+                                                                            cfg.model.cache_dir)
+        tokenizer = tokenizer or load_tokenizer(path)
+    teachers = (Teachers(cfg.teacher, tokenizer, cfg.model.cache_dir, teacher)
+                if cfg.algo.advantage in NEEDS_TEACHER else None)
+    if model is None:
+        model = load_policy(path, cfg.model.dtype)
+    elif ckpt is not None and not lora:
+        model.load_state_dict(load_policy(ckpt / "model", cfg.model.dtype).state_dict())
+    if cfg.model.attention != "auto":
+        model.set_attn_implementation(cfg.model.attention)
+    if lora:
+        model = add_lora(model, cfg.lora, ckpt / "adapter" if ckpt else None)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer, teachers, path
+
+
+def reference_model(cfg: TrainConfig, model, run_dir: Path, ckpt: Path | None):
+    """pi_ref: the starting policy, frozen (saved with the first checkpoint, so a resumed run gets
+    the same one). With LoRA it is the policy with its adapters switched off: None, no second copy."""
+    if cfg.lora.rank > 0:
+        return None
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    if ckpt is not None:  # the reference is the *initial* model, saved with the first checkpoint
+        ref_model.load_state_dict(load_policy(run_dir / "reference_model", cfg.model.dtype).state_dict())
+    return ref_model
+
+
+def restore(run: RLJob, state: dict[str, Any]) -> None:
+    """Optimizer, scheduler, RNG, data position and clock of a checkpoint's trainer state: the
+    run continues as if it had never stopped."""
+    load_optimizer_state(run.model, run.optimizer, state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    restore_rng(state["rng"], run.generator)
+    if run.critic is not None:
+        run.critic.load_optimizer_state(state["critic_optimizer"])
+    run.start_step = state["step"]
+    run.sampler.load_state(state.get("data", {"position": state["data_position"]}))
+    if run.world.main:   # rows after the checkpoint are redone (open_folder), so are token records
+        drop_after(run.run_dir, state["step"])
+    run.saved_step = state["step"]
+    run.train_seconds = state["train_seconds"]
+
+
+def checkpoint(run: RLJob, step: int) -> None:
+    """Save the run at `step` (every rank calls this; rank 0 writes), and pi_ref the first time:
+    it is the starting policy, frozen, which a resumed run must get back."""
+    if step == run.saved_step:
+        return
+    run.saved_step = step
+    with run.batches.paused(load_latest=False):   # (asynchronous: the engine between two batches)
+        save_run_state(run, step)
+
+
+def save_run_state(run: RLJob, step: int) -> None:
+    """The checkpoint's contents: pi_ref the first time, the model, the optimizer, the data
+    position and, asynchronous, the batches sampled and not yet trained on."""
+    ref_dir = run.run_dir / "reference_model"
+    if run.ref_model is not None and run.world.main and not ref_dir.is_dir():
+        tmp = run.run_dir / ".reference_model.tmp"   # renamed into place: never half-written
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_model(run.ref_model, run.tokenizer, tmp)
+        seal(tmp, 0)                                  # durable before the checkpoints rely on it
+        os.replace(tmp, ref_dir)
+        fsync_path(run.run_dir)
+    extra = {"data_position": run.sampler.position, "data": run.sampler.state(),
+             "train_seconds": run.train_seconds,
+             "log_rows": run.logger.line_counts()}
+    folders = {}
+    if run.critic is not None:
+        extra["critic_optimizer"] = run.critic.optimizer_state()
+        folders["critic"] = run.critic.save
+    if hasattr(run.batches, "save"):
+        folders["in_flight"] = run.batches.save
+    save_checkpoint(run.run_dir, step, run.model, run.tokenizer, run.optimizer, run.scheduler,
+                    run.generator, extra, run.cfg.to_dict(), extra_models=folders or None,
+                    world=run.world, keep=run.cfg.checkpoint.keep)
+
+
+def run_eval(run: RLJob, step: int, label: str) -> dict[str, Any]:
+    """Held-out accuracy now, logged with the training minutes so far; samples to a file."""
+    t0 = time.perf_counter()
+    # in the weights' own precision (not the sampler's bf16), as a user's model.generate reads it
+    engine = (HFRolloutEngine(run.model, run.tokenizer) if isinstance(run.engine, HFRolloutEngine)
+              else run.engine)
+    with full_weights_for_generation(run.model, run.world), run.batches.paused():
+        res = evaluate(run.model, run.tokenizer, engine, run.eval_problems, run.scorer,
+                       eval_settings(run.cfg), world=run.world, env=run.env)
+    samples, _ = res.pop("_samples"), res.pop("_lengths")
+    res["eval/seconds"] = time.perf_counter() - t0
+    res["perf/train_minutes"] = run.train_seconds / 60
+    run.logger.log(step, res)
+    run.logger.append("eval_samples.jsonl", {"step": step, "label": label, "samples": samples})
+    log.info("eval %s (step %d): accuracy %.3f", label, step, res["eval/accuracy"])
+    return res
+
+
+def close_sources(run: RLJob) -> None:
+    """The engine (its threads, processes and servers) and the reward sandbox."""
+    run.batches.close()
+    run.scorer.close()
+
+
+def save_final(run: RLJob, summary: dict[str, Any]) -> dict[str, Any]:
+    """Save the final model (a plain HF model: LoRA adapters merged; under FSDP into a CPU copy
+    built from the gathered weights, since peft merges in place and the layers are sharded), the
+    value model and the plot; then summary.json."""
+    world, model, tokenizer, run_dir = run.world, run.model, run.tokenizer, run.run_dir
+    t0 = time.perf_counter()
+    if run.lora and world.strategy == "fsdp" and world.distributed:
+        weights = full_state_dict(model, world)
+        model, weights = (merged_lora_copy(model, weights) if world.main else None), None
+    else:
+        if run.lora:
+            model = model.merge_and_unload()
+        weights = full_state_dict(model, world)       # FSDP: gathered from the shards
+    if world.main:
+        save_model(model, tokenizer, run_dir / "final_model", weights)
+    summary["final_model"] = str(run_dir / "final_model")
+    if run.critic is not None:   # a shared value head sits beside the policy it reads
+        value_dir = run_dir / ("final_model" if run.critic.shared else "final_value_model")
+        run.critic.save(value_dir, tokenizer)       # every rank: FSDP gathers the shards
+        summary["value_model"] = str(value_dir)
+    summary["save_s"] = time.perf_counter() - t0
+    close_sources(run)
+    if world.main:
+        try:
+            summary["plot"] = str(plot_run(run_dir))
+        except Exception as e:  # noqa: BLE001 - a plotting problem must not lose a finished run
+            log.warning("could not plot the run: %s", e)
+    return finish_job(run, summary)
+
+
+def log_memory_estimate(cfg: TrainConfig, model, world: World) -> None:
+    """The memory this run needs per rank (model/memory.py), before anything big is allocated."""
+    n_params = sum(p.numel() for p in model.parameters())
+    n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad) if cfg.lora.rank else None
+    log.info("%s", estimate_memory(cfg, model.config, n_params, world.size, n_lora).table())
+
+
+def optimizer_and_schedule(cfg: TrainConfig, model, world: World):
+    """AdamW over the trainable parameters, and its lr schedule over every optimizer step."""
+    o = cfg.optim
+    optimizer = make_adamw([p for p in model.parameters() if p.requires_grad], o.lr,
+                           (o.beta1, o.beta2), o.weight_decay, sharded=world.strategy == "fsdp")
+    scheduler = make_scheduler(optimizer, max(cfg.steps * o.epochs * o.minibatches, 1),
+                               o.warmup_steps, o.schedule)
+    return optimizer, scheduler
+
+
+def check_inputs(job: Job, teacher):
+    """What several ranks need; then the task, environment, teachers' folders and the reward
+    scorer (its sandbox started), each of which fails here, before any model loads."""
+    cfg = job.cfg
+    check_world(cfg, job.world)
+
+    def teachers_exist() -> None:
+        if teacher is None and cfg.algo.advantage in NEEDS_TEACHER:
+            for where, path in teacher_paths(cfg.teacher):
+                check_model_folder(path, where)
+    return sampling_inputs(cfg, teachers_exist)
+
+
+def place_models(job: Job, model, tokenizer, teachers, scorer: Scorer):
+    """The policy on its device (gradient checkpointing on request), the memory estimate, the
+    teachers bound to it, pi_ref when a KL term reads it, PPO's value model, the reward model
+    beside the policy. Returns (pi_ref, critic)."""
+    cfg, world, ckpt = job.cfg, job.world, job.ckpt
+    device = device_for(world) if cfg.model.device == "auto" else torch.device(cfg.model.device)
+    model.to(device)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if world.main:
+        log_memory_estimate(cfg, model, world)
+    if teachers is not None:
+        teachers.bind_student(model)
+    uses_ref = "ref_logp" in frozen_inputs(cfg, cfg.algo, teachers is not None)   # a KL term reads pi_ref
+    ref_model = reference_model(cfg, model, job.run_dir, ckpt) if uses_ref else None
+    # PPO's value model (§5), initialised from the policy's starting weights or critic.path
+    critic = (Critic(cfg.critic, model, world, ckpt / "critic" if ckpt is not None else None)
+              if cfg.algo.advantage in NEEDS_VALUES else None)
+    if scorer.cfg.model:
+        scorer.reward_model.check_tokenizer(tokenizer)
+        scorer.reward_model.to(device)                # beside the policy (a GPU on a GPU run)
+    return ref_model, critic
+
+
+def start_training(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher,
+                   show_progress: bool = True) -> RLJob:
+    """The common start (threads, seed, world, resume point), the inputs checked before any model
+    loads; the policy, pi_ref, teachers and value model loaded, placed and wrapped; the engine and
+    optimizer; the run folder opened and a checkpoint restored."""
+    split = async_core_split(cfg.rollout)   # (sampling ahead on a CPU: the lower half of the cores)
+    job = start_job("train", cfg, resume, show_progress, threads=split[0] if split else None)
+    task, env, scorer = check_inputs(job, teacher)
+    model, tokenizer, teachers, path = load_models(cfg, job.ckpt, model, tokenizer, teacher)
+    env = for_tokenizer(env, tokenizer)               # e.g. the template's tool-call format
+    make_folder(job)
+    ref_model, critic = place_models(job, model, tokenizer, teachers, scorer)
+    model = wrap(model, job.world)                    # FSDP2: shard the layers, in place
+    engine = sampling_engine(cfg, path, model, tokenizer, job.world)
+    optimizer, scheduler = optimizer_and_schedule(cfg, model, job.world)
+    # config.json records where the model's text runs (not a config field)
+    open_folder(job, {**cfg.to_dict(), "_isolation": isolation(scorer, env)}, cfg.tensorboard)
+    log.info("run folder %s; algorithm %s", job.run_dir, cfg.algo)
+    sampler = Sampler(task, cfg.seed, retries=cfg.data.retry_unsolved,
+                      max_waiting=cfg.rollout.prompts_per_step)
+    run = RLJob(**job.parts(), model=model, tokenizer=tokenizer, engine=engine,
+                optimizer=optimizer, scheduler=scheduler, sampler=sampler, scorer=scorer,
+                eval_problems=task.eval_problems, teachers=teachers, ref_model=ref_model,
+                critic=critic, env=env, watch=FailureWatch(cfg.reward.max_failing_steps))
+    if job.ckpt is not None:
+        restore(run, job.state)
+    run.batches = batch_source(run, job.ckpt)
+    return run
+
+
+def batch_source(run: RLJob, ckpt: Path | None):
+    """Where each step's batch comes from (rl/batch_source.py): sampled in turn, or ahead by the
+    engine from the step resumed at, with the checkpoint's batches sampled and not trained on."""
+    cfg = run.cfg
+    # (sampling ahead runs in a thread: never the run's generator, which the update draws from)
+    generator = run.generator if not cfg.rollout.max_staleness else torch.Generator().manual_seed(cfg.seed)
+
+    def collect(timings, tallies):
+        return generate_and_score(run.engine, run.tokenizer, run.sampler, run.scorer, cfg, run.algo,
+                                  generator, timings, run.world, run.env, tallies)
+    source = make_batch_source(cfg.rollout, collect, run.engine, run.sampler, run.start_step)
+    if ckpt is not None and hasattr(source, "restore"):
+        source.restore(ckpt / "in_flight")
+    elif ckpt is not None:   # (an asynchronous run resumed in turn: its batches' prompts again)
+        run.sampler.give_back(prompts_in_flight(ckpt / "in_flight"))
+    return source

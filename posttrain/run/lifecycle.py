@@ -1,0 +1,269 @@
+"""One run's lifecycle, the same for every command: `start_job` (threads, seed, world, the
+checkpoint a resumed run continues from), `open_folder` (config.json, the metrics writer and
+trackers), `run_steps` (the one training loop: time budget, checkpoint cadence, stop signals) and
+`finish_job` / `stop_job` (summary.json). What a command trains lives in its own parts, which
+extend `Job`.
+
+When a run saves itself and when it stops: a checkpoint every N optimizer steps and every M minutes of wall time, one when SIGINT or
+SIGTERM arrives (the step in flight finishes first, then the run exits cleanly with the command
+that resumes it), one when `max_minutes` ends the run, and `--resume auto` to find the run a
+command would continue.
+
+The signal handler only sets a flag; the loop reads it between steps, so a checkpoint is never
+written from inside a half-done step. Under torchrun every rank agrees on "save now" and "stop
+now" through one all-reduce of two numbers per step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from posttrain.run.checkpoint import latest_checkpoint, resume_point
+from posttrain.model.distributed import SINGLE, World, barrier, global_max, init_world
+from posttrain.logs.metrics import MetricsLogger, NullLogger, resume_logs
+from posttrain.run.optim import seed_everything
+
+log = logging.getLogger(__name__)
+_clock = time.perf_counter   # the training clock of --max_minutes (a test's own clock replaces it)
+
+
+@dataclass(kw_only=True)
+class Job:
+    """One command's run, whatever it trains: its config (a `RunOptions`), world, folder and
+    writer, the checkpoint it resumed from, and where the loop stands. `train` and the offline
+    stages extend it with their models (train_run.RLJob, stages.common.OfflineJob)."""
+
+    command: str                          # train, sft, dpo, reward-model, eval, generate
+    cfg: Any
+    world: World = SINGLE
+    run_dir: Path | None = None           # None: `--run_dir none` (eval, generate)
+    generator: torch.Generator | None = None
+    logger: MetricsLogger | NullLogger = NullLogger()
+    show_progress: bool = True
+    ckpt: Path | None = None              # the checkpoint folder resumed from
+    state: dict[str, Any] | None = None   # ... and its trainer state
+    start_step: int = 0                   # optimizer steps (train: batches) already taken
+    train_seconds: float = 0.0            # in training steps, this process and before a resume
+    steps_done: int = 0                   # the last step taken
+    saved_step: int = -1                  # the step of the last checkpoint written
+    bar: Any = None                       # the loop's progress bar (a step may set its postfix)
+
+    @property
+    def resumed(self) -> bool:
+        return self.ckpt is not None
+
+    def parts(self) -> dict[str, Any]:
+        """The lifecycle's fields, to build a command's extension of Job from this one."""
+        return {f.name: getattr(self, f.name) for f in fields(Job)}
+
+
+def default_run_dir(command: str, cfg) -> Path | None:
+    """cfg.run_dir; None: runs/<name>-<time> (train: the preset's name); 'none': no folder."""
+    if not cfg.writes_folder:
+        return None
+    name = getattr(cfg, "preset", command) if command == "train" else command
+    return Path(cfg.run_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def start_job(command: str, cfg, resume: str | Path | None = None, show_progress: bool = True,
+              threads: int | None = None) -> Job:
+    """Threads (`threads` overrides cfg.threads: sampling ahead on a CPU takes the lower half of
+    the cores), seed, world (torchrun: join the process group), and the newest checkpoint of a
+    resumed run that loads. Nothing is written yet."""
+    if threads or cfg.threads:
+        torch.set_num_threads(threads or cfg.threads)
+    generator = seed_everything(cfg.seed)
+    parallel = getattr(cfg, "parallel", None)
+    world = init_world(parallel.strategy) if parallel is not None else SINGLE
+    run_dir = Path(resume) if resume else default_run_dir(command, cfg)
+    point = resume_point(run_dir) if resume else None
+    if resume and point is None:
+        raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir}/checkpoints")
+    ckpt, state = point if point is not None else (None, None)
+    return Job(command=command, cfg=cfg, world=world, run_dir=run_dir, generator=generator,
+               show_progress=show_progress, ckpt=ckpt, state=state)
+
+
+def make_folder(job: Job) -> None:
+    """The run folder (rank 0), once the inputs have loaded: a refused run leaves none."""
+    if job.world.main and job.run_dir is not None:
+        job.run_dir.mkdir(parents=True, exist_ok=True)
+    barrier(job.world)
+
+
+def open_folder(job: Job, record: dict[str, Any], tensorboard: bool = False) -> None:
+    """config.json (`record`: the config and what the command adds to it), and the writer of
+    metrics, samples and summary with the trackers; a resumed run's logs cut back to what they
+    were at its checkpoint. Rank 0 writes; the other ranks (and `--run_dir none`) write nothing."""
+    make_folder(job)
+    if not job.world.main or job.run_dir is None:
+        return
+    job.logger = MetricsLogger(job.run_dir, tensorboard, job.resumed, job.cfg.report_to,
+                               job.cfg.to_dict())
+    job.logger.write_json("config.json", record)
+    if job.state is not None:   # rows a killed run wrote after its checkpoint are redone
+        resume_logs(job.logger, job.state)
+
+
+def out_of_time(job: Job) -> bool:
+    minutes = job.cfg.max_minutes
+    return minutes is not None and job.train_seconds >= minutes * 60
+
+
+def run_steps(job: Job, total: int, step_fn: Callable[[int], None], save: Callable[[int], None],
+              desc: str, after_step: Callable[[int], None] | None = None,
+              save_last: bool = True) -> str | None:
+    """The training loop of every command: `step_fn(step)` for steps start_step+1 .. `total`,
+    timed on the training clock (the slowest rank's), then `after_step(step)` (untimed: held-out
+    evaluations), and `save(step)` every `checkpoint.every_steps` steps or `every_minutes`
+    minutes (not after the last step unless `save_last`) and when SIGINT / SIGTERM arrives.
+    `max_minutes` of training ends the loop early, with a checkpoint a longer budget continues
+    from. Returns the name of the signal that stopped the run, or None (the caller finishes)."""
+    cfg = job.cfg
+    bar = tqdm(total=total, initial=job.start_step, desc=desc, dynamic_ncols=True,
+               disable=not (job.show_progress and job.world.main))
+    lifecycle = Lifecycle(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes, job.world)
+    job.steps_done, job.bar = job.start_step, bar
+    with lifecycle, bar:   # SIGINT / SIGTERM: finish the step, save a checkpoint, stop
+        for step in range(job.start_step + 1, total + 1):
+            if out_of_time(job):
+                log.info("max_minutes=%s reached after %d steps", cfg.max_minutes, step - 1)
+                if step - 1 > job.start_step:   # (a longer --max_minutes continues from here)
+                    save(step - 1)
+                break
+            t0 = _clock()
+            step_fn(step)
+            job.train_seconds += global_max(_clock() - t0, job.world)
+            job.steps_done = step
+            bar.update(1)
+            if after_step is not None:
+                after_step(step)
+            want_save, stop = lifecycle.after_step(step)
+            if (want_save and (save_last or step < total)) or stop:
+                save(step)
+                lifecycle.saved()
+            if stop:
+                return lifecycle.stop_signal
+    return None
+
+
+def finish_job(job: Job, summary: dict[str, Any]) -> dict[str, Any]:
+    """summary.json (with the steps and training minutes), the writer closed; every rank waits."""
+    summary.update(steps=job.steps_done, train_minutes=job.train_seconds / 60)
+    job.logger.close()
+    job.logger.write_json("summary.json", summary)
+    barrier(job.world)
+    return summary
+
+
+def stop_job(job: Job, signal_name: str, summary: dict[str, Any]) -> dict[str, Any]:
+    """A signal stopped the run after its last step (checkpoint written): summary.json says so
+    and how to continue; no final model, no final evaluation (a pre-empted job has little time)."""
+    summary.update(stopped_by=signal_name, resume=resume_command(job.command, job.run_dir))
+    finish_job(job, summary)
+    if job.world.main:
+        log.warning("stopped by %s after step %d; continue with: %s", signal_name,
+                    job.steps_done, summary["resume"])
+    return summary
+
+
+class Lifecycle:
+    """A run's checkpoint policy and its stop flag. Use as a context manager: inside it, SIGINT
+    and SIGTERM ask the run to stop after the current step (a second SIGINT aborts at once)."""
+
+    def __init__(self, every_steps: int = 0, every_minutes: float | None = None,
+                 world: World = SINGLE) -> None:
+        self.every_steps = every_steps
+        self.every_minutes = every_minutes
+        self.world = world
+        self.stop_signal: str | None = None   # the signal that asked to stop, once one did
+        self._last_save = time.monotonic()
+        self._previous: dict[int, Any] = {}
+
+    # -- signals ---------------------------------------------------------------------------
+    def __enter__(self) -> "Lifecycle":
+        if threading.current_thread() is threading.main_thread():   # (handlers live there only)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.stop_signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt   # the second Ctrl-C: the user does not want to wait
+        self.stop_signal = name
+        log.warning("%s received: the run finishes this step, saves a checkpoint and exits "
+                    "(Ctrl-C again to abort without saving)", name)
+
+    # -- the policy ------------------------------------------------------------------------
+    def after_step(self, step: int) -> tuple[bool, bool]:
+        """(save a checkpoint now, stop now) after optimizer step `step`, the same on every rank."""
+        by_steps = bool(self.every_steps) and step % self.every_steps == 0
+        by_time = (self.every_minutes is not None
+                   and time.monotonic() - self._last_save >= self.every_minutes * 60)
+        stop = self.stop_signal is not None
+        if self.world.distributed:   # one all-reduce: any rank's signal or clock decides for all
+            flags = global_max(float(by_steps or by_time) + 2.0 * stop, self.world)
+            return flags >= 1, flags >= 2
+        return by_steps or by_time or stop, stop
+
+    def saved(self) -> None:
+        """A checkpoint was written: the minutes count from now."""
+        self._last_save = time.monotonic()
+
+
+def resume_command(command: str, run_dir: Path) -> str:
+    return f"posttrain {command} --resume {run_dir}"
+
+
+def _same_config(saved: dict[str, Any], config: dict[str, Any]) -> bool:
+    """Equal as written to config.json (tuples read back as lists), run_dir aside, and the
+    records that are not config fields (`_isolation`) aside."""
+    config = json.loads(json.dumps(config, default=str))
+    return ({k: v for k, v in saved.items() if k != "run_dir" and not k.startswith("_")}
+            == {k: v for k, v in config.items() if k != "run_dir"})
+
+
+def _finished(folder: Path) -> bool:
+    """The run ended (summary.json written) other than by a signal: nothing to continue."""
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return not summary.get("stopped_by")
+
+
+def find_run_to_resume(config: dict[str, Any], run_dir: str | None,
+                       root: Path = Path("runs")) -> Path | None:
+    """`--resume auto`: the run folder this config would continue, or None (start afresh).
+
+    With a run_dir: that folder, if it holds a complete checkpoint and the same config. Without
+    one: the newest folder under `root` whose config.json equals this config (run_dir aside)
+    and which holds a complete checkpoint. A run that finished is not continued."""
+    candidates = [Path(run_dir)] if run_dir else sorted(
+        (p for p in root.glob("*") if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+    for folder in candidates:
+        saved = folder / "config.json"
+        if not saved.is_file() or latest_checkpoint(folder) is None or _finished(folder):
+            continue
+        try:
+            if _same_config(json.loads(saved.read_text()), config):
+                return folder
+        except json.JSONDecodeError:
+            continue
+    return None
