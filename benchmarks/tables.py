@@ -12,11 +12,13 @@ tests/test_docs_tables.py fails when a table in the docs is not what its records
 from __future__ import annotations
 
 import argparse
+import builtins
+import contextlib
 import json
 import re
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -934,6 +936,7 @@ def vllm_mismatch_table(root: Path) -> str:
              "importance ratio pi_trainer / pi_engine | tokens with the ratio capped |",
              "|---" * 4 + "|"]
     for name, label in VLLM_MISMATCH.items():
+        (root / VLLM_CPU / name / "record.json").read_text()   # (its provenance: under the table)
         rows = [json.loads(line) for line in open(root / VLLM_CPU / name / "metrics.jsonl")
                 if line.strip()]
         train = [r for r in rows if "rollout/logp_mismatch" in r]
@@ -998,6 +1001,77 @@ def async_cpu_table(root: Path) -> str:
     ]) + "\n"
 
 
+RECORD_NAMES = ("bench.json", "record.json")   # and an experiment's NAME.json, TRL's trl-s<seed>.json
+
+
+def is_record(path: Path, data) -> bool:
+    """A measurement a table is read from (not a config, summary or sweep description beside it)."""
+    return isinstance(data, dict) and ("provenance" in data or path.name in RECORD_NAMES
+                                       or path.name.startswith("trl-s") or "experiment" in data)
+
+
+@contextlib.contextmanager
+def reads() -> Iterator[list[Path]]:
+    """The files read while a table renders (its records among them)."""
+    seen: list[Path] = []
+    real_read, real_open = Path.read_text, builtins.open
+
+    def read(self: Path, *args, **kwargs) -> str:
+        seen.append(self)
+        return real_read(self, *args, **kwargs)
+
+    def open_(file, *args, **kwargs):
+        seen.append(Path(file))
+        return real_open(file, *args, **kwargs)
+    Path.read_text, builtins.open = read, open_
+    try:
+        yield seen
+    finally:
+        Path.read_text, builtins.open = real_read, real_open
+
+
+def provenance_line(paths: list[Path]) -> str:
+    """One line under a table: how many records it reads, their commits, and which came from a
+    tree with uncommitted changes or carry no provenance at all."""
+    commits: dict[str, None] = {}
+    n = dirty = unknown = missing = 0
+    for path in dict.fromkeys(p for p in paths if p.suffix == ".json" and p.is_file()):
+        data = json.loads(path.read_text())
+        if not is_record(path, data):
+            continue
+        n += 1
+        prov = data.get("provenance")
+        if not prov:
+            missing += 1
+            continue
+        commits[str(prov.get("commit"))[:7]] = None
+        dirty += prov.get("dirty") is True
+        unknown += prov.get("dirty") is None
+    if not n:
+        return "Provenance: this table reads no record file (see the records named above)."
+    parts = [f"Provenance: {n} record{'s' * (n != 1)}"
+             + (f", commit{'s' * (len(commits) != 1)} " + ", ".join(f"`{c}`" for c in commits)
+                if commits else "")]
+    if dirty:
+        parts.append(f"{dirty} run from a tree with uncommitted changes")
+    if unknown:
+        parts.append(f"{unknown} from a tree not known to be clean")
+    if missing:
+        parts.append(f"{missing} without provenance (written before records carried it)")
+    if not dirty and not unknown and not missing:
+        parts.append("every one run from a clean tree")
+    return "; ".join(parts) + "."
+
+
+def with_provenance(render: Callable[[Path], str]) -> Callable[[Path], str]:
+    """`render`, with the provenance line of the records it read appended."""
+    def table(root: Path) -> str:
+        with reads() as seen:
+            text = render(root)
+        return text.rstrip("\n") + "\n\n" + provenance_line(seen) + "\n"
+    return table
+
+
 TABLES: dict[str, Callable[[Path], str]] = {
     "lecture-baselines": lecture_baselines_table, "lecture-is": lecture_is_table,
     "lecture-kl": lecture_kl_table, "lecture-length": lecture_length_table,
@@ -1017,7 +1091,7 @@ def render_page(text: str, root: Path) -> str:
     def fill(m: re.Match) -> str:
         if m["name"] not in TABLES:
             raise KeyError(f"table {m['name']!r} has no renderer; known: {sorted(TABLES)}")
-        return m.group(1) + TABLES[m["name"]](root) + m.group(4)
+        return m.group(1) + with_provenance(TABLES[m["name"]])(root) + m.group(4)
     return BLOCK.sub(fill, text)
 
 

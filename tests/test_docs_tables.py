@@ -206,3 +206,39 @@ def test_an_unpaired_table_marker_is_named():
     assert problems(good.replace("<!-- table: b -->\n", "")) == [
         "'<!-- /table -->' without its '<!-- table: NAME -->'"]
     assert problems(good + "<!-- table: c -->\n") == ["table 'c' is never closed"]
+
+
+def test_every_table_says_where_its_records_come_from():
+    """Under every table: how many records it reads, their commits, and, record by record, which
+    ran from a tree with uncommitted changes or carry no provenance (counted from the records
+    themselves, so a page never calls a figure clean that is not)."""
+    tables = _tables()
+    for page in tables.pages(ROOT):
+        text = page.read_text()
+        for m in tables.BLOCK.finditer(text):
+            with tables.reads() as seen:
+                tables.TABLES[m["name"]](ROOT)
+            line = tables.provenance_line(seen)
+            assert line in m.group(0), (page.name, m["name"], line)
+            records = [p for p in dict.fromkeys(seen) if p.suffix == ".json" and p.is_file()
+                       and tables.is_record(p, json.loads(p.read_text()))]
+            missing = [p for p in records if not json.loads(p.read_text()).get("provenance")]
+            assert records, (m["name"], "reads no record")
+            assert (f"{len(missing)} without provenance" in line) == bool(missing), m["name"]
+
+
+def test_the_provenance_line_counts_clean_dirty_unknown_and_missing(tmp_path):
+    tables = _tables()
+    made = []
+    for name, prov in (("a", {"commit": "1" * 40, "dirty": False}),
+                       ("b", {"commit": "2" * 40, "dirty": True}),
+                       ("c", {"commit": "2" * 40, "dirty": None}), ("d", None)):
+        (tmp_path / name).mkdir()
+        made.append(tmp_path / name / "bench.json")
+        made[-1].write_text(json.dumps({"steps": [1], **({"provenance": prov} if prov else {})}))
+    (tmp_path / "meta.json").write_text(json.dumps({"overrides": []}))   # not a record
+    line = tables.provenance_line([*made, tmp_path / "meta.json"])
+    assert line == ("Provenance: 4 records, commits `1111111`, `2222222`; 1 run from a tree with "
+                    "uncommitted changes; 1 from a tree not known to be clean; 1 without "
+                    "provenance (written before records carried it).")
+    assert tables.provenance_line(made[:1]).endswith("every one run from a clean tree.")

@@ -98,6 +98,13 @@ def test_the_guide_recipe_and_rewards_mean_what_it_says(tmp_path):
     (tmp_path / "my_task.yaml").write_text(files["my_task.yaml"])
     cfg = load_config(tmp_path / "my_task.yaml")
     assert cfg.reward.functions == ("my_rewards:brevity",) and cfg.data.task == "file"
+    # it trains the default recipe's algorithm, as the command-line examples do (it says so),
+    # where the library defaults alone would add a KL penalty and drop the stop string
+    from posttrain.config.options import recipe_path
+    recipe, bare = load_config(recipe_path()), load_config(None)
+    assert cfg.algo == recipe.algo != bare.algo and cfg.algo.kl_coef == 0.0 < bare.algo.kl_coef
+    assert cfg.rollout.stop == recipe.rollout.stop == ("\n\n",) != bare.rollout.stop
+    assert cfg.model.autocast == recipe.model.autocast
     namespace: dict = {}
     exec(files["my_rewards.py"], namespace)
     assert namespace["brevity"]("q", "  42 ", "42") == 0.2
