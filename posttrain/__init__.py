@@ -25,7 +25,7 @@ _PUBLIC = {
     "recipe_path": "posttrain.config.options",
     "TrainConfig": "posttrain.config.commands",
     "AlgorithmConfig": "posttrain.config.presets",
-    "ConfigError": "posttrain.config.commands",
+    "ConfigError": "posttrain.util.errors",
     "PRESETS": "posttrain.config.presets",
     "StageConfig": "posttrain.config.commands",
     "sft": "posttrain.stages.sft",

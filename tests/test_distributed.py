@@ -62,7 +62,13 @@ def test_two_ranks_end_with_the_parameters_of_one(embedded_dir, tmp_path, single
     assert rewards(two) == pytest.approx(rewards(single), abs=1e-6)
     assert_same_weights(weights(two), weights(single))
     summary = json.loads((Path(two) / "summary.json").read_text())
-    assert summary["steps"] == 4 and "eval_after" in summary     # evaluation split over ranks
+    assert summary["steps"] == 4 and "eval_after" in summary
+    # the evaluation, split over the ranks, gathers every held-out problem back in order
+    held_out = [[s["prompt"] for s in json.loads(line)["samples"]]
+                for line in (Path(two) / "eval_samples.jsonl").read_text().splitlines()]
+    alone = [[s["prompt"] for s in json.loads(line)["samples"]]
+             for line in (Path(single) / "eval_samples.jsonl").read_text().splitlines()]
+    assert held_out == alone and len(set(held_out[-1])) == len(held_out[-1]) > 1
 
 
 @pytest.mark.slow   # (two ranks, 15-50 s: in the full suite, README)

@@ -149,7 +149,8 @@ def test_each_experiment_writes_its_record_and_figure(name, tiny_dir, tmp_path, 
     assert record["claim"] == experiment_module(name).CLAIM
     assert record["experiment"] == name and record["provenance"]["command"].startswith(
         f"posttrain experiment {name}")
-    assert record["numbers"]
+    assert record["numbers"] and "max_minutes_cut" not in record["numbers"]   # (no budget given)
+    assert record["numbers"].get("batches", 3) == 3   # --repeats 3: three batches measured
     if name == "clip-higher":   # each arm trained: its metrics and records kept, its weights not
         arms = record["numbers"]["arms"]
         assert list(arms) == ["symmetric", "clip_higher", "gspo", "cispo", "sapo", "gmpo"]

@@ -175,8 +175,13 @@ def test_a_real_package_with_one_version_and_a_public_api():
     from posttrain.rl.loop import train
     assert posttrain.train is train and posttrain.load_config is load_config
     assert "group" in posttrain.ADVANTAGES and "k3" in posttrain.KL_ESTIMATORS
-    for name in posttrain.__all__:
-        assert getattr(posttrain, name) is not None
+    import importlib
+    for name in posttrain.__all__[1:]:   # each public name is its defining module's own object
+        module = importlib.import_module(posttrain._PUBLIC[name])
+        obj = getattr(posttrain, name)
+        assert obj is getattr(module, name)
+        if isinstance(obj, type) or callable(obj) and hasattr(obj, "__code__"):
+            assert obj.__module__ == module.__name__, name   # (not a re-export: where it is written)
     with pytest.raises(AttributeError, match="no attribute 'trian'"):
         posttrain.trian
 

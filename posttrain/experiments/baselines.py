@@ -121,9 +121,10 @@ def run(run, out, repeats: int, progress: bool) -> dict:
     for arm in arms:
         v = arms[arm]["variance"]
         arms[arm]["variance_reduction"] = arms["none"]["variance"] / v if v > 0 else None
-    return {"arms": arms, "batches": repeats, "answers_per_batch": B, "group_size": G,
-            "mean_reward": sum(rewards) / len(rewards),
-            "all_equal_groups": all_equal / (repeats * B // G)}
+    measured = len(rewards)   # (fewer than `repeats` when --max_minutes ends the loop)
+    return {"arms": arms, "batches": measured, "answers_per_batch": B, "group_size": G,
+            "mean_reward": sum(rewards) / measured,
+            "all_equal_groups": all_equal / (measured * B // G)}
 
 
 def plot(numbers: dict, path):

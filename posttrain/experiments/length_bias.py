@@ -262,7 +262,8 @@ def run(run, out, repeats: int, progress: bool) -> dict:
     scatter = {arm: {"log_length": torch.cat(d["x"]).tolist(), "log_weight": torch.cat(d["y"]).tolist()}
                for arm, d in data.items()}
     pair_sums = {arm: torch.stack(d["sums"]).tolist() for arm, d in data.items()}
-    return {"arms": arms, "before": base, "reference": REFERENCE, "pairs": repeats, "answers_per_batch": cfg.batch_size,
+    return {"arms": arms, "before": base, "reference": REFERENCE, "pairs": len(before),
+            "answers_per_batch": cfg.batch_size,
             "step_l2": distance, "max_new_tokens": cfg.rollout.max_new_tokens,
             "wrong_answer_weights": scatter, "sums": list(SUMS),
             "pair_sums": {"before": before_K_S.tolist(), **pair_sums}}

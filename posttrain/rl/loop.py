@@ -84,13 +84,13 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
     t_setup = time.perf_counter()
     run = start_training(cfg, resume, model, tokenizer, teacher, show_progress)
     try:
-        return train_loop(run, time.perf_counter() - t_setup)
+        return run_training(run, time.perf_counter() - t_setup)
     except BaseException:     # (an error or Ctrl-C twice: vLLM's processes and servers stop too)
         run.batches.close()
         raise
 
 
-def train_loop(run: RLJob, setup_s: float) -> dict[str, Any]:
+def run_training(run: RLJob, setup_s: float) -> dict[str, Any]:
     """Evaluate, then steps 1-6 of the lecture's loop (the common loop, lifecycle.run_steps)
     until `cfg.steps`, `max_minutes` or a stop signal; then evaluate and save."""
     cfg = run.cfg
