@@ -86,7 +86,9 @@ def test_every_block_of_the_guide_runs(tokenizer, tmp_path, monkeypatch, capsys)
     for run in ("runs/mine", "runs/brief", "runs/own-reward", "runs/my-task", "runs/my-task-lr2e-5",
                 "runs/py"):
         assert (tmp_path / run / "final_model" / "config.json").is_file(), run
-    assert "->" in out                                       # the Python block's print
+    # the Python block's prints: accuracy before -> after (fractions), then the final model
+    assert re.search(r"(?m)^[01](\.\d+)?(e-\d+)? -> [01](\.\d+)?(e-\d+)?$", out), out[-500:]
+    assert re.search(r"(?m)^runs/py/final_model$", out), out[-500:]
 
 
 def test_the_guide_recipe_and_rewards_mean_what_it_says(tmp_path):
