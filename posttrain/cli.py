@@ -126,8 +126,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides = [*overrides, "--model.path", args.model_path]
     if args.task:
         overrides += ["--data.task", args.task]
-    # Same generation settings as the default job unless a config says otherwise.
-    cfg = load_config(args.config or recipe_path(DEFAULT_RECIPE), overrides)
+    cfg = load_sampling_config(args.config, overrides)
     from posttrain.stages.evaluate import evaluate_model   # (torch: once the config is valid)
 
     summary = evaluate_model(cfg, args.k, args.samples, show_progress=not args.no_progress)
@@ -137,6 +136,13 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     for s in summary["samples"]:
         print(f"  {s['prompt']!r} -> {s['completion']!r} ({'correct' if s['correct'] else 'wrong'})")
     return 0
+
+
+def load_sampling_config(config_file: Path | None, overrides: list[str]) -> TrainConfig:
+    """`eval` and `generate`: the default job's generation settings unless a config says
+    otherwise, with no time budget unless one is given (the recipe's is for training)."""
+    return load_config(config_file or recipe_path(DEFAULT_RECIPE),
+                       ["--max_minutes", "null", *overrides])
 
 
 def cmd_stage(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -165,9 +171,7 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.model_path:
         overrides = [*overrides, "--model.path", args.model_path]
-    cfg = load_config(args.config or recipe_path(DEFAULT_RECIPE), overrides)
-    if args.out is None and not cfg.writes_folder:
-        raise ConfigError("--run_dir none writes no folder: give the rows a file with --out FILE")
+    cfg = load_sampling_config(args.config, overrides)
     out = generate(cfg, args.n, args.out, args.samples, not args.keep_wrong,
                    demonstrate=args.demonstrate, show_progress=not args.no_progress)
     print(json.dumps(out, indent=2))
@@ -274,7 +278,8 @@ def _add_stages(sub) -> None:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--config", type=Path, help="YAML file of the options below")
         p.add_argument("--resume", help="run folder to resume from its latest checkpoint, or "
-                       "'auto': the run_dir if it holds a checkpoint of this same config")
+                       "'auto': the run_dir (without one: the newest folder under runs/) if it "
+                       "holds a checkpoint of this same config")
         _add_no_progress(p)
         p.set_defaults(fn=cmd_stage)
 

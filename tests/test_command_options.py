@@ -108,3 +108,44 @@ def test_every_common_option_does_what_it_says(name, tiny_dir, tmp_path, threads
         stopped_at, samples = steps_and_samples(name, one)
         assert stopped_at == whole
     assert samples != other_samples   # (the stages: their losses, the batches' order)
+
+
+@pytest.mark.parametrize("name", ["train", "sft", "eval"])
+def test_without_run_dir_a_command_gets_a_folder_of_its_own(name, tiny_dir, tmp_path, monkeypatch):
+    """No --run_dir: runs/<name>-<time> under the working folder (train: the preset's name)."""
+    monkeypatch.chdir(tmp_path)
+    assert main([*COMMANDS[name], "--model.path", str(tiny_dir), "--no-progress"]) == 0
+    folders = list((tmp_path / "runs").iterdir())
+    assert len(folders) == 1 and folders[0].name.startswith("grpo-" if name == "train" else name)
+    assert (folders[0] / "config.json").is_file() and (folders[0] / "summary.json").is_file()
+
+
+def test_run_dir_none_writes_nothing_where_allowed_and_is_refused_elsewhere(tiny_dir, tmp_path,
+                                                                            monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main([*COMMANDS["eval"], "--model.path", str(tiny_dir), "--run_dir", "none",
+                 "--no-progress"]) == 0
+    assert '"eval/accuracy"' in capsys.readouterr().out and not list(tmp_path.iterdir())
+    for name in ("train", "sft", "experiment"):
+        assert main([*COMMANDS[name], "--model.path", str(tiny_dir), "--run_dir", "none"]) == 2
+        assert "--run_dir none" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_eval_and_generate_take_no_time_budget_unless_given():
+    """The recipe's max_minutes (10) is for training: sampling commands run to the end."""
+    from posttrain.cli import load_sampling_config
+    assert load_sampling_config(None, []).max_minutes is None
+    assert load_sampling_config(None, ["--max_minutes", "2"]).max_minutes == 2
+
+
+def test_the_users_threads_win_over_the_async_core_split(tmp_path):
+    from posttrain.config.options import load_config
+    from posttrain.run.lifecycle import start_job
+    before = torch.get_num_threads()
+    try:
+        start_job("train", load_config(None, ["--threads", "1"]), threads=2)
+        assert torch.get_num_threads() == 1
+        start_job("train", load_config(None, []), threads=2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

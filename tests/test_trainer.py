@@ -198,7 +198,7 @@ def test_each_objective_moves_the_policy_toward_its_advantages(tmp_path, tokeniz
 
 
 def test_frozen_inputs_name_only_the_passes_the_terms_read(tmp_path):
-    """update_terms.frozen_inputs: pi_ref only for a KL term, the trainer's own pi_old only where the
+    """rl/loss_terms.py::frozen_inputs: pi_ref only for a KL term, the trainer's own pi_old only where the
     sampler's numbers differ and a term reads pi_old (the ratio over several updates, the KL in
     PPO's rewards, a teacher's advantage)."""
     from posttrain.config.commands import ConfigError

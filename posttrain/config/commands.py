@@ -56,8 +56,9 @@ class RunOptions:
 
     @property
     def writes_folder(self) -> bool:
-        """False for `--run_dir none` (eval and generate: print, write no run folder)."""
-        return str(self.run_dir).lower() != "none"
+        """False for `--run_dir none` (eval and generate: print, write no run folder); None, the
+        default, is a folder of its own, runs/<name>-<time>."""
+        return not (isinstance(self.run_dir, str) and self.run_dir.lower() == "none")
 
 
 @dataclass(frozen=True)

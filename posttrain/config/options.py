@@ -98,6 +98,8 @@ def build_config(cls: type, data: dict[str, Any], where: str, base: Any = None) 
         hint = type_hint(cls, key)
         if dataclasses.is_dataclass(hint):
             kwargs[key] = build_config(hint, value, name, getattr(base, key))
+        elif name == "run_dir" and isinstance(value, str) and value.lower() == "none":
+            kwargs[key] = "none"   # (`--run_dir none`: no folder, not the default folder)
         else:
             kwargs[key] = coerce(name, value, hint)
     return replace(base, **kwargs)

@@ -46,6 +46,9 @@ def experiment_config(module, name: str, overrides: list[str],
     --run_dir, else runs/experiments/NAME; its runs go under it (run/, run/ARM)."""
     base = [*module.OVERRIDES, "--max_minutes", "null", *overrides]
     given = load_config(recipe_path(DEFAULT_RECIPE), base).run_dir
+    if given is not None and given.lower() == "none":
+        raise ConfigError("--run_dir none: an experiment writes its record, figure and runs to a "
+                          "folder; give it one (or leave --run_dir out)")
     out = out or (Path(given) if given else Path("runs") / "experiments" / name)
     fixed = ["--run_dir", str(out / "run"), "--tensorboard", "false", "--eval_every", "0"]
     return load_config(recipe_path(DEFAULT_RECIPE), [*base, *fixed]), out
@@ -167,7 +170,8 @@ def train_arm(run: RLJob, arm: str, algorithm: dict[str, Any], out: Path, steps:
                     show_progress=progress)
     metrics = Path(cfg.run_dir) / "metrics.jsonl"
     numbers: dict[str, Any] = per_step(metrics)
-    for weights in ("checkpoints",) if keep_model else ("final_model", "checkpoints"):
+    kept = ("checkpoints", "reference_model")   # (a budget's checkpoint, a KL arm's pi_ref)
+    for weights in kept if keep_model else ("final_model", *kept):
         shutil.rmtree(Path(cfg.run_dir) / weights, ignore_errors=True)
     numbers.update(algorithm=algorithm, seconds=sum(v for v in numbers["step_s"] if v),
                    eval_before=summary.get("eval_before", {}).get("eval/accuracy"),

@@ -32,16 +32,18 @@ from posttrain.run.checkpoint import latest_checkpoint, resume_point
 from posttrain.model.distributed import SINGLE, World, barrier, global_max, init_world
 from posttrain.logs.metrics import MetricsLogger, NullLogger, resume_logs
 from posttrain.run.optim import seed_everything
+from posttrain.util.errors import ConfigError
 
 log = logging.getLogger(__name__)
 _clock = time.perf_counter   # the training clock of --max_minutes (a test's own clock replaces it)
+NO_FOLDER_NEEDED = ("eval", "generate")   # the commands `--run_dir none` may run without a folder
 
 
 @dataclass(kw_only=True)
 class Job:
     """One command's run, whatever it trains: its config (a `RunOptions`), world, folder and
     writer, the checkpoint it resumed from, and where the loop stands. `train` and the offline
-    stages extend it with their models (train_run.RLJob, stages.common.OfflineJob)."""
+    stages extend it with their models (rl/job.py::RLJob, stages/common.py::OfflineJob)."""
 
     command: str                          # train, sft, dpo, reward-model, eval, generate
     cfg: Any
@@ -77,11 +79,15 @@ def default_run_dir(command: str, cfg) -> Path | None:
 
 def start_job(command: str, cfg, resume: str | Path | None = None, show_progress: bool = True,
               threads: int | None = None) -> Job:
-    """Threads (`threads` overrides cfg.threads: sampling ahead on a CPU takes the lower half of
-    the cores), seed, world (torchrun: join the process group), and the newest checkpoint of a
-    resumed run that loads. Nothing is written yet."""
-    if threads or cfg.threads:
-        torch.set_num_threads(threads or cfg.threads)
+    """Threads (cfg.threads, else `threads`: sampling ahead on a CPU takes the lower half of the
+    cores), seed, world (torchrun: join the process group), and the newest checkpoint of a
+    resumed run that loads. Nothing is written yet; `--run_dir none` is refused where the command
+    needs a folder."""
+    if not cfg.writes_folder and command not in NO_FOLDER_NEEDED:
+        raise ConfigError(f"--run_dir none: `posttrain {command}` writes checkpoints and its model "
+                          "to a run folder; give it one (or leave --run_dir out)")
+    if cfg.threads or threads:   # (the user's --threads wins over the async core split)
+        torch.set_num_threads(cfg.threads or threads)
     generator = seed_everything(cfg.seed)
     parallel = getattr(cfg, "parallel", None)
     world = init_world(parallel.strategy) if parallel is not None else SINGLE

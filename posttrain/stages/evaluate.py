@@ -25,11 +25,26 @@ def evaluate_model(cfg: TrainConfig, k: int = 1, samples: int = 0, show_progress
     `seed`). Returns the summary: the metrics, `problems` answered of `of`, the run folder."""
     job = start_job("eval", cfg, None, show_progress)
     task, env, scorer = sampling_inputs(cfg)
-    model, tokenizer, path = load_sampled_model(cfg, model, tokenizer)
-    env = for_tokenizer(env, tokenizer)
-    engine = sampling_engine(cfg, path, model, tokenizer)
-    open_folder(job, cfg.to_dict())
-    settings, problems = eval_settings(cfg), task.eval_problems
+    engine = None
+    try:   # (the reward sandbox and the engine stop however the command ends)
+        model, tokenizer, path = load_sampled_model(cfg, model, tokenizer)
+        env = for_tokenizer(env, tokenizer)
+        engine = sampling_engine(cfg, path, model, tokenizer)
+        open_folder(job, cfg.to_dict())
+        greedy, sampled, signal_name = answer_held_out(job, engine, tokenizer, env, scorer,
+                                                       task.eval_problems, k, samples)
+    finally:
+        if engine is not None:
+            close_engine(engine)
+        scorer.close()
+    return write_results(job, task.eval_problems, greedy, sampled, k, env, signal_name)
+
+
+def answer_held_out(job, engine, tokenizer, env, scorer, problems, k: int, samples: int):
+    """The loop over batches of held-out problems: greedy answers, and with k > 1 `max(samples,
+    k)` sampled ones each. Returns (greedy, sampled, the signal that stopped it or None)."""
+    cfg = job.cfg
+    settings = eval_settings(cfg)
     n = max(samples, k) if k > 1 else 1
     greedy, sampled = Answers(), Answers()
 
@@ -40,13 +55,8 @@ def evaluate_model(cfg: TrainConfig, k: int = 1, samples: int = 0, show_progress
         if n > 1:
             answer(engine, tokenizer, env, chunk, scorer, settings,
                    sampling_params(settings, n, cfg.rollout.temperature), n, job.generator, sampled)
-    try:
-        batches = -(-len(problems) // settings.batch_size)
-        signal_name = run_steps(job, batches, answer_batch, lambda step: None, "eval")
-    finally:
-        close_engine(engine)
-        scorer.close()
-    return write_results(job, problems, greedy, sampled, k, env, signal_name)
+    batches = -(-len(problems) // settings.batch_size)
+    return greedy, sampled, run_steps(job, batches, answer_batch, lambda step: None, "eval")
 
 
 def results(problems, answers: Answers, k: int, env) -> dict[str, Any]:

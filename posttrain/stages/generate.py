@@ -29,14 +29,37 @@ def generate(cfg, n: int, out: str | Path | None = None, samples: int = 1,
     calculator calls that teach a tool format before RL. On the common lifecycle: threads, seed,
     the run folder, batches of problems under `max_minutes` and stop signals (the rows so far
     are written)."""
+    if out is None and not cfg.writes_folder:
+        raise ValueError("generate: no --out and --run_dir none: the rows need a file")
     job = start_job("generate", cfg, None, show_progress)
     task, env, scorer = sampling_inputs(cfg)
-    model, tokenizer, path = load_sampled_model(cfg, model, tokenizer, weights=not demonstrate)
-    env = for_tokenizer(env, tokenizer)
-    open_folder(job, cfg.to_dict())
+    engine = None
+    try:   # (the reward sandbox and the engine stop however the command ends)
+        model, tokenizer, path = load_sampled_model(cfg, model, tokenizer, weights=not demonstrate)
+        env = for_tokenizer(env, tokenizer)
+        open_folder(job, cfg.to_dict())
+        engine = None if demonstrate else sampling_engine(cfg, path, model, tokenizer)
+        rows, signal_name = generate_rows(job, engine, tokenizer, env, Sampler(task, cfg.seed),
+                                          scorer, n, samples, only_correct, demonstrate)
+    finally:
+        if engine is not None:
+            close_engine(engine)
+        scorer.close()
     out = Path(out) if out is not None else job.run_dir / "sft.jsonl"
-    sampler, rows = Sampler(task, cfg.seed), []
-    engine = None if demonstrate else sampling_engine(cfg, path, model, tokenizer)
+    write_jsonl(out, rows)
+    summary = {"written": len(rows), "generated": min(n, job.steps_done * cfg.eval_batch_size) * (
+        1 if demonstrate else samples), "out": str(out),
+        "run_dir": str(job.run_dir) if job.run_dir else None}
+    if signal_name is not None:
+        summary["stopped_by"] = signal_name
+    return finish_job(job, summary)
+
+
+def generate_rows(job, engine, tokenizer, env, sampler, scorer, n: int, samples: int,
+                  only_correct: bool, demonstrate: bool) -> tuple[list[dict[str, Any]], str | None]:
+    """The loop over batches of `eval_batch_size` problems (the common one: its time budget,
+    progress bar and stop signals). Returns (the rows, the signal that stopped it or None)."""
+    cfg, rows = job.cfg, []
     r, size = cfg.rollout, cfg.eval_batch_size
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, greedy=samples == 1, stop=r.stop)
 
@@ -45,17 +68,7 @@ def generate(cfg, n: int, out: str | Path | None = None, samples: int = 1,
         rows.extend(demonstration_rows(problems, env, tokenizer, cfg) if demonstrate else
                     sample_rows(engine, tokenizer, env, problems, scorer, samples, params, cfg,
                                 only_correct, job.generator))
-    try:
-        signal_name = run_steps(job, -(-n // size), generate_batch, lambda step: None, "generate")
-    finally:
-        close_engine(engine) if engine is not None else None
-        scorer.close()
-    write_jsonl(out, rows)
-    summary = {"written": len(rows), "generated": min(n, job.steps_done * size) * (
-        1 if demonstrate else samples), "out": str(out), "run_dir": str(job.run_dir)}
-    if signal_name is not None:
-        summary["stopped_by"] = signal_name
-    return finish_job(job, summary)
+    return rows, run_steps(job, -(-n // size), generate_batch, lambda step: None, "generate")
 
 
 def sample_rows(engine, tokenizer, env, problems, scorer, samples: int, params, cfg,

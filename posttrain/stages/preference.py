@@ -177,14 +177,13 @@ def train_on_pairs(cfg: StageConfig, reading: PairReading, model=None, tokenizer
     else:
         summary, ref_train, ref_eval = _reference_and_before(st, cfg, reading, train_data, eval_data,
                                                              eval_rows, source, task)
-    t_start, acc = time.perf_counter(), [float("nan")]
+    acc = [float("nan")]
 
     def step_fn(step: int, batch: list[int]) -> None:
         acc[0] = _dpo_step(st, cfg, step, batch, train_data, ref_train)
 
     if (stopped := train_batches(st, batches, step_fn, lambda: {"summary": summary, "reference": (ref_train, ref_eval)})):
         return stopped
-    summary["train_minutes"] = (time.perf_counter() - t_start) / 60
     after = _implicit_reward_metrics(*_all_pair_logp(st, cfg, eval_data), ref_eval, cfg.beta,
                                      eval_rows, reading.prefix)
     summary["eval_after"] = public_metrics(after)

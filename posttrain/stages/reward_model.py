@@ -6,7 +6,6 @@ r = beta log pi/pi_ref with DPO's loop instead (stages/preference.py)."""
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -153,7 +152,6 @@ def score_head_reward_model(cfg: StageConfig, model=None, tokenizer=None, show_p
     if before is None:
         before = public_metrics(pairs.evaluate(eval_parts, eval_rows))
         st.logger.log(0, before)
-    t_start = time.perf_counter()
     st.model.train()
 
     def step_fn(step: int, batch: list[int]) -> None:
@@ -162,14 +160,13 @@ def score_head_reward_model(cfg: StageConfig, model=None, tokenizer=None, show_p
 
     if (stopped := train_batches(st, batches, step_fn, lambda: {"eval_before": before})):
         return stopped
-    train_minutes = (time.perf_counter() - t_start) / 60
     after = pairs.evaluate(eval_parts, eval_rows)
     st.logger.log(st.steps_done, public_metrics(after))
     stats = json.dumps({"mean": after["_mean"], "std": after["_std"], "source": source,
                         "end_of_turn": cfg.end_of_turn})
     summary = {"run_dir": str(st.run_dir), "final_model": save_final_model(st, {STATS_FILE: stats}),
                "steps": st.steps_done, "train_pairs": len(train_rows), "eval_pairs": len(eval_rows),
-               "train_minutes": train_minutes, "eval_before": before, "eval_after": public_metrics(after)}
+               "eval_before": before, "eval_after": public_metrics(after)}   # (+ train_minutes)
     finish_job(st, summary)
     return summary
 
