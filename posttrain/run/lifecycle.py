@@ -36,7 +36,7 @@ from posttrain.util.errors import ConfigError
 
 log = logging.getLogger(__name__)
 _clock = time.perf_counter   # the training clock of --max_minutes (a test's own clock replaces it)
-NO_FOLDER_NEEDED = ("eval", "generate")   # the commands `--run_dir none` may run without a folder
+SAMPLING_COMMANDS = ("eval", "generate")   # they train nothing; `--run_dir none`: no folder
 
 
 @dataclass(kw_only=True)
@@ -83,7 +83,7 @@ def start_job(command: str, cfg, resume: str | Path | None = None, show_progress
     cores), seed, world (torchrun: join the process group), and the newest checkpoint of a
     resumed run that loads. Nothing is written yet; `--run_dir none` is refused where the command
     needs a folder."""
-    if not cfg.writes_folder and command not in NO_FOLDER_NEEDED:
+    if not cfg.writes_folder and command not in SAMPLING_COMMANDS:
         raise ConfigError(f"--run_dir none: `posttrain {command}` writes checkpoints and its model "
                           "to a run folder; give it one (or leave --run_dir out)")
     if cfg.threads or threads:   # (the user's --threads wins over the async core split)
@@ -164,8 +164,10 @@ def run_steps(job: Job, total: int, step_fn: Callable[[int], None], save: Callab
 
 
 def finish_job(job: Job, summary: dict[str, Any]) -> dict[str, Any]:
-    """summary.json (with the steps and training minutes), the writer closed; every rank waits."""
-    summary.update(steps=job.steps_done, train_minutes=job.train_seconds / 60)
+    """summary.json (a training command's with its steps and training minutes), the writer
+    closed; every rank waits."""
+    if job.command not in SAMPLING_COMMANDS:
+        summary.update(steps=job.steps_done, train_minutes=job.train_seconds / 60)
     job.logger.close()
     job.logger.write_json("summary.json", summary)
     barrier(job.world)
