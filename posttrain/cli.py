@@ -140,9 +140,11 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def load_sampling_config(config_file: Path | None, overrides: list[str]) -> TrainConfig:
     """`eval` and `generate`: the default job's generation settings unless a config says
-    otherwise, with no time budget unless one is given (the recipe's is for training)."""
+    otherwise. A config's run folder and time budget are a training run's: these commands get
+    their own folder (a run's config.json must never open that run's folder as a new run) and no
+    budget, unless the command line gives them."""
     return load_config(config_file or recipe_path(DEFAULT_RECIPE),
-                       ["--max_minutes", "null", *overrides])
+                       ["--max_minutes", "null", "--run_dir", "null", *overrides])
 
 
 def cmd_stage(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -257,7 +259,8 @@ def _add_eval(sub) -> None:
                    "embedded model)")
     p.add_argument("--data.task", dest="task", help="built-in task (addition, arithmetic, countdown) or 'file'")
     p.add_argument("--config", type=Path, help="YAML config for data/reward/rollout settings "
-                   "(default: the packaged default recipe, or pass a run's config.json)")
+                   "(default: the packaged default recipe, or pass a run's config.json; its "
+                   "run_dir and max_minutes are ignored)")
     p.add_argument("--k", type=int, default=1, help="also report pass@k (sampled)")
     p.add_argument("--samples", type=int, default=0, help="samples per problem for pass@k (>= k; "
                    "at --rollout.temperature, default 1)")
@@ -299,7 +302,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--demonstrate", action="store_true",
                    help="ground-truth episodes of the environment (e.g. calculator calls) instead "
                    "of the model's: SFT data that teaches a tool format before RL")
-    p.add_argument("--config", type=Path, help="task/rollout settings (default: the default recipe)")
+    p.add_argument("--config", type=Path, help="task/rollout settings (default: the default "
+                   "recipe; a config's run_dir and max_minutes are ignored)")
     _add_no_progress(p)
     p.set_defaults(fn=cmd_generate)
 
@@ -310,7 +314,9 @@ def _add_experiment(sub) -> None:
     p = sub.add_parser("experiment", help="one of the lecture's claims, measured "
                        "(docs/lecture-reproduced.md)",
                        epilog="Any config field can follow as an override of the default recipe, "
-                       "e.g. --model.path DIR --rollout.prompts_per_step 8.")
+                       "e.g. --model.path DIR --rollout.prompts_per_step 8. --max_minutes M: each "
+                       "training arm trains at most M minutes, and a measurement loop stops once "
+                       "M minutes have passed (the record lists what was cut).")
     p.add_argument("name", choices=sorted(EXPERIMENTS))
     p.add_argument("--out", type=Path, help="folder for NAME.json and NAME.png (default: "
                    "--run_dir, else runs/experiments/NAME)")

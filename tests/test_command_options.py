@@ -149,3 +149,20 @@ def test_the_users_threads_win_over_the_async_core_split(tmp_path):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_runs_config_never_opens_that_run_for_eval_or_generate(tmp_path):
+    """`posttrain eval --config RUN/config.json`: the run's folder and budget are a training
+    run's; eval gets a folder of its own (a run's metrics are never truncated) and no budget."""
+    from posttrain.cli import load_sampling_config
+    config = tmp_path / "my_task.yaml"
+    config.write_text("run_dir: runs/my-task\nmax_minutes: 10\n")
+    cfg = load_sampling_config(config, [])
+    assert cfg.run_dir is None and cfg.max_minutes is None
+    given = load_sampling_config(config, ["--run_dir", "D", "--max_minutes", "3"])
+    assert (given.run_dir, given.max_minutes) == ("D", 3)
+
+
+def test_trackers_without_a_folder_are_refused(tmp_path, capsys):
+    assert main(["eval", "--run_dir", "none", "--report_to", "trackio"]) == 2
+    assert "--report_to trackio with --run_dir none" in capsys.readouterr().err

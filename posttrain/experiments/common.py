@@ -239,8 +239,11 @@ def run_experiment(name: str, overrides: list[str], out: Path | None, repeats: i
     t0 = time.perf_counter()
     _deadline[0] = time.monotonic() + cfg.max_minutes * 60 if cfg.max_minutes else math.inf
     _cut.clear()
-    run = start_training(cfg, None, None, None, None, progress)
-    numbers = module.run(run, out, repeats, progress)
+    try:
+        run = start_training(cfg, None, None, None, None, progress)
+        numbers = module.run(run, out, repeats, progress)
+    finally:   # (the next experiment in this process starts without a deadline)
+        _deadline[0] = math.inf
     if _cut:
         numbers["max_minutes_cut"] = list(_cut)
     seconds = time.perf_counter() - t0

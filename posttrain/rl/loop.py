@@ -254,7 +254,8 @@ def log_step(run: RLJob, step: int, batch: ScoredBatch, metrics: dict[str, Any],
         for p, c, r in zip(batch.problems[:n], shown[:n], batch.rewards_B[:n].tolist())]})
     if world.main:
         run.logger.log_completions(step, completion_rows(batch, n))
-    run.bar.set_postfix_str(console_line(step, cfg.steps, metrics).split(" | ", 1)[-1])
+    if run.bar is not None:   # (inside run_steps, the loop's bar)
+        run.bar.set_postfix_str(console_line(step, cfg.steps, metrics).split(" | ", 1)[-1])
     if not run.show_progress and world.main:
         log.info(console_line(step, cfg.steps, metrics))
 

@@ -86,6 +86,9 @@ def start_job(command: str, cfg, resume: str | Path | None = None, show_progress
     if not cfg.writes_folder and command not in SAMPLING_COMMANDS:
         raise ConfigError(f"--run_dir none: `posttrain {command}` writes checkpoints and its model "
                           "to a run folder; give it one (or leave --run_dir out)")
+    if not cfg.writes_folder and cfg.report_to:
+        raise ConfigError(f"--report_to {','.join(cfg.report_to)} with --run_dir none: the trackers "
+                          "write beside a run folder; drop one of the two")
     if cfg.threads or threads:   # (the user's --threads wins over the async core split)
         torch.set_num_threads(cfg.threads or threads)
     generator = seed_everything(cfg.seed)
@@ -144,8 +147,8 @@ def run_steps(job: Job, total: int, step_fn: Callable[[int], None], save: Callab
         for step in range(job.start_step + 1, total + 1):
             if out_of_time(job):
                 log.info("max_minutes=%s reached after %d steps", cfg.max_minutes, step - 1)
-                if step - 1 > job.start_step:   # (a longer --max_minutes continues from here)
-                    save(step - 1)
+                if step - 1 > job.start_step and step - 1 != job.saved_step:
+                    save(step - 1)   # (a longer --max_minutes continues from here)
                 break
             t0 = _clock()
             step_fn(step)
@@ -157,6 +160,7 @@ def run_steps(job: Job, total: int, step_fn: Callable[[int], None], save: Callab
             want_save, stop = lifecycle.after_step(step)
             if (want_save and (save_last or step < total)) or stop:
                 save(step)
+                job.saved_step = step
                 lifecycle.saved()
             if stop:
                 return lifecycle.stop_signal
