@@ -86,6 +86,15 @@ def tiny_model(tokenizer):
     return make_tiny_model(tokenizer)
 
 
+@pytest.fixture(scope="session")
+def tiny_dir(tokenizer, tmp_path_factory):
+    """A tiny random model saved as a model folder (`--model.path` of a command run in a test)."""
+    folder = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 # where each short keyword of `stage_config` lives in the nested StageConfig
 _STAGE_FIELDS = {"model": ("model", "path"), "autocast": ("model", "autocast"),
                  "data": ("data", "train_path"), "eval_data": ("data", "eval_path"),

@@ -12,7 +12,6 @@ import torch
 
 import posttrain.run.lifecycle as lifecycle
 from posttrain.cli import main
-from tests.conftest import make_tiny_model
 
 SAMPLING = ["--rollout.max_new_tokens", "4", "--data.eval_size", "4", "--eval_batch_size", "2",
             "--reward.workers", "0"]
@@ -37,14 +36,6 @@ BAR = {name: name for name in COMMANDS} | {"experiment": "kl-estimators: batch"}
 def bar_shown(name: str, err: str) -> bool:
     """The command's own progress bar ('train:  33%|###  | 1/3 ...') is in `err`."""
     return re.search(rf"{re.escape(BAR[name])}: +\d+%\|", err) is not None
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tokenizer, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(tokenizer).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture

@@ -126,14 +126,6 @@ def test_drift_at_the_start_is_none_and_counts_tokens_outside_the_band():
     assert d["ess_share"] == pytest.approx(float(w.sum() ** 2 / (w ** 2).sum() / 2))
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tokenizer, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(tokenizer).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 SMOKE = ["--rollout.prompts_per_step", "4", "--rollout.group_size", "4",
          "--rollout.max_new_tokens", "6", "--data.eval_size", "4", "--threads", "2"]
 

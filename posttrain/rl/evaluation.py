@@ -97,7 +97,14 @@ def evaluate(model, tokenizer, engine: RolloutEngine, problems: list[Problem], s
     for start in range(0, len(mine), settings.batch_size):
         answer(engine, tokenizer, env, mine[start:start + settings.batch_size], scorer, settings,
                params, samples, generator, answers)
-    episodes_here = max(len(answers.texts) * samples, 1)   # this rank's (its counts are its own)
+    return answers_metrics(answers, problems, samples, k, env, world)
+
+
+def answers_metrics(answers: Answers, problems: list[Problem], samples: int, k: int,
+                    env: Environment, world: World = SINGLE) -> dict[str, Any]:
+    """eval_metrics of the answers so far (every rank's, in problem order; the episodes' counts
+    per episode are this rank's own)."""
+    episodes_here = max(len(answers.texts) * samples, 1)
     counts = {key: v / episodes_here for key, v in answers.counts.items()}
     return eval_metrics(problems, *gathered(answers, problems, samples, world), k, env, counts)
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
 from posttrain.config.commands import TrainConfig
 from posttrain.envs import for_tokenizer
-from posttrain.rl.evaluation import Answers, answer, eval_metrics, eval_settings, sampling_params
+from posttrain.rl.evaluation import (Answers, answer, answers_metrics, eval_settings,
+                                    sampling_params)
 from posttrain.run.lifecycle import finish_job, open_folder, run_steps, start_job
 from posttrain.rollout import close_engine
 from posttrain.rl.sampling import load_sampled_model, sampling_engine, sampling_inputs
@@ -59,24 +59,16 @@ def answer_held_out(job, engine, tokenizer, env, scorer, problems, k: int, sampl
     return greedy, sampled, run_steps(job, batches, answer_batch, lambda step: None, "eval")
 
 
-def results(problems, answers: Answers, k: int, env) -> dict[str, Any]:
-    """The metrics of the problems answered so far (their counts per episode)."""
-    c = torch.cat(answers.correct) if answers.correct else torch.zeros(0, 1, dtype=torch.bool)
-    episodes = max(len(answers.texts) * c.shape[1], 1)
-    return eval_metrics(problems, c, answers.texts, answers.lengths, k, env,
-                        {key: v / episodes for key, v in answers.counts.items()})
-
-
 def write_results(job, problems, greedy: Answers, sampled: Answers, k: int, env,
                   signal_name: str | None) -> dict[str, Any]:
     """metrics.jsonl's row, eval_samples.jsonl (greedy answers; sampled: each problem's first),
     summary.json."""
-    res = results(problems, greedy, k, env)
+    res = answers_metrics(greedy, problems, 1, k, env)
     samples, lengths = res.pop("_samples"), res.pop("_lengths")
     res["eval/length_mean"] = sum(lengths) / max(len(lengths), 1)
     job.logger.append("eval_samples.jsonl", {"step": 0, "label": "greedy", "samples": samples})
     if sampled.correct:
-        res_k = results(problems, sampled, k, env)
+        res_k = answers_metrics(sampled, problems, sampled.correct[0].shape[1], k, env)
         res[f"eval/pass@{k}"] = res_k[f"eval/pass@{k}"]
         job.logger.append("eval_samples.jsonl", {"step": 0, "label": f"sampled (pass@{k})",
                                                  "samples": res_k["_samples"]})
