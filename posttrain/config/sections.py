@@ -196,12 +196,35 @@ class RewardConfig:
     model_weight: float = 1.0           # weight of the reward model's score in the reward
     model_normalize: bool = True        # (score - mean) / std with the stats saved at RM training
     model_batch_size: int = 32          # responses per reward-model forward
+    # LLM as judge (docs/rewards.md): the OpenAI-compatible endpoint whose model scores each
+    # response, added with weight judge_weight ('http://host:port/v1'; `posttrain serve` makes
+    # one of a local model). A response the judge cannot score after its retries is left out of
+    # its group's baseline and out of the loss, and counted (reward/judge_unscorable), never 0.
+    judge: str | None = None
+    judge_model: str = "default"        # the model name sent to the judge's endpoint
+    # the judge's prompt: 'correctness' (against the reference answer), 'rubric' (no reference),
+    # or a text file with {prompt}, {completion}, {answer} (group mode: {prompt}, {answer},
+    # {responses}, {n}) whose reply ends with 'Score: N' (group: 'Scores: [...]'), N of 10
+    judge_template: str = "correctness"
+    judge_weight: float = 1.0           # weight of the judge's score (in [0, 1]) in the reward
+    judge_group: bool = False           # RULER-style: one request scores a prompt's whole group
+    judge_concurrency: int = 4          # requests in flight at once
+    judge_rate: float = 0.0             # request starts per second at most (0: no limit)
+    judge_retries: int = 3              # retries, with exponential backoff, of a failed request
+    judge_timeout_s: float = 60.0       # one request's time limit
+    judge_max_tokens: int = 256         # the judge's reply length
+    # replies on disk, keyed by model and request: None, judge_cache.sqlite in the run folder
+    # (a resumed run reuses it); a path to share one between runs; 'none' for no cache
+    judge_cache: str | None = None
+    judge_api_key_env: str = "OPENAI_API_KEY"   # the environment variable holding the API key
 
     def validate(self) -> None:
         check_range("reward.workers", self.workers, 0)
         check_range("reward.memory_mb", self.memory_mb, 256)
         check_range("reward.max_failing_steps", self.max_failing_steps, 0)
         check_range("reward.timeout_s", self.timeout_s, 0.0, lo_open=True)
+        if self.judge is not None:
+            check_judge(self)
         if self.model is not None and not Path(self.model).is_dir():
             raise ConfigError(f"reward.model={self.model!r} is not a folder (train one with "
                               "`posttrain reward-model`)")
@@ -324,3 +347,15 @@ class StageDataConfig:
         if self.synthetic and self.synthetic not in ("addition", "subtraction", "arithmetic"):
             raise ConfigError(f"data.synthetic={self.synthetic!r} is not valid; accepted: "
                               "['addition', 'arithmetic', 'subtraction']")
+
+
+def check_judge(cfg: RewardConfig) -> None:
+    """The judge's settings (its template is read when the scorer starts, before any model)."""
+    if not str(cfg.judge).startswith(("http://", "https://")):
+        raise ConfigError(f"reward.judge={cfg.judge!r} is not an endpoint URL: give the "
+                          "OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
+    check_range("reward.judge_concurrency", cfg.judge_concurrency, 1)
+    check_range("reward.judge_rate", cfg.judge_rate, 0.0)
+    check_range("reward.judge_retries", cfg.judge_retries, 0)
+    check_range("reward.judge_timeout_s", cfg.judge_timeout_s, 0.0, lo_open=True)
+    check_range("reward.judge_max_tokens", cfg.judge_max_tokens, 1)

@@ -70,6 +70,28 @@ def grpo_advantage(rewards_P_G: Tensor, eps: float = 1e-6, scale_by_std: bool = 
     return centred / (rewards_P_G.std(dim=1, keepdim=True) + eps)
 
 
+def excluding_unscored(fn: Callable[[Tensor], Tensor], rewards_P_G: Tensor,
+                       scored_P_G: Tensor | None, per_group: bool = True) -> Tensor:
+    """An outcome estimator as if the responses nobody could score (an LLM judge's outage) had
+    never been sampled: each group's estimator over its scored members alone (per_group; a group
+    with fewer than 2 has no baseline and gets 0), or a batch estimator over every scored
+    response; unscored responses get 0. With every response scored this is `fn(rewards_P_G)`.
+
+        A_i = fn({R_j : j in group, scored_j})_i   for scored i,   A_i = 0 otherwise
+    """
+    if scored_P_G is None or bool(scored_P_G.all()):
+        return fn(rewards_P_G)
+    out = torch.zeros_like(rewards_P_G)
+    if not per_group:
+        out[scored_P_G] = fn(rewards_P_G[scored_P_G][None])[0]
+        return out
+    for p in range(rewards_P_G.shape[0]):
+        keep = scored_P_G[p]
+        if int(keep.sum()) >= 2:
+            out[p, keep] = fn(rewards_P_G[p, keep][None])[0]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Token-level advantages from a value model (§5)
 # ---------------------------------------------------------------------------------------------
@@ -148,6 +170,7 @@ class AdvantageInputs:
     values_B_T: Tensor | None = None          # value model predictions V(x, y_<t)
     old_logp_B_T: Tensor | None = None        # log pi_old of the sampled tokens (distillation)
     teacher_logp_B_T: Tensor | None = None    # log pi_T of the same tokens (distillation)
+    scored_P_G: Tensor | None = None          # False: unscorable (left out; None: all scored)
 
 
 @dataclass(frozen=True)
@@ -180,23 +203,30 @@ def _per_token(adv_P_G: Tensor, mask_B_T: Tensor) -> Tensor:
     return adv_P_G.reshape(-1, 1).to(mask_B_T.dtype) * mask_B_T
 
 
-def _outcome_estimator(fn: Callable[[Tensor], Tensor]) -> AdvantageFn:
+def _outcome_estimator(fn: Callable[[Tensor], Tensor], per_group: bool = True) -> AdvantageFn:
     """Wrap a parameter-free (P, G) -> (P, G) outcome estimator for the registry."""
     def estimator(inp: AdvantageInputs, p: AdvantageParams) -> Advantages:
-        return Advantages(_per_token(fn(inp.rewards_P_G), inp.mask_B_T))
+        adv_P_G = excluding_unscored(fn, inp.rewards_P_G, inp.scored_P_G, per_group)
+        return Advantages(_per_token(adv_P_G, inp.mask_B_T))
     estimator.__qualname__ = f"outcome[{fn.__name__}]"
     return estimator
 
 
-for _name, _fn in (("reinforce", reinforce_advantage), ("batch_mean", batch_mean_baseline_advantage),
-                   ("group_mean", group_mean_baseline_advantage), ("rloo", rloo_advantage)):
-    ADVANTAGES.register(_name)(_outcome_estimator(_fn))
+for _name, _fn, _per_group in (("reinforce", reinforce_advantage, False),
+                               ("batch_mean", batch_mean_baseline_advantage, False),
+                               ("group_mean", group_mean_baseline_advantage, True),
+                               ("rloo", rloo_advantage, True)):
+    ADVANTAGES.register(_name)(_outcome_estimator(_fn, _per_group))
+
+
+def _grpo(inp: AdvantageInputs, p: AdvantageParams) -> Tensor:
+    return excluding_unscored(lambda r: grpo_advantage(r, p.eps, p.scale_by_std),
+                              inp.rewards_P_G, inp.scored_P_G)
 
 
 @ADVANTAGES.register("group")
 def _group(inp: AdvantageInputs, p: AdvantageParams) -> Advantages:
-    adv_P_G = grpo_advantage(inp.rewards_P_G, p.eps, p.scale_by_std)
-    return Advantages(_per_token(adv_P_G, inp.mask_B_T))
+    return Advantages(_per_token(_grpo(inp, p), inp.mask_B_T))
 
 
 @ADVANTAGES.register("gae")
@@ -229,6 +259,5 @@ def _reverse_kl(inp: AdvantageInputs, p: AdvantageParams) -> Advantages:
         rewards = distillation_advantage(inp.old_logp_B_T, inp.teacher_logp_B_T, inp.mask_B_T)
         adv = discounted_returns(rewards, inp.mask_B_T, p.gamma)
     if p.reward_weight:
-        group = grpo_advantage(inp.rewards_P_G, p.eps, p.scale_by_std)
-        adv = adv + p.reward_weight * _per_token(group, inp.mask_B_T)
+        adv = adv + p.reward_weight * _per_token(_grpo(inp, p), inp.mask_B_T)
     return Advantages(adv)

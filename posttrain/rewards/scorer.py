@@ -7,6 +7,7 @@ import inspect
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +35,11 @@ class RewardResult:
     # each response's reward by source ("verifier", "format", a function's spec, "reward_model"),
     # summing to rewards_B (the per-token records show them)
     parts_B: list[dict[str, float]] = field(default_factory=list)
+    # the LLM judge (rewards/judge.py): its scores in [0, 1] (nan: unscorable), which responses
+    # every source could score (False: out of the baseline and the loss), and what it cost
+    judge_scores_B: Tensor | None = None
+    scored_B: Tensor | None = None
+    judge_stats: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,8 @@ class Scorer:
               + model_weight * reward_model(prompt, completion)."""
 
     def __init__(self, cfg: RewardConfig, task_verifier: str = "math",
-                 system_prompt: str | None = None, autocast: str = "none") -> None:
+                 system_prompt: str | None = None, autocast: str = "none",
+                 run_dir: str | Path | None = None) -> None:
         self.cfg = cfg
         name = task_verifier if cfg.verifier == "math" and task_verifier != "math" else cfg.verifier
         self.verifier = None if name == "none" else name
@@ -101,6 +108,7 @@ class Scorer:
         self.tallies: dict[str, Tally] = {}
         self.system_prompt, self.autocast = system_prompt, autocast
         self._reward_model = None
+        self.judge = make_judge(cfg, run_dir) if cfg.judge else None
 
     def start(self) -> None:
         """Start the reward sandbox now (it starts on the first batch otherwise): a function that
@@ -124,8 +132,12 @@ class Scorer:
         return self._reward_model
 
     def __call__(self, problems: list[Problem], completions: list[str],
-                 with_model: bool = True) -> RewardResult:
+                 with_model: bool = True, group_size: int = 1) -> RewardResult:
+        """`with_model`: add the reward model's and the judge's scores (evaluation reads the
+        verifier alone); `group_size`: consecutive responses to one prompt (the judge's groups)."""
         result = self.verify_and_functions(problems, completions)
+        if with_model and self.judge is not None:
+            self.add_judge(result, problems, completions, group_size)
         if with_model and self.cfg.model:
             scores = self.reward_model([p.prompt for p in problems], completions)
             result.model_scores_B = scores
@@ -133,6 +145,27 @@ class Scorer:
             for part, score in zip(result.parts_B, (self.cfg.model_weight * scores).tolist()):
                 part["reward_model"] = score
         return result
+
+    def add_judge(self, result: RewardResult, problems: list[Problem], completions: list[str],
+                  group_size: int) -> None:
+        """The judge's weighted score added to each response's reward; an unscorable response
+        keeps the rest of its reward for the logs and is marked out of the baseline and loss."""
+        verdicts = self.judge([p.prompt for p in problems], completions,
+                              [p.answer for p in problems], group_size)
+        tally = self.tallies.setdefault("reward judge", Tally())
+        for error in verdicts.errors:
+            tally.add(True, error)
+        for _ in range(verdicts.calls + verdicts.cache_hits - len(verdicts.errors)):
+            tally.add(False)
+        scores = torch.tensor([float("nan") if s is None else s for s in verdicts.scores])
+        scored = ~scores.isnan()
+        weighted = self.cfg.judge_weight * scores.nan_to_num(0.0)
+        result.rewards_B = result.rewards_B + weighted
+        for part, w in zip(result.parts_B, weighted.tolist()):
+            part["judge"] = w      # (0 where unscorable: the parts still sum to the reward)
+        result.judge_scores_B, result.scored_B = scores, scored
+        result.judge_stats = {"calls": verdicts.calls, "cache_hits": verdicts.cache_hits,
+                              "unscorable": verdicts.unscorable}
 
     def verify_and_functions(self, problems: list[Problem], completions: list[str]) -> RewardResult:
         """The verifier's verdict and the user functions' rewards for each response; every call
@@ -194,3 +227,16 @@ class Scorer:
         """Calls and failures per verifier and function since the last take (FailureWatch)."""
         out, self.tallies = self.tallies, {}
         return out
+
+
+def make_judge(cfg: RewardConfig, run_dir: str | Path | None):
+    """The judge `reward.judge` names, its cache in the run folder unless told otherwise."""
+    from posttrain.rewards.judge import Judge, JudgeSettings
+    if cfg.judge_cache == "none" or (cfg.judge_cache is None and run_dir in (None, "none")):
+        cache = None
+    else:
+        cache = Path(cfg.judge_cache or Path(run_dir) / "judge_cache.sqlite").expanduser()
+    return Judge(JudgeSettings(cfg.judge, cfg.judge_model, cfg.judge_template, cfg.judge_group,
+                               cfg.judge_concurrency, cfg.judge_rate, cfg.judge_retries,
+                               cfg.judge_timeout_s, cfg.judge_max_tokens, cache,
+                               cfg.judge_api_key_env))

@@ -44,6 +44,8 @@ class ScoredBatch:
     # asynchronous training: the weight version (a step number) that sampled each response
     # (rl/batch_source.py); None: the weights being trained
     version_B: Tensor | None = None
+    # the LLM judge: False where it could not score a response (out of the baseline and loss)
+    scored_B: Tensor | None = None
 
     def __post_init__(self) -> None:
         """Every per-token log-prob holds 0 past each response's end and on the tokens an

@@ -289,7 +289,7 @@ def make_batch_source(rollout_cfg, collect: Collect, engine, sampler: Sampler, v
 # -- a sampled batch on disk (safetensors for its tensors, JSON for the rest) --------------------
 
 _ROLLOUT_TENSORS = [f.name for f in fields(Rollout) if f.name != "group_size"]
-_BATCH_TENSORS = ("rewards_B", "correct_B", "loss_mask_B_T", "version_B")
+_BATCH_TENSORS = ("rewards_B", "correct_B", "loss_mask_B_T", "version_B", "scored_B")
 
 
 def save_sampled(sampled: Sampled, folder: Path) -> None:
@@ -297,7 +297,7 @@ def save_sampled(sampled: Sampled, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     b, ro = sampled.batch, sampled.batch.rollout
     tensors = {f"rollout.{k}": getattr(ro, k) for k in _ROLLOUT_TENSORS if getattr(ro, k) is not None}
-    tensors.update({k: getattr(b, k) for k in _BATCH_TENSORS})
+    tensors.update({k: getattr(b, k) for k in _BATCH_TENSORS if getattr(b, k) is not None})
     # (cloned: fields may share memory, e.g. a loss mask that is the response mask)
     save_file({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()},
               str(folder / "tensors.safetensors"))
@@ -317,7 +317,7 @@ def load_sampled(folder: Path) -> Sampled:
     batch = ScoredBatch(ro, [problem_from(d) for d in meta["problems"]], meta["completions"],
                         t["rewards_B"], t["correct_B"], t["loss_mask_B_T"],
                         transcripts=meta["transcripts"], reward_parts=meta["reward_parts"],
-                        version_B=t["version_B"])
+                        version_B=t["version_B"], scored_B=t.get("scored_B"))
     return Sampled(batch, meta["metrics"], meta["version"], [tuple(d) for d in meta["drawn"]],
                    Counter(meta["timings"]))
 

@@ -24,7 +24,7 @@ from posttrain.rollout.episodes import Episodes, run_episodes
 from posttrain.rollout.hf import row_seeds
 from posttrain.model.distributed import SINGLE, World, full_weights_for_generation, gather_objects
 from posttrain.rl.batch import ScoredBatch, equal_reward_groups, merge
-from posttrain.rl.step_metrics import read_floats, reward_model_metrics
+from posttrain.rl.step_metrics import judge_metrics, read_floats, reward_model_metrics
 
 
 def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, scorer: Scorer,
@@ -87,14 +87,19 @@ def sample_and_score_round(engine: RolloutEngine, tokenizer, sampler: Sampler, s
     multi_turn = env.max_turns > 1
     if multi_turn and first:    # per episode: turns, tool calls, malformed calls
         stats.update(episodes.metrics())
+    scored = None if result.scored_B is None else result.scored_B.to(rewards.device)
     batch = ScoredBatch(episodes.rollout, per_response, episodes.completions, rewards, correct,
-                        loss_mask(episodes.rollout, algo),
-                        transcripts=episodes.transcripts if multi_turn else None, reward_parts=parts)
+                        loss_mask(episodes.rollout, algo, scored),
+                        transcripts=episodes.transcripts if multi_turn else None, reward_parts=parts,
+                        scored_B=scored)
     if first:
         first_stats = {"rollout/equal_groups_frac": equal_reward_groups(batch.rewards_P_G).float().mean(),
                        "reward/generated_mean": rewards.mean()}
         if result.model_scores_B is not None:   # RLHF: the proxy beside the truth (hacking shows)
             first_stats.update(reward_model_metrics(result.model_scores_B, result.correct_B))
+        if result.judge_scores_B is not None:   # the judge beside the verifier
+            first_stats.update(judge_metrics(result.judge_scores_B, result.correct_B,
+                                             result.judge_stats))
         stats.update(read_floats(first_stats))
     return batch
 
@@ -127,7 +132,7 @@ def score_round(episodes: Episodes, per_response: list[Problem], scorer: Scorer,
     verdicts and each reward's parts by source; the prompts to ask again go to the sampler,
     failed calls to `stats`."""
     rollout = episodes.rollout
-    result = scorer(per_response, episodes.completions)
+    result = scorer(per_response, episodes.completions, group_size=cfg.rollout.group_size)
     rewards, correct = episode_rewards(result, episodes, rollout.response_mask_B_T.device)
     parts = [dict(p) for p in result.parts_B]
     if episodes.env_rewards_B.abs().sum() > 0:
@@ -163,12 +168,15 @@ def report_solved(sampler: Sampler, correct_B: Tensor, G: int, retry_if: str, wo
     sampler.report([a for share in gather_objects(again.tolist(), world) for a in share])
 
 
-def loss_mask(rollout: Rollout, algo: AlgorithmConfig) -> Tensor:
-    """The response tokens the loss sees: the policy's own (never an environment's), and with
-    the overlong filter none of a truncated answer's (they teach nothing about the end)."""
+def loss_mask(rollout: Rollout, algo: AlgorithmConfig, scored_B: Tensor | None = None) -> Tensor:
+    """The response tokens the loss sees: the policy's own (never an environment's), none of a
+    response the judge could not score, and with the overlong filter none of a truncated
+    answer's (they teach nothing about the end)."""
     mask = rollout.policy_tokens_B_T.clone()
     if algo.overlong == "filter":
         mask[rollout.truncated_B] = 0.0
+    if scored_B is not None:
+        mask[~scored_B] = 0.0
     return mask
 
 

@@ -283,7 +283,7 @@ def check_inputs(job: Job, teacher):
         if teacher is None and cfg.algo.advantage in NEEDS_TEACHER:
             for where, path in teacher_paths(cfg.teacher):
                 check_model_folder(path, where)
-    return sampling_inputs(cfg, teachers_exist)
+    return sampling_inputs(cfg, teachers_exist, job.run_dir)
 
 
 def place_models(job: Job, model, tokenizer, teachers, scorer: Scorer):

@@ -23,6 +23,20 @@ def reward_model_metrics(scores_B: Tensor, correct_B: Tensor) -> dict[str, Tenso
             "reward/model_score_incorrect": mean_where(scores_B, ~correct_B)}
 
 
+def judge_metrics(scores_B: Tensor, correct_B: Tensor, stats: dict[str, float]) -> dict[str, Tensor]:
+    """The judge's mean score over the responses it scored, how often it agrees with the verifier
+    (score >= 0.5 on a verified answer, < 0.5 on a wrong one; nan: none scored), its requests,
+    cache hits and unscorable responses."""
+    correct_B = correct_B.to(scores_B.device)
+    scored = ~scores_B.isnan()
+    agree = (scores_B >= 0.5) == correct_B
+    return {"reward/judge_score": mean_where(scores_B.nan_to_num(0.0), scored),
+            "reward/judge_agreement": mean_where(agree.float(), scored),
+            "reward/judge_unscorable": torch.tensor(float(stats.get("unscorable", 0))),
+            "reward/judge_requests": torch.tensor(float(stats.get("calls", 0))),
+            "reward/judge_cache_hits": torch.tensor(float(stats.get("cache_hits", 0)))}
+
+
 def per_domain(batch: ScoredBatch, kl_B_T: Tensor | None = None) -> dict[str, Tensor]:
     """Accuracy and sampled reverse KL per domain, when a batch mixes domains (MOPD)."""
     domains = [p.domain for p in batch.problems]

@@ -80,7 +80,7 @@ def sample_rows(engine, tokenizer, env, problems, scorer, samples: int, params, 
     ep = run_episodes(engine, tokenizer, env, problems, samples, params, episode_settings(cfg),
                       generator)
     per_response = [p for p in problems for _ in range(samples)]
-    correct = ep.verdicts(scorer(per_response, ep.completions).correct_B).tolist()
+    correct = ep.verdicts(scorer(per_response, ep.completions, with_model=False).correct_B).tolist()
     return [{**row, "correct": ok}
             for row, ok in zip(episode_rows(ep, per_response, env, tokenizer, cfg), correct)
             if ok or not only_correct]

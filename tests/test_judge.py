@@ -1,0 +1,141 @@
+"""The LLM judge as a reward (rewards/judge.py): parsing, the cache, retries, group mode, and an
+unscorable response left out of its group's baseline and out of the loss, never scored 0."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from posttrain.config.options import load_config
+from posttrain.data.source import Sampler, build_task
+from posttrain.losses.advantages import (ADVANTAGES, AdvantageInputs, AdvantageParams,
+                                         excluding_unscored, grpo_advantage, rloo_advantage)
+from posttrain.rewards import Scorer
+from posttrain.rewards.judge import (Judge, JudgeSettings, load_template, parse_group_scores,
+                                     parse_score)
+from posttrain.rl.collect import generate_and_score
+from posttrain.rl.loop import train
+from posttrain.rollout import make_engine
+from posttrain.util.errors import ConfigError
+from tests.conftest import make_tiny_model
+from tests.judge_stub import StubJudge
+
+
+def test_a_score_is_read_from_the_last_score_line_and_bounded():
+    assert parse_score("Score: 3\nOn reflection... Score: 10") == 1.0
+    assert parse_score('{"reason": "ok", "score": 7}') == 0.7
+    assert parse_score("**Score:** 5") == 0.5
+    assert parse_score("Score: 11") is None          # out of range: unscorable, not clipped
+    assert parse_score("I think it is right.") is None
+    assert parse_group_scores("Scores: [10, 0, 5]", 3) == [1.0, 0.0, 0.5]
+    assert parse_group_scores("Scores: [10, 0]", 3) is None      # wrong size scores nobody
+    assert parse_group_scores("Scores: [10, true, 0]", 3) is None
+    assert parse_group_scores("Scores: [1e999, 0, 0]", 3) is None
+
+
+def test_a_template_file_with_an_unknown_field_fails_before_anything_runs(tmp_path):
+    bad = tmp_path / "t.txt"
+    bad.write_text("Grade {completion} against {reference}")
+    with pytest.raises(ConfigError, match=r"t.txt: reward.judge_template uses \['reference'\]"):
+        load_template(str(bad), group=False)
+    with pytest.raises(ConfigError, match="neither a built-in template"):
+        load_template("corectness", group=False)
+    good = tmp_path / "g.txt"
+    good.write_text("Q {prompt} A {completion} {{json}} Score: N")
+    assert load_template(str(good), group=False).startswith("Q {prompt}")
+
+
+def settings(url, tmp_path, **kw):
+    return JudgeSettings(url, retries=kw.pop("retries", 0), timeout_s=10,
+                         cache=kw.pop("cache", tmp_path / "cache.sqlite"), **kw)
+
+
+def test_failed_requests_are_unscorable_counted_and_asked_again_while_scored_ones_are_cached(tmp_path):
+    completions = ["42", "the answer is 42", "7", "no idea", "x"]   # lengths 2, 16, 1, 7, 1
+    with StubJudge(fail_odd=True) as stub:
+        judge = Judge(settings(stub.url, tmp_path))
+        first = judge(["p"] * 5, completions, ["42"] * 5, group_size=5)
+        assert first.scores == [1.0, 1.0, None, None, None]   # odd lengths: the stub failed
+        assert (first.calls, first.cache_hits, first.unscorable) == (5, 0, 3)
+        assert all("InternalServerError" in e for e in first.errors)
+        again = judge(["p"] * 5, completions, ["42"] * 5, group_size=5)
+        assert again.scores == first.scores
+        assert (again.calls, again.cache_hits) == (3, 2)   # only the failed ones were asked again
+        assert stub.requests == 8
+        judge.close()
+
+
+def test_retries_get_past_a_transient_outage(tmp_path):
+    with StubJudge(fail_first=2) as stub:
+        judge = Judge(settings(stub.url, tmp_path, retries=2, concurrency=1, cache=None))
+        out = judge(["p"], ["42"], ["42"], group_size=1)
+        assert out.scores == [1.0] and stub.requests == 3
+        judge.close()
+
+
+def test_group_mode_scores_a_whole_group_in_one_request(tmp_path):
+    with StubJudge(group=True) as stub:
+        judge = Judge(settings(stub.url, tmp_path, group=True, cache=None))
+        out = judge(["p"] * 4, ["42", "41", "it is 42", "0"], ["42"] * 4, group_size=2)
+        assert out.scores == [1.0, 0.0, 1.0, 0.0] and stub.requests == 2
+        judge.close()
+
+
+def test_excluding_unscored_runs_the_estimator_on_the_scored_members_only():
+    r = torch.tensor([[1.0, 0.0, 5.0, 0.0], [1.0, 1.0, 0.0, 9.0], [3.0, 9.0, 9.0, 9.0]])
+    scored = torch.tensor([[True, True, False, True], [True, True, True, True],
+                           [True, False, False, False]])
+    adv = excluding_unscored(rloo_advantage, r, scored)
+    # group 0 without its 5.0: RLOO over (1, 0, 0); group 1 as usual; group 2: one scored, no baseline
+    assert torch.allclose(adv[0], torch.tensor([1.0, -0.5, 0.0, -0.5]))
+    assert torch.allclose(adv[1], rloo_advantage(r[1:2])[0])
+    assert torch.equal(adv[2], torch.zeros(4))
+    g = excluding_unscored(lambda x: grpo_advantage(x), r, scored)
+    assert torch.allclose(g[0, [0, 1, 3]], grpo_advantage(torch.tensor([[1.0, 0.0, 0.0]]))[0])
+    assert excluding_unscored(rloo_advantage, r, torch.ones_like(scored)).equal(rloo_advantage(r))
+    # a batch estimator: the batch mean of the scored responses
+    from posttrain.losses.advantages import batch_mean_baseline_advantage as bm
+    b = excluding_unscored(bm, r, scored, per_group=False)
+    mean = r[scored].mean()
+    assert torch.allclose(b[scored], r[scored] - mean) and torch.equal(b[~scored], torch.zeros(4))
+
+
+def test_an_unscorable_response_changes_nothing_else_in_its_group():
+    """Whatever an unscorable response's reward reads, the other responses' advantages are the
+    same, for every outcome estimator."""
+    scored = torch.tensor([[True, False, True, True]])
+    mask = torch.ones(4, 3)
+    for name in ("reinforce", "batch_mean", "group_mean", "rloo", "group"):
+        outs = [ADVANTAGES[name](AdvantageInputs(torch.tensor([[1.0, fill, 0.0, 1.0]]), mask,
+                                                 scored_P_G=scored), AdvantageParams()).adv_B_T
+                for fill in (0.0, 1.0, -7.0)]
+        assert all(o.equal(outs[0]) for o in outs), name
+        assert outs[0][1].abs().sum() == 0, name
+
+
+TOY = ["--reward.verifier", "none", "--data.eval_size", "0", "--rollout.max_new_tokens", "4",
+       "--data.system_prompt", "null", "--tensorboard", "false", "--threads", "2",
+       "--reward.judge_retries", "0", "--rollout.prompts_per_step", "2",
+       "--rollout.group_size", "4", "--algorithm.kl_coef", "0"]
+
+
+def test_a_half_failing_judge_trains_with_its_failures_out_of_the_baseline_and_loss(tmp_path, tokenizer):
+    with StubJudge(fail_odd=True) as stub:
+        cfg = load_config(None, [*TOY, "--run_dir", str(tmp_path / "run"), "--reward.judge",
+                                 stub.url, "--steps", "2"])
+        scorer = Scorer(cfg.reward, run_dir=tmp_path / "run")
+        batch, stats = generate_and_score(make_engine("hf", make_tiny_model(tokenizer), tokenizer),
+                                          tokenizer, Sampler(build_task(cfg.data), 0), scorer,
+                                          cfg, cfg.algo, torch.Generator().manual_seed(0), Counter())
+        odd = torch.tensor([len(c) % 2 == 1 for c in batch.completions])
+        assert odd.any() and (~odd).any()
+        assert batch.scored_B.equal(~odd)               # exactly the stub's failures
+        assert batch.loss_mask_B_T[odd].sum() == 0      # out of the loss
+        assert batch.loss_mask_B_T[~odd].sum() > 0
+        assert stats["reward/judge_unscorable"] == int(odd.sum())
+        train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert len(rows) == 2 and all(r["reward/judge_unscorable"] > 0 for r in rows)
+    assert all(r["reward/judge_requests"] + r["reward/judge_cache_hits"] == 8 for r in rows)
+    assert (tmp_path / "run" / "judge_cache.sqlite").is_file()
