@@ -156,6 +156,10 @@ class EnvConfig:
     sandbox: Literal["auto", "bwrap", "fallback"] = "auto"
     python_memory_mb: int = 512         # address-space limit of the python tool's processes
     python_max_procs: int = 32          # processes the python tool may run at once
+    # an OpenEnv environment (env.name openenv; docs/environments.md): 'module:Class' (its
+    # Environment, run in process) or the URL of a served one ('http://127.0.0.1:8001')
+    openenv: str | None = None
+    openenv_action: str = "message"     # the OpenEnv action's field that receives the policy's turn
 
     def validate(self) -> None:
         for name in ("max_turns", "max_tokens", "max_reply_tokens", "python_memory_mb",
@@ -165,6 +169,9 @@ class EnvConfig:
         check_range("env.tool_timeout_s", self.tool_timeout_s, 0.0, lo_open=True)
         check_range("env.tool_seconds_per_episode", self.tool_seconds_per_episode, 0.0, lo_open=True)
         check_range("env.tool_seconds_per_step", self.tool_seconds_per_step, 0.0, lo_open=True)
+        if self.name == "openenv" and not self.openenv:
+            raise ConfigError("env.name openenv needs env.openenv: 'module:Class' (in process) "
+                              "or the URL of a served OpenEnv environment")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,12 @@ ENVIRONMENTS.register("tools")(
 ENVIRONMENTS.register("guess_number")(lambda cfg: GuessNumber(cfg.max_turns))
 
 
+@ENVIRONMENTS.register("openenv")
+def _openenv(cfg: EnvConfig):
+    from posttrain.envs.openenv import from_config
+    return from_config(cfg)
+
+
 def make_env(cfg: EnvConfig, task: Task) -> Environment:
     """The environment `env.name` names: 'auto' is the task's own (single turn for most tasks;
     'tools' when `env.tools` is set), a built-in, or 'module:function' called with the EnvConfig.
