@@ -160,6 +160,9 @@ class EnvConfig:
     # Environment, run in process) or the URL of a served one ('http://127.0.0.1:8001')
     openenv: str | None = None
     openenv_action: str = "message"     # the OpenEnv action's field that receives the policy's turn
+    # an external agent harness (env.name agent): 'module:function' called as
+    # function(base_url, problem) per episode, against the policy's OpenAI-compatible endpoint
+    agent: str | None = None
 
     def validate(self) -> None:
         for name in ("max_turns", "max_tokens", "max_reply_tokens", "python_memory_mb",
@@ -169,6 +172,9 @@ class EnvConfig:
         check_range("env.tool_timeout_s", self.tool_timeout_s, 0.0, lo_open=True)
         check_range("env.tool_seconds_per_episode", self.tool_seconds_per_episode, 0.0, lo_open=True)
         check_range("env.tool_seconds_per_step", self.tool_seconds_per_step, 0.0, lo_open=True)
+        if self.name == "agent" and not self.agent:
+            raise ConfigError("env.name agent needs env.agent: the 'module:function' that runs "
+                              "one episode against the policy's endpoint")
         if self.name == "openenv" and not self.openenv:
             raise ConfigError("env.name openenv needs env.openenv: 'module:Class' (in process) "
                               "or the URL of a served OpenEnv environment")

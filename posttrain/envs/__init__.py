@@ -8,14 +8,15 @@ from typing import Any
 from posttrain.util.errors import ConfigError
 from posttrain.config.sections import EnvConfig
 from posttrain.data.tasks import Task
-from posttrain.envs.base import (BindsTokenizer, Demonstrates, DescribesTools, Environment, Reply,
-                                 SingleTurn)
+from posttrain.envs.base import (BindsTokenizer, Demonstrates, DescribesTools, DrivesPolicy, Driven,
+                                 Environment, Reply, SingleTurn)
 from posttrain.envs.builtin import GuessNumber, ToolEnv
 from posttrain.envs.tools import TOOLS, Tool, make_tools
 from posttrain.util.registry import Registry
 from posttrain.util.usercode import load_function
 
-__all__ = ["ENVIRONMENTS", "BindsTokenizer", "Demonstrates", "DescribesTools", "Environment",
+__all__ = ["ENVIRONMENTS", "BindsTokenizer", "Demonstrates", "DescribesTools", "DrivesPolicy",
+           "Driven", "Environment",
            "GuessNumber", "Reply", "SingleTurn", "Tool",
            "ToolEnv", "for_tokenizer", "make_env"]
 
@@ -29,6 +30,12 @@ ENVIRONMENTS.register("tools")(
                         seconds_per_episode=cfg.tool_seconds_per_episode,
                         seconds_per_batch=cfg.tool_seconds_per_step))
 ENVIRONMENTS.register("guess_number")(lambda cfg: GuessNumber(cfg.max_turns))
+
+
+@ENVIRONMENTS.register("agent")
+def _agent(cfg: EnvConfig):
+    from posttrain.envs.agent import AgentEnvironment
+    return AgentEnvironment(load_function(cfg.agent), cfg.max_turns)
 
 
 @ENVIRONMENTS.register("openenv")

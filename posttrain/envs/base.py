@@ -82,6 +82,26 @@ class Demonstrates(Protocol):
     def demonstration(self, problem: Problem) -> list[dict[str, str]]: ...
 
 
+@dataclass(frozen=True)
+class Driven:
+    """How an episode that the environment drove ended (DrivesPolicy)."""
+
+    reward: float = 0.0                      # the episode's reward from the environment
+    correct: bool | None = None              # its verdict (None: the task's verifier decides)
+    parts: dict[str, float] = field(default_factory=dict)   # the reward by source (logged), in it
+    counts: dict[str, int] = field(default_factory=dict)    # summed per step, as Reply.counts
+
+
+@runtime_checkable
+class DrivesPolicy(Protocol):
+    """Optional hook: the environment runs each episode itself (an agent harness, a verifiers
+    rollout) and asks the policy for every turn with `policy.chat(messages)`; the sampler
+    answers every episode's request of a turn in one batch and records the exact tokens
+    (rollout/driven.py). `reset` and `step` are not called."""
+
+    def drive(self, policy: Any, problem: Problem) -> Driven: ...
+
+
 class SingleTurn:
     """One answer per problem, scored by the task's verifier and the reward functions."""
 

@@ -109,6 +109,26 @@ class ReplyEncoder:
             text = closing + head + content + tail
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def encode_messages(self, messages: list[dict[str, Any]], policy_wrote_eos: bool) -> list[int]:
+        """The tokens after a policy turn when the environment answers with several messages
+        (tool results, then a user message): rendered after a marked assistant turn, taken from
+        the mark on, the same way as `encode` takes one message."""
+        if len(messages) == 1:
+            return self.encode(messages[0], policy_wrote_eos)
+        if not self.templated:
+            return self.tokenizer("".join(f"\n{m.get('content', '')}\n" for m in messages),
+                                  add_special_tokens=False)["input_ids"]
+        self._template_parts(messages[0].get("role", "user"))   # (a role it refuses: its error)
+        base = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": self._MARK}]
+        before, after = self._render(base, False), self._render(base + list(messages), True)
+        if not after.startswith(before):
+            raise ValueError("the chat template does not render a conversation as the "
+                             "concatenation of its turns; multi-turn episodes need one that does")
+        text = after[before.rindex(self._MARK) + len(self._MARK):]
+        if policy_wrote_eos and self.eos_text and text.startswith(self.eos_text):
+            text = text[len(self.eos_text):]
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
     def cut(self, content: str, limit: int) -> str:
         """`content` cut to at most `limit` tokens (an environment's long output)."""
         ids = self.tokenizer(content, add_special_tokens=False)["input_ids"]

@@ -135,7 +135,13 @@ def score_round(episodes: Episodes, per_response: list[Problem], scorer: Scorer,
     result = scorer(per_response, episodes.completions, group_size=cfg.rollout.group_size)
     rewards, correct = episode_rewards(result, episodes, rollout.response_mask_B_T.device)
     parts = [dict(p) for p in result.parts_B]
-    if episodes.env_rewards_B.abs().sum() > 0:
+    if episodes.parts is not None and any(episodes.parts):   # a driving environment's sources
+        for part, env_parts in zip(parts, episodes.parts):
+            part.update({f"environment/{k}": v for k, v in env_parts.items()})
+        for k in sorted({k for p in episodes.parts for k in p}):   # (the first round's)
+            if f"env/reward_{k}" not in stats:
+                stats[f"env/reward_{k}"] = sum(p.get(k, 0.0) for p in episodes.parts) / len(parts)
+    elif episodes.env_rewards_B.abs().sum() > 0:
         for part, r in zip(parts, episodes.env_rewards_B.tolist()):
             part["environment"] = r
     report_solved(sampler, correct, cfg.rollout.group_size, cfg.data.retry_if, world, stats)

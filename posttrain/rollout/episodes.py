@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from posttrain.data.tasks import Problem
-from posttrain.envs.base import DescribesTools, Environment, Reply, StartsBatch
+from posttrain.envs.base import DescribesTools, DrivesPolicy, Environment, Reply, StartsBatch
 from posttrain.util.health import Tally
 from posttrain.model.prompts import ReplyEncoder, encode_prompts, left_pad
 from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams
@@ -47,6 +47,7 @@ class Episodes:
     env_correct: list[bool | None]      # the environment's verdict (None: the verifier decides)
     counts: Counter                     # turns, tool_calls, malformed_calls, ... over the batch
     errors: dict[str, str] = field(default_factory=dict)   # 'environment' / 'tools': the first failure
+    parts: list[dict[str, float]] | None = None   # a driving environment's reward by source, per episode
 
     def tallies(self) -> dict[str, Tally]:
         """Calls and failures of the environment and its tools in this batch (FailureWatch)."""
@@ -73,6 +74,8 @@ def run_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems: l
                  generator: torch.Generator | None = None, seeds: Tensor | None = None) -> Episodes:
     """`group_size` episodes from each problem; `seeds` as for `RolloutEngine.generate`."""
     G = group_size
+    if isinstance(env, DrivesPolicy):
+        return driven_episodes(engine, tokenizer, env, problems, G, params, settings, generator, seeds)
     prompts = encode_prompts(tokenizer, problems, env.system_prompt(settings.system_prompt),
                              settings.chat_template, settings.template_kwargs,
                              env.tool_schemas if isinstance(env, DescribesTools) else None)
@@ -198,6 +201,43 @@ def generate_by_turns(engine: RolloutEngine, prompts: list[list[int]], group_siz
                                   generator, seeds=turn_seeds)
     return padded_rollout(prompts, G, ids, logps, policy, truncated, pad_id,
                           out.response_ids_B_T.device)
+
+
+def driven_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems: list[Problem],
+                    G: int, params: SamplingParams, settings: EpisodeSettings,
+                    generator: torch.Generator | None = None, seeds: Tensor | None = None) -> Episodes:
+    """Episodes the environment drove (rollout/driven.py), as one Rollout: each group's rows
+    must have started from the same prompt (they answer the same problem)."""
+    from posttrain.rollout.driven import drive_batch
+    rows = [p for p in problems for _ in range(G)]
+    out = drive_batch(engine, tokenizer, env, rows, params, settings, generator, seeds)
+    s = out.sessions
+    for r, sess in enumerate(s):
+        if sess.prompt is None:   # (an episode that never asked the policy: an empty answer)
+            sess.prompt = s[r - r % G].prompt or [tokenizer.eos_token_id]
+        if sess.prompt != s[r - r % G].prompt:
+            raise ValueError(f"the driven episodes of problem {r // G} started from different "
+                             "prompts; a group's episodes must answer the same prompt")
+    for sess in s:
+        if not sess.ids:   # (a row needs one token: the episode's end)
+            sess.append([tokenizer.eos_token_id], None)
+    rollout = padded_rollout([s[i * G].prompt for i in range(len(problems))], G,
+                             [x.ids for x in s], [x.logps for x in s], [x.policy for x in s],
+                             [x.truncated for x in s], tokenizer.pad_token_id, _device(engine))
+    counts = Counter(out.counts)
+    counts.update({"turns": sum(x.turns for x in s), "forks": sum(x.forks for x in s)})
+    for res in out.results:
+        counts.update(res.counts)
+    return Episodes(rollout, [x.last_text for x in s],
+                    [tokenizer.decode(x.ids) for x in s],
+                    torch.tensor([float(x.reward) for x in out.results], dtype=torch.float32),
+                    [x.correct for x in out.results], counts, dict(out.errors),
+                    parts=[dict(x.parts) for x in out.results])
+
+
+def _device(engine) -> torch.device:
+    model = getattr(engine, "model", None)
+    return next(model.parameters()).device if model is not None else torch.device("cpu")
 
 
 def padded_rollout(prompts: list[list[int]], G: int, ids: list[list[int]], logps: list[list[float]],

@@ -21,11 +21,9 @@ rollout through the browser of whoever runs the viewer.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import math
 import mimetypes
-import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -33,6 +31,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from posttrain.logs.metrics import TOKENS_DIR
+from posttrain.util.hosts import host_allowed
 
 STATIC = Path(__file__).parent / "static"
 
@@ -127,25 +126,6 @@ class Viewer:
         if route == "evals":
             return read_jsonl(run / "eval_samples.jsonl")
         raise KeyError(route)
-
-
-def host_allowed(header: str, bound: str, port: int) -> bool:
-    """Is `header` (a request's Host) a name of the address the viewer serves? Loopback names
-    with its port; on a wildcard address (--host 0.0.0.0, on purpose) also any IP literal and
-    this machine's own names, never another DNS name."""
-    name, sep, given = header.rpartition(":") if not header.endswith("]") else (header, "", "")
-    if not sep or given != str(port):
-        return False
-    name = name.strip("[]").lower()
-    if name in ("localhost", "127.0.0.1", "::1", bound.lower()):
-        return True
-    if bound not in ("0.0.0.0", "::", ""):
-        return False
-    try:
-        ipaddress.ip_address(name)
-        return True
-    except ValueError:
-        return name in (socket.gethostname().lower(), socket.getfqdn().lower())
 
 
 def make_handler(viewer: Viewer) -> type[BaseHTTPRequestHandler]:

@@ -1,0 +1,67 @@
+"""An external agent harness as the environment (docs/environments.md): `run(base_url, problem)`
+runs one episode against the policy behind an OpenAI-compatible endpoint (envs/endpoint.py; any
+client: the openai SDK, an agent framework) and returns its reward, or a `Driven` with a verdict
+and the reward's parts. posttrain records the exact tokens of every call of the episode and
+trains on them (rollout/driven.py); the harness never handles token ids unless it wants to.
+
+    def run(base_url: str, problem: Problem) -> float | Driven:
+        client = openai.OpenAI(base_url=base_url, api_key="none")
+        reply = client.chat.completions.create(model="policy", messages=[...])
+        ...
+
+Each episode gets its own session URL (`.../s/<id>/v1`), alive while `run` runs; a request
+after the episode's token budget is answered 400. `run` is your code and runs in the trainer's
+process, one thread per episode.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from posttrain.data.tasks import Problem
+from posttrain.envs.base import Driven
+from posttrain.envs.endpoint import Endpoint
+
+
+class AgentEnvironment:
+    """Episodes run by `run(base_url, problem)` against the policy's endpoint."""
+
+    stop: tuple[str, ...] = ()
+    tool_schemas = None
+
+    def __init__(self, run: Callable[[str, Problem], Any], max_turns: int = 4,
+                 name: str = "agent") -> None:
+        self.run, self.max_turns, self.name = run, max_turns, name
+        self._endpoint: Endpoint | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def endpoint(self) -> Endpoint:
+        with self._lock:
+            if self._endpoint is None:
+                self._endpoint = Endpoint(model="policy")
+            return self._endpoint
+
+    def system_prompt(self, base: str | None) -> str | None:
+        return base
+
+    def reset(self, problem: Problem) -> Any:
+        raise NotImplementedError("an agent environment drives its episodes (drive)")
+
+    def step(self, state: Any, text: str, turn: int):
+        raise NotImplementedError("an agent environment drives its episodes (drive)")
+
+    def drive(self, policy: Any, problem: Problem) -> Driven:
+        url = self.endpoint.add(policy)
+        try:
+            out = self.run(url, problem)
+        finally:
+            self.endpoint.drop(url)
+        return out if isinstance(out, Driven) else Driven(float(out or 0.0))
+
+    def close(self) -> None:
+        if self._endpoint is not None:
+            self._endpoint.close()
+            self._endpoint = None

@@ -1,0 +1,294 @@
+"""Episodes an environment drives (envs/base.py `DrivesPolicy`): the environment's own loop (an
+agent harness, a verifiers rollout, a client of the OpenAI-compatible endpoint) asks the policy
+for each turn with chat messages, and posttrain records the exact tokens it trains on.
+
+    step: B episodes in threads -> each asks policy.chat(messages) -> once every live episode
+    has asked (or ended), one engine call samples all their turns -> each gets its reply
+
+One batch per turn, whatever the threads' timing, and each row's noise keyed by its own seed
+(turn k of row r: seeds[r] * 1_000_003 + k, as rollout/episodes.py `generate_by_turns`), so a
+driven episode is as reproducible as a built-in one.
+
+Tokens: the first request's messages are the prompt (the chat template applied once). A later
+request whose messages repeat the conversation so far, the policy's reply as it was returned,
+and add messages after it gets those messages appended as tokens (ReplyEncoder): the policy's own
+tokens are never re-tokenised (TRL #5224). A request that rewrites the history (a template that
+drops earlier reasoning, a harness that edits the reply) is a *fork*: the row restarts after the
+prompt from the rendered conversation, the policy's earlier turns lose their place in the loss,
+and the fork is counted (env/forks), never silently mis-masked.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from posttrain.data.tasks import Problem
+from posttrain.envs.base import Driven, Environment
+from posttrain.envs.endpoint import RequestError
+from posttrain.model.prompts import ReplyEncoder, _ids
+from posttrain.rollout.base import RolloutEngine, SamplingParams
+
+
+class EpisodeOver(RequestError):
+    """The episode's token budget (env.max_tokens) is spent: no more turns (the endpoint
+    answers 400, as vLLM does to a request past the context length)."""
+
+
+@dataclass(frozen=True)
+class PolicyTurn:
+    text: str
+    prompt_ids: list[int]             # what the policy read (the episode so far)
+    completion_ids: list[int]         # what it sampled
+    logprobs: list[float]             # log pi_old of each sampled token
+    finish_reason: str                # 'stop' or 'length'
+    tokens: list[str] = field(default_factory=list)   # each sampled token as text
+
+
+def text_of(content: Any) -> str:
+    """A message's text (OpenAI content parts joined)."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)
+
+
+def same_turns(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    return len(a) == len(b) and all(x.get("role") == y.get("role") and
+                                    text_of(x.get("content")) == text_of(y.get("content"))
+                                    for x, y in zip(a, b))
+
+
+@dataclass
+class Session:
+    """One episode's tokens after its prompt: ids, log-probs, which the policy sampled."""
+
+    prompt: list[int] | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    policy: list[float] = field(default_factory=list)
+    last_text: str = ""
+    truncated: bool = False
+    turns: int = 0
+    forks: int = 0
+
+    def append(self, ids: list[int], logps: list[float] | None) -> None:
+        self.ids += ids
+        self.logps += logps if logps is not None else [0.0] * len(ids)
+        self.policy += [1.0 if logps is not None else 0.0] * len(ids)
+
+
+class Recorder:
+    """Turns chat requests into token ids for the sampler and records what was sampled."""
+
+    def __init__(self, tokenizer, encoder: ReplyEncoder, template_kwargs: dict[str, Any]) -> None:
+        self.tokenizer, self.encoder, self.kwargs = tokenizer, encoder, template_kwargs
+
+    def render(self, messages: list[dict[str, Any]], tools: list | None) -> list[int]:
+        extra = dict(self.kwargs, **({"tools": tools} if tools else {}))
+        plain = [{"role": m.get("role", "user"), "content": text_of(m.get("content"))} for m in messages]
+        return _ids(self.tokenizer.apply_chat_template(plain, add_generation_prompt=True,
+                                                       tokenize=True, **extra))
+
+    def context(self, s: Session, messages: list[dict[str, Any]], tools: list | None,
+                budget: int) -> list[int]:
+        """The ids the next turn is sampled after, the environment's new messages recorded;
+        EpisodeOver when they leave no room in the episode's `budget` of tokens."""
+        if s.prompt is None:
+            s.prompt, s.messages = self.render(messages, tools), list(messages)
+            return list(s.prompt)
+        k = len(s.messages)
+        fork = not (len(messages) > k and same_turns(messages[:k], s.messages))
+        if not fork:
+            wrote_eos = bool(s.ids) and s.ids[-1] == self.tokenizer.eos_token_id
+            extra, base = self.encoder.encode_messages(list(messages[k:]), wrote_eos), len(s.ids)
+        else:   # the history was rewritten: the row restarts after the prompt
+            full = self.render(messages, tools)
+            if full[:len(s.prompt)] != s.prompt:
+                raise ValueError("a driven episode changed its first prompt (the system prompt "
+                                 "or first message) between turns; the row cannot follow it")
+            extra, base = full[len(s.prompt):], 0
+        if base + len(extra) >= budget:   # (as generate_by_turns: a reply that does not fit ends it)
+            s.truncated = True
+            raise EpisodeOver(f"the episode's {budget} tokens (env.max_tokens) are spent")
+        if fork:
+            s.ids, s.logps, s.policy, s.forks = [], [], [], s.forks + 1
+        s.append(extra, None)
+        s.messages = list(messages)
+        return s.prompt + s.ids
+
+    def context_ids(self, s: Session, ids: list[int], budget: int) -> list[int]:
+        """`context` for a completions request: the token ids the client sends (text it sends
+        is tokenised once, here); ids after the episode so far are the environment's."""
+        if s.prompt is None:
+            s.prompt = list(ids)
+            return list(s.prompt)
+        so_far = s.prompt + s.ids
+        fork = ids[:len(so_far)] != so_far or len(ids) <= len(so_far)
+        if fork and ids[:len(s.prompt)] != s.prompt:
+            raise ValueError("a driven episode changed its first prompt between turns; the row "
+                             "cannot follow it")
+        extra, base = (ids[len(s.prompt):], 0) if fork else (ids[len(so_far):], len(s.ids))
+        if base + len(extra) >= budget:
+            s.truncated = True
+            raise EpisodeOver(f"the episode's {budget} tokens (env.max_tokens) are spent")
+        if fork:
+            s.ids, s.logps, s.policy, s.forks = [], [], [], s.forks + 1
+        s.append(extra, None)
+        return s.prompt + s.ids
+
+    def record(self, s: Session, ids: list[int], logps: list[float], truncated: bool) -> str:
+        s.append(ids, logps)
+        s.turns += 1
+        s.truncated = truncated
+        s.last_text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        s.messages.append({"role": "assistant", "content": s.last_text})
+        return s.last_text
+
+
+class TurnBatcher:
+    """Waits until every live episode has asked for its next turn (or ended), then samples all
+    of them in one engine call; `ask` blocks its episode's thread until its turn is sampled."""
+
+    def __init__(self, engine: RolloutEngine, params: SamplingParams, n: int,
+                 generator: torch.Generator | None, seeds: Tensor | None) -> None:
+        self.engine, self.params, self.generator, self.seeds = engine, params, generator, seeds
+        self.cond = threading.Condition()
+        self.live = set(range(n))
+        self.pending: dict[int, tuple[list[int], int]] = {}
+        self.results: dict[int, Any] = {}
+        self.turn = [0] * n
+
+    def ask(self, row: int, context: list[int], max_new: int) -> tuple[list[int], list[float], bool]:
+        with self.cond:
+            if row in self.pending:
+                raise RuntimeError("an episode asked the policy twice at once")
+            self.pending[row] = (context, max_new)
+            self._run_if_ready()
+            while row not in self.results:
+                self.cond.wait()
+            out = self.results.pop(row)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def done(self, row: int) -> None:
+        with self.cond:
+            self.live.discard(row)
+            self._run_if_ready()
+
+    def _run_if_ready(self) -> None:
+        """(Under the lock.) Sample every pending turn once all live episodes wait."""
+        if not self.pending or set(self.pending) != self.live:
+            return
+        rows = sorted(self.pending)
+        try:
+            outs = self._sample(rows)
+        except Exception as e:  # noqa: BLE001 - every waiting episode gets the engine's error
+            outs = [e] * len(rows)
+        for r, out in zip(rows, outs):
+            self.results[r] = out
+            self.turn[r] += 1
+        self.pending.clear()
+        self.cond.notify_all()
+
+    def _sample(self, rows: list[int]) -> list[tuple[list[int], list[float], bool]]:
+        seeds = None
+        if self.seeds is not None:
+            turn = torch.tensor([self.turn[r] for r in rows])
+            base = self.seeds[rows]
+            seeds = torch.where(turn == 0, base, base * 1_000_003 + turn)
+        out = self.engine.generate([self.pending[r][0] for r in rows], 1, self.params,
+                                   self.generator, seeds=seeds)
+        results = []
+        for j, r in enumerate(rows):
+            n = int(out.response_mask_B_T[j].sum())
+            keep = min(n, self.pending[r][1])
+            results.append((out.response_ids_B_T[j, :keep].tolist(),
+                            out.logp_B_T[j, :keep].tolist(),
+                            bool(out.truncated_B[j]) or keep < n))
+        return results
+
+
+class PolicyClient:
+    """What a driving environment's episode talks to: `chat(messages)` is one policy turn.
+    `max_tokens` can only lower the rollout's max_new_tokens; sampling temperature and top_p
+    are the rollout's (the trainer's log-probs are computed at them)."""
+
+    def __init__(self, row: int, session: Session, recorder: Recorder, batcher: TurnBatcher,
+                 params: SamplingParams, budget: int) -> None:
+        self.row, self.session, self.recorder, self.batcher = row, session, recorder, batcher
+        self.params, self.budget = params, budget
+        self.lock = threading.Lock()
+
+    def chat(self, messages: list[dict[str, Any]], tools: list | None = None,
+             max_tokens: int | None = None) -> PolicyTurn:
+        with self.lock:
+            context = self.recorder.context(self.session, messages, tools, self.budget)
+            return self._turn(context, max_tokens)
+
+    def complete(self, prompt: str | list[int], max_tokens: int | None = None) -> PolicyTurn:
+        """A completions request: the prompt as text (tokenised here) or token ids."""
+        with self.lock:
+            ids = (self.recorder.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                   if isinstance(prompt, str) else list(prompt))
+            return self._turn(self.recorder.context_ids(self.session, ids, self.budget), max_tokens)
+
+    def _turn(self, context: list[int], max_tokens: int | None) -> PolicyTurn:
+        room = self.budget - len(self.session.ids)
+        max_new = min(self.params.max_new_tokens, max_tokens or self.params.max_new_tokens, room)
+        ids, logps, cut = self.batcher.ask(self.row, context, max_new)
+        text = self.recorder.record(self.session, ids, logps, cut)
+        tokens = [self.recorder.tokenizer.decode([t]) for t in ids]
+        return PolicyTurn(text, context, ids, logps, "length" if cut else "stop", tokens)
+
+
+@dataclass
+class DrivenBatch:
+    sessions: list[Session]
+    results: list[Driven]
+    counts: Counter
+    errors: dict[str, str]
+
+
+def drive_batch(engine: RolloutEngine, tokenizer, env: Environment, problems: list[Problem],
+                params: SamplingParams, settings, generator: torch.Generator | None = None,
+                seeds: Tensor | None = None) -> DrivenBatch:
+    """Every row's episode (`problems`: one per row) driven by the environment in its own
+    thread; a failed episode gets reward 0 and is counted (env_errors), as a built-in's."""
+    B = len(problems)
+    params = replace(params, max_episode_tokens=None)
+    batcher = TurnBatcher(engine, params, B, generator, seeds)
+    recorder = Recorder(tokenizer, ReplyEncoder(tokenizer, settings.chat_template,
+                                                settings.template_kwargs),
+                        dict(settings.template_kwargs or {}))
+    sessions = [Session() for _ in range(B)]
+    counts: Counter = Counter()
+    errors: dict[str, str] = {}
+    lock = threading.Lock()
+
+    def one(r: int) -> Driven:
+        client = PolicyClient(r, sessions[r], recorder, batcher, params, settings.max_tokens)
+        try:
+            return env.drive(client, problems[r])
+        except EpisodeOver:   # (the harness let the budget's error through: the episode ends)
+            with lock:
+                counts["over_budget"] += 1
+            return Driven()
+        except Exception:  # noqa: BLE001 - an episode's failure ends it, not the run
+            with lock:
+                counts["env_errors"] += 1
+                errors.setdefault("environment", traceback.format_exc()[-4000:])
+            return Driven()
+        finally:
+            batcher.done(r)
+    with ThreadPoolExecutor(max_workers=B, thread_name_prefix="episode") as pool:
+        results = list(pool.map(one, range(B)))
+    return DrivenBatch(sessions, results, counts, errors)
