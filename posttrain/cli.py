@@ -180,6 +180,26 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.model_path:
+        overrides = [*overrides, "--model.path", args.model_path]
+    cfg = load_sampling_config(args.config, overrides)
+    from posttrain.stages.serve import serve_model
+    try:
+        endpoint, job = serve_model(cfg, args.host, args.port, args.name)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); "
+                         "choose another with --port (0: any free one)") from None
+    print(f"posttrain serve: {endpoint.model} at {endpoint.base_url} (OpenAI-compatible; calls "
+          f"recorded in {job.run_dir / 'served.jsonl' if job.run_dir else 'nothing'}; Ctrl-C stops)",
+          flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        endpoint.close()
+    return 0
+
+
 def cmd_experiment(args: argparse.Namespace, overrides: list[str]) -> int:
     from posttrain.experiments.common import run_experiment
 
@@ -234,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     # no prefix abbreviations anywhere: a mistyped option is refused, never read as another one
     _add_parser = sub.add_parser
     sub.add_parser = lambda *a, **kw: _add_parser(*a, allow_abbrev=False, **kw)
-    for add in (_add_train, _add_eval, _add_stages, _add_generate, _add_experiment, _add_tools):
+    for add in (_add_train, _add_eval, _add_stages, _add_generate, _add_serve, _add_experiment,
+                _add_tools):
         add(sub)
     return parser
 
@@ -308,6 +329,21 @@ def _add_generate(sub) -> None:
     p.set_defaults(fn=cmd_generate)
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="a model behind an OpenAI-compatible endpoint on loopback "
+                       "(an LLM judge, an agent harness; docs/environments.md)",
+                       epilog="Any config field can follow as an override, e.g. "
+                       "--rollout.max_new_tokens 256 (the longest reply).")
+    p.add_argument("--model.path", dest="model_path",
+                   help="model folder or embedded name (default: the embedded model)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--name", help="the model's name in requests and /v1/models (default: its path)")
+    p.add_argument("--config", type=Path, help="sampling settings (default: the default recipe)")
+    p.set_defaults(fn=cmd_serve)
+
+
 def _add_experiment(sub) -> None:
     from posttrain.experiments import EXPERIMENTS
 
@@ -362,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     args.command_line = " ".join(["posttrain", *(sys.argv[1:] if argv is None else argv)])
     _setup_logging(args.verbose or getattr(args, "no_progress", False))
     try:
-        if args.fn in (cmd_train, cmd_eval, cmd_generate, cmd_experiment):   # the rest are config overrides
+        if args.fn in (cmd_train, cmd_eval, cmd_generate, cmd_experiment, cmd_serve):   # the rest are config overrides
             check_option_names(rest, TrainConfig, _own_flags(parser, args.command))
         elif args.fn in (cmd_prepare_model, cmd_plot, cmd_view) and rest:
             raise ConfigError(f"unexpected arguments {' '.join(rest)} (every option: "

@@ -113,10 +113,10 @@ def post(url, body, host=None):
 class Echo:
     """A backend that answers with the prompt's length (the endpoint's own behaviour only)."""
 
-    def chat(self, messages, tools=None, max_tokens=None):
+    def chat(self, messages, tools=None, max_tokens=None, **sampling):
         return self.complete([1, 2, 3], max_tokens)
 
-    def complete(self, prompt, max_tokens=None):
+    def complete(self, prompt, max_tokens=None, **sampling):
         from posttrain.rollout.driven import PolicyTurn
         return PolicyTurn("ok", list(prompt) if isinstance(prompt, list) else [9], [7, 8],
                           [-0.5, -0.25], "stop", ["o", "k"])

@@ -139,3 +139,30 @@ def test_a_half_failing_judge_trains_with_its_failures_out_of_the_baseline_and_l
     assert len(rows) == 2 and all(r["reward/judge_unscorable"] > 0 for r in rows)
     assert all(r["reward/judge_requests"] + r["reward/judge_cache_hits"] == 8 for r in rows)
     assert (tmp_path / "run" / "judge_cache.sqlite").is_file()
+
+
+def test_a_real_model_served_by_posttrain_serve_judges_with_its_calls_recorded(tmp_path, tokenizer):
+    """The judge against `posttrain serve` over a (tiny, random) model: the endpoint answers
+    with token ids and log-probs, every call is recorded, and a reply with no score line (what
+    a random model writes) is unscorable, not 0."""
+    from posttrain.cli import load_sampling_config
+    from posttrain.stages.serve import serve_model
+    cfg = load_sampling_config(None, ["--run_dir", str(tmp_path / "serve"), "--rollout.max_new_tokens", "8"])
+    endpoint, job = serve_model(cfg, port=0, name="judge", model=make_tiny_model(tokenizer),
+                                tokenizer=tokenizer)
+    try:
+        judge = Judge(settings(endpoint.base_url, tmp_path, model="judge", max_tokens=8, cache=None))
+        out = judge(["What is 2+2?"] * 3, ["4", "5", "4"], ["4"] * 3, group_size=3)
+        assert out.calls == 3 and out.scores == [None] * 3 and out.unscorable == 3
+        assert all("no score in the judge's reply" in e for e in out.errors)
+        judge.close()
+    finally:
+        endpoint.close()
+    rows = [json.loads(line) for line in open(tmp_path / "serve" / "served.jsonl")]
+    assert len(rows) == 3 and all(0 < len(r["token_ids"]) == len(r["logprobs"]) <= 8 for r in rows)
+    # greedy (the judge asks for temperature 0): the same request gets the same reply
+    by_prompt = {}
+    for r in rows:
+        by_prompt.setdefault(tuple(r["prompt_token_ids"]), []).append(r["token_ids"])
+    assert sorted(len(v) for v in by_prompt.values()) == [1, 2]
+    assert all(v[0] == v[-1] for v in by_prompt.values())

@@ -38,12 +38,14 @@ class Turn(Protocol):
 
 
 class PolicyBackend(Protocol):
-    """One session's policy: `chat` and `complete` each sample one turn."""
+    """One session's policy: `chat` and `complete` each sample one turn. `sampling`: the
+    request's temperature, top_p and stop (a training session ignores them)."""
 
     def chat(self, messages: list[dict[str, Any]], tools: list | None = None,
-             max_tokens: int | None = None) -> Turn: ...
+             max_tokens: int | None = None, **sampling: Any) -> Turn: ...
 
-    def complete(self, prompt: str | list[int], max_tokens: int | None = None) -> Turn: ...
+    def complete(self, prompt: str | list[int], max_tokens: int | None = None,
+                 **sampling: Any) -> Turn: ...
 
 
 class RequestError(ValueError):
@@ -88,11 +90,12 @@ def answer(backend: PolicyBackend, route: str, body: dict[str, Any], model: str)
         raise RequestError(f"max_tokens={max_tokens!r}: a positive integer")
     if body.get("n", 1) != 1 or body.get("stream"):
         raise RequestError("n > 1 and stream are not supported: one turn per request")
+    sampling = {k: body[k] for k in ("temperature", "top_p", "stop") if body.get(k) is not None}
     if route == "chat/completions":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages: a non-empty list of chat messages")
-        return chat_reply(backend.chat(messages, body.get("tools"), max_tokens), model)
+        return chat_reply(backend.chat(messages, body.get("tools"), max_tokens, **sampling), model)
     if route == "completions":
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -100,7 +103,7 @@ def answer(backend: PolicyBackend, route: str, body: dict[str, Any], model: str)
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
                                             and all(isinstance(t, int) for t in prompt))):
             raise RequestError("prompt: a string or a list of token ids")
-        return completion_reply(backend.complete(prompt, max_tokens), model)
+        return completion_reply(backend.complete(prompt, max_tokens, **sampling), model)
     raise KeyError(route)
 
 

@@ -219,8 +219,8 @@ class TurnBatcher:
 
 class PolicyClient:
     """What a driving environment's episode talks to: `chat(messages)` is one policy turn.
-    `max_tokens` can only lower the rollout's max_new_tokens; sampling temperature and top_p
-    are the rollout's (the trainer's log-probs are computed at them)."""
+    `max_tokens` can only lower the rollout's max_new_tokens; temperature, top_p and stop
+    strings (`sampling`, ignored) are the rollout's: the trainer's log-probs are computed at them."""
 
     def __init__(self, row: int, session: Session, recorder: Recorder, batcher: TurnBatcher,
                  params: SamplingParams, budget: int) -> None:
@@ -229,12 +229,13 @@ class PolicyClient:
         self.lock = threading.Lock()
 
     def chat(self, messages: list[dict[str, Any]], tools: list | None = None,
-             max_tokens: int | None = None) -> PolicyTurn:
+             max_tokens: int | None = None, **sampling: Any) -> PolicyTurn:
         with self.lock:
             context = self.recorder.context(self.session, messages, tools, self.budget)
             return self._turn(context, max_tokens)
 
-    def complete(self, prompt: str | list[int], max_tokens: int | None = None) -> PolicyTurn:
+    def complete(self, prompt: str | list[int], max_tokens: int | None = None,
+                 **sampling: Any) -> PolicyTurn:
         """A completions request: the prompt as text (tokenised here) or token ids."""
         with self.lock:
             ids = (self.recorder.tokenizer(prompt, add_special_tokens=False)["input_ids"]

@@ -36,7 +36,7 @@ from posttrain.util.errors import ConfigError
 
 log = logging.getLogger(__name__)
 _clock = time.perf_counter   # the training clock of --max_minutes (a test's own clock replaces it)
-SAMPLING_COMMANDS = ("eval", "generate")   # they train nothing; `--run_dir none`: no folder
+SAMPLING_COMMANDS = ("eval", "generate", "serve")   # they train nothing; `--run_dir none`: no folder
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,86 @@
+"""`posttrain serve`: a model behind the OpenAI-compatible endpoint (envs/endpoint.py) on
+loopback, for an LLM judge (`--reward.judge http://127.0.0.1:PORT/v1`), an agent harness, or a
+look at a trained model with any OpenAI client. Each request is its own conversation (as vLLM's
+server); replies carry the exact token ids and log-probs, and every call is appended to
+`served.jsonl` in the run folder.
+
+Requests are answered one at a time by the in-process engine, which is what a 2-core machine
+can do; for throughput serve the model with vLLM, which speaks the same protocol.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from posttrain.envs.endpoint import Endpoint
+from posttrain.model.prompts import _ids
+from posttrain.rl.sampling import load_sampled_model, sampling_engine
+from posttrain.rollout import SamplingParams
+from posttrain.rollout.driven import PolicyTurn, text_of
+from posttrain.run.lifecycle import Job, open_folder, start_job
+
+
+class ServedModel:
+    """One request, one sample: the chat template applied to the messages (tools too), the
+    request's temperature (0: greedy), top_p, max_tokens (up to rollout.max_new_tokens) and
+    stop strings; `record(row)` gets each call."""
+
+    def __init__(self, engine, tokenizer, cfg, generator, record=None) -> None:
+        self.engine, self.tokenizer, self.cfg, self.generator = engine, tokenizer, cfg, generator
+        self.record = record
+        self.lock = threading.Lock()
+
+    def chat(self, messages, tools=None, max_tokens=None, **sampling) -> PolicyTurn:
+        plain = [{"role": m.get("role", "user"), "content": text_of(m.get("content"))}
+                 for m in messages]
+        ids = _ids(self.tokenizer.apply_chat_template(
+            plain, add_generation_prompt=True, tokenize=True,
+            **({"tools": tools} if tools else {}), **self.cfg.data.chat_template_kwargs))
+        return self.sample(ids, max_tokens, sampling)
+
+    def complete(self, prompt, max_tokens=None, **sampling) -> PolicyTurn:
+        ids = (self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+               if isinstance(prompt, str) else list(prompt))
+        return self.sample(ids, max_tokens, sampling)
+
+    def sample(self, ids: list[int], max_tokens: int | None, sampling: dict[str, Any]) -> PolicyTurn:
+        r = self.cfg.rollout
+        n = min(max_tokens or r.max_new_tokens, r.max_new_tokens)
+        with self.lock:
+            params = request_params(sampling, n, r.temperature, r.top_p)
+            out = self.engine.generate([ids], 1, params, self.generator)
+        k = int(out.response_mask_B_T[0].sum())
+        got, logps = out.response_ids_B_T[0, :k].tolist(), out.logp_B_T[0, :k].tolist()
+        turn = PolicyTurn(self.tokenizer.decode(got, skip_special_tokens=True), ids, got, logps,
+                          "length" if bool(out.truncated_B[0]) else "stop",
+                          [self.tokenizer.decode([t]) for t in got])
+        if self.record is not None:
+            self.record({"time": time.time(), "prompt_token_ids": ids, "token_ids": got,
+                         "logprobs": logps, "finish_reason": turn.finish_reason})
+        return turn
+
+
+def request_params(body: dict[str, Any], max_new: int, temperature: float,
+                   top_p: float) -> SamplingParams:
+    """A request's sampling settings over the served defaults (temperature 0: greedy)."""
+    t = body.get("temperature", temperature)
+    stop = body.get("stop") or ()
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    return SamplingParams(max_new, float(t) if t else 1.0, float(body.get("top_p") or top_p),
+                          greedy=t == 0, stop=stop)
+
+
+def serve_model(cfg, host: str = "127.0.0.1", port: int = 8000, name: str | None = None,
+                model=None, tokenizer=None) -> tuple[Endpoint, Job]:
+    """Load the model (default: the embedded one), start the endpoint; returns it (its
+    `base_url`) and the job (its run folder) once it listens."""
+    job = start_job("serve", cfg, None, show_progress=False)
+    model, tokenizer, path = load_sampled_model(cfg, model, tokenizer)
+    open_folder(job, cfg.to_dict())
+    engine = sampling_engine(cfg, path, model, tokenizer)
+    record = (lambda row: job.logger.append("served.jsonl", row)) if job.run_dir else None
+    backend = ServedModel(engine, tokenizer, cfg, job.generator, record)
+    endpoint = Endpoint(name or str(cfg.model.path), host, port, default=backend)
+    return endpoint, job
