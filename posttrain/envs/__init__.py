@@ -38,6 +38,12 @@ def _agent(cfg: EnvConfig):
     return AgentEnvironment(load_function(cfg.agent), cfg.max_turns)
 
 
+@ENVIRONMENTS.register("verifiers")
+def _verifiers(cfg: EnvConfig):
+    from posttrain.envs.verifiers_env import VerifiersEnvironment
+    return VerifiersEnvironment(cfg.max_turns)
+
+
 @ENVIRONMENTS.register("openenv")
 def _openenv(cfg: EnvConfig):
     from posttrain.envs.openenv import from_config

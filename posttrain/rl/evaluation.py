@@ -66,6 +66,8 @@ def answer(engine: RolloutEngine, tokenizer, env: Environment, chunk: list[Probl
     into.lengths.extend(episodes.rollout.lengths_B[::samples].tolist())
     for key, v in episodes.counts.items():
         into.counts[key] = into.counts.get(key, 0) + v
+    if env.max_turns > 1:   # the environment's own reward (a verifiers rubric's, guess-number's)
+        into.counts["env_reward"] = into.counts.get("env_reward", 0) + float(episodes.env_rewards_B.sum())
 
 
 def gathered(answers: Answers, problems: list[Problem], samples: int,

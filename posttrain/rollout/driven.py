@@ -234,6 +234,12 @@ class PolicyClient:
             context = self.recorder.context(self.session, messages, tools, self.budget)
             return self._turn(context, max_tokens)
 
+    def shown_as(self, content: str | None) -> None:
+        """The last reply as the environment will send it back (a verifiers harness: its text
+        without the tool calls parsed out of it); later requests are checked against this."""
+        with self.lock:
+            self.session.messages[-1]["content"] = content or ""
+
     def complete(self, prompt: str | list[int], max_tokens: int | None = None,
                  **sampling: Any) -> PolicyTurn:
         """A completions request: the prompt as text (tokenised here) or token ids."""
