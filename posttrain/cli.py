@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import sys
-import threading
 from dataclasses import asdict
 from pathlib import Path
 
@@ -183,20 +182,8 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_serve(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.model_path:
         overrides = [*overrides, "--model.path", args.model_path]
-    cfg = load_sampling_config(args.config, overrides)
-    from posttrain.stages.serve import serve_model
-    try:
-        endpoint, job = serve_model(cfg, args.host, args.port, args.name)
-    except OSError as e:
-        raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); "
-                         "choose another with --port (0: any free one)") from None
-    print(f"posttrain serve: {endpoint.model} at {endpoint.base_url} (OpenAI-compatible; calls "
-          f"recorded in {job.run_dir / 'served.jsonl' if job.run_dir else 'nothing'}; Ctrl-C stops)",
-          flush=True)
-    try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        endpoint.close()
+    from posttrain.stages.serve import serve_until_stopped
+    serve_until_stopped(load_sampling_config(args.config, overrides), args.host, args.port, args.name)
     return 0
 
 
@@ -222,24 +209,8 @@ def cmd_plot(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_view(args: argparse.Namespace, overrides: list[str]) -> int:
-    from posttrain.view.server import check_runs, serve
-
-    runs = check_runs(args.runs)   # (a folder that is no run: one line, before a port is taken)
-    try:
-        server = serve(runs, args.host, args.port, background=True)
-    except OSError as e:
-        raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); "
-                         "choose another with --port (0: any free one)") from None
-    host, port = server.server_address[:2]
-    url = f"http://{'localhost' if host in ('127.0.0.1', '0.0.0.0') else host}:{port}/"
-    print(f"posttrain view: {len(runs)} run(s) at {url}  (Ctrl-C stops)", flush=True)
-    if args.open:
-        import webbrowser
-        webbrowser.open(url)
-    try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        server.shutdown()
+    from posttrain.view.server import view_until_stopped
+    view_until_stopped(args.runs, args.host, args.port, args.open)
     return 0
 
 
@@ -336,12 +307,18 @@ def _add_serve(sub) -> None:
                        "--rollout.max_new_tokens 256 (the longest reply).")
     p.add_argument("--model.path", dest="model_path",
                    help="model folder or embedded name (default: the embedded model)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--name", help="the model's name in requests and /v1/models (default: its path)")
+    _add_address(p, 8000)
+    p.add_argument("--served-model-name", dest="name",
+                   help="the model's name in requests and /v1/models (vLLM's flag; default: its path)")
     p.add_argument("--config", type=Path, help="sampling settings (default: the default recipe)")
     p.set_defaults(fn=cmd_serve)
+
+
+def _add_address(p: argparse.ArgumentParser, port: int) -> None:
+    """--port and --host of a command that listens (view, serve)."""
+    p.add_argument("--port", type=int, default=port, help=f"port (default {port}; 0: any free one)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
 
 
 def _add_experiment(sub) -> None:
@@ -373,9 +350,7 @@ def _add_tools(sub) -> None:
     p = sub.add_parser("view", help="a local web page over run folders: curves, rollouts token by "
                        "token, held-out answers (docs/viewer.md)")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run folders (several: curves overlaid)")
-    p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0: any free one)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1: this machine only)")
+    _add_address(p, 8765)
     p.add_argument("--open", action="store_true", help="open the page in the default browser")
     p.set_defaults(fn=cmd_view)
 

@@ -84,3 +84,19 @@ def serve_model(cfg, host: str = "127.0.0.1", port: int = 8000, name: str | None
     backend = ServedModel(engine, tokenizer, cfg, job.generator, record)
     endpoint = Endpoint(name or str(cfg.model.path), host, port, default=backend)
     return endpoint, job
+
+
+def serve_until_stopped(cfg, host: str, port: int, name: str | None) -> None:
+    """`posttrain serve`: the endpoint until Ctrl-C."""
+    try:
+        endpoint, job = serve_model(cfg, host, port, name)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); choose another with "
+                         "--port (0: any free one)") from None
+    where = job.run_dir / "served.jsonl" if job.run_dir else "nothing"
+    print(f"posttrain serve: {endpoint.model} at {endpoint.base_url} (OpenAI-compatible; calls "
+          f"recorded in {where}; Ctrl-C stops)", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        endpoint.close()

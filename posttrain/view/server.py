@@ -173,3 +173,24 @@ def serve(runs: list[Path], host: str = "127.0.0.1", port: int = 8765,
     else:
         server.serve_forever()
     return server
+
+
+def view_until_stopped(paths: list[str], host: str, port: int, open_page: bool = False) -> None:
+    """`posttrain view`: the page until Ctrl-C (a folder that is no run: one line, before a
+    port is taken)."""
+    runs = check_runs(paths)
+    try:
+        server = serve(runs, host, port, background=True)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); "
+                         "choose another with --port (0: any free one)") from None
+    host, port = server.server_address[:2]
+    url = f"http://{'localhost' if host in ('127.0.0.1', '0.0.0.0') else host}:{port}/"
+    print(f"posttrain view: {len(runs)} run(s) at {url}  (Ctrl-C stops)", flush=True)
+    if open_page:
+        import webbrowser
+        webbrowser.open(url)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        server.shutdown()

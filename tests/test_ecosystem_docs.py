@@ -1,0 +1,118 @@
+"""docs/environments.md's worked examples (OpenEnv, verifiers, an agent harness, an LLM judge)
+run as written, on a tiny random model: file blocks are written into a scratch folder, each
+`posttrain ...` line runs through the CLI's `main` with the sizes shrunk, a line ending in `&`
+starts in the background (its port swapped for a free one) and is stopped at the end.
+"""
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("openenv.core")
+pytest.importorskip("verifiers.v1")
+
+from tests.conftest import make_tiny_model
+from tests.test_your_own_task import BLOCK, commands
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "environments.md"
+SHRINK = ["--steps", "2", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
+          "--rollout.max_new_tokens", "4", "--data.eval_size", "2", "--max_minutes", "null",
+          "--model.path", "my-model", "--env.max_tokens", "32", "--no-progress"]
+# what each example's run must show it did
+SHOWS = {"openenv": "env/turns", "verifiers": "env/reward_correct", "agent": "env/turns",
+         "judge": "reward/judge_unscorable"}
+
+
+def examples() -> list[tuple[str, str | None, str]]:
+    text = PAGE.read_text()
+    part = text[text.index("<!-- worked examples -->"):text.index("<!-- /worked examples -->")]
+    return [(m[1], m[2], m[3]) for m in BLOCK.finditer(part)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(port: int, proc: subprocess.Popen) -> None:
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise AssertionError(f"the background server exited: {proc.stderr.read().decode()[-2000:]}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"nothing listens on {port}")
+
+
+def background(line: str, ports: dict[str, str]) -> subprocess.Popen:
+    port = re.search(r"--port (\d+)", line)[1]
+    ports[port] = str(free_port())
+    args = shlex.split(line.rstrip("&").replace(port, ports[port]))
+    if args[0] == "posttrain":
+        args = [sys.executable, "-m", "posttrain.cli", *args[1:], "--model.path", "my-model"]
+    else:
+        args[0] = sys.executable
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.getcwd()]))
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    wait_for(int(ports[port]), proc)
+    return proc
+
+
+def run_train(line: str, ports: dict[str, str], run_dir: Path) -> None:
+    from posttrain.cli import main
+    for old, new in ports.items():
+        line = line.replace(f":{old}", f":{new}")
+    args = shlex.split(line)[1:]
+    assert main([*args, *SHRINK, "--run_dir", str(run_dir)]) == 0, line
+
+
+def test_the_worked_examples_cover_every_adapter():
+    text = "\n".join(body for _, _, body in examples())
+    for needle in ("--env.name openenv", "--data.task verifiers:", "--env.name agent",
+                   "--reward.judge", "posttrain serve"):
+        assert needle in text
+
+
+def test_every_worked_example_runs(tokenizer, tmp_path, monkeypatch):
+    make_tiny_model(tokenizer).save_pretrained(tmp_path / "my-model")
+    tokenizer.save_pretrained(tmp_path / "my-model")
+    monkeypatch.chdir(tmp_path)
+    for name in ("examples", "posttrain"):   # (the commands name the repository's files)
+        (tmp_path / name).symlink_to(ROOT / name)
+    monkeypatch.setattr(sys, "path", [str(ROOT), *sys.path])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(tmp_path)]))
+    ports: dict[str, str] = {}
+    procs, runs = [], []
+    try:
+        for lang, name, body in examples():
+            if name is not None:
+                Path(name).write_text(body)
+                continue
+            for line in commands(body) if lang == "bash" else []:
+                if line.endswith("&"):
+                    procs.append(background(line, ports))
+                else:
+                    runs.append((line, tmp_path / f"run{len(runs)}"))
+                    run_train(line, ports, runs[-1][1])
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
+    shown = set()
+    for line, run_dir in runs:
+        rows = [json.loads(x) for x in open(run_dir / "metrics.jsonl")]
+        kind = next(k for k in ("openenv", "verifiers", "agent", "judge") if k in line)
+        assert any(SHOWS[kind] in r for r in rows), (line, rows[-1])
+        shown.add(kind)
+    assert shown == set(SHOWS) and len(runs) == 5
