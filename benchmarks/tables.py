@@ -257,6 +257,61 @@ def guess_number_table(root: Path) -> str:
                               f"steps {train[-5]['step']}-{train[-1]['step']}. " + run_footer(record, "guess-number")]) + "\n"
 
 
+ECOSYSTEM = "benchmarks/results/ecosystem-2026-12-05"
+HELD_OUT = {"verifiers": "eval/env_reward"}   # a verifiers task's held-out figure is its rubric's
+
+
+def arm_runs(root: Path, arm: str) -> list[tuple[dict, list[dict]]]:
+    """Every seed's (record, metrics rows) of one arm of benchmarks/ecosystem.sh, in seed order."""
+    folders = sorted((root / ECOSYSTEM).glob(f"{arm}-seed*"), key=lambda f: int(f.name.rsplit("seed", 1)[1]))
+    return [(json.loads((f / "record.json").read_text()), metrics_of(f)) for f in folders]
+
+
+def arm_row(label: str, runs: list[tuple[dict, list[dict]]], key: str) -> str:
+    """Held-out before and after (mean ± sd over seeds, each seed's after), steps taken."""
+    evals = [[r[key] for r in rows if key in r] for _, rows in runs]
+    before, after = [e[0] for e in evals], [e[-1] for e in evals]
+    steps = [rec["summary"]["steps"] for rec, _ in runs]
+    return (f"| {label} | {mean_sd(before, 100, 1)} | **{mean_sd(after, 100, 1)}** | "
+            f"{' / '.join(f'{100 * a:.0f}' for a in after)} | {statistics.mean(steps):.1f} |")
+
+
+def ecosystem_envs_table(root: Path) -> str:
+    """Each adapter beside the native run it re-expresses, same seeds, same training minutes."""
+    lines = ["| arm | held-out before (%, mean ± sd) | held-out after (%) | after, per seed | "
+             "steps in the budget (mean) |", "|---" * 5 + "|"]
+    for arm, label in (("guess-native", "guess the number, native"),
+                       ("guess-openenv", "guess the number, OpenEnv in process"),
+                       ("addition-native", "addition (the default job), native"),
+                       ("addition-verifiers", "addition, verifiers taskset")):
+        runs = arm_runs(root, arm)
+        lines.append(arm_row(label, runs, HELD_OUT.get(arm.split("-")[1], "eval/accuracy")))
+    minutes = statistics.mean(rec["summary"]["train_minutes"] for rec, _ in arm_runs(root, "guess-native"))
+    return "\n".join(lines + ["", f"{len(arm_runs(root, 'guess-native'))} seeds per arm, "
+                              f"{minutes:.1f} training minutes each. Records: `{ECOSYSTEM}/ARM-seedS/record.json`."]) + "\n"
+
+
+def judge_row(label: str, runs: list[tuple[dict, list[dict]]]) -> str:
+    train = [[r for r in rows if "reward/mean" in r] for _, rows in runs]
+    agree = [r["reward/judge_agreement"] for t in train for r in t if "reward/judge_agreement" in r]
+    unscorable = [r["reward/judge_unscorable"] / 64 for t in train for r in t if "reward/judge_unscorable" in r]
+    judged = (f"{100 * statistics.mean(agree):.0f}%" if agree else "",
+              f"{100 * statistics.mean(unscorable):.0f}%" if unscorable else "")
+    return arm_row(label, runs, "eval/accuracy") + f" {judged[0]} | {judged[1]} |"
+
+
+def ecosystem_judge_table(root: Path) -> str:
+    """The default job rewarded by the verifier and by an LLM judge (SmolLM2 itself, served)."""
+    lines = ["| reward | held-out before (%, mean ± sd) | held-out after (%) | after, per seed | "
+             "steps in the budget (mean) | judge agrees with the verifier | unscorable |", "|---" * 7 + "|"]
+    lines.append(judge_row("the verifier (the default job)", arm_runs(root, "addition-native")))
+    lines.append(judge_row("an LLM judge alone (correct_reward 0)", arm_runs(root, "addition-judge")))
+    n = len(arm_runs(root, "addition-judge"))
+    return "\n".join(lines + ["", f"Held-out accuracy is the verifier's in both rows; {n} seed(s) "
+                              f"for the judge. Records: `{ECOSYSTEM}/addition-judge-seedS/record.json`, "
+                              f"the judge's calls in `{ECOSYSTEM}/judge-server/served.jsonl`."]) + "\n"
+
+
 def chain_sum_table(root: Path) -> str:
     """reasoning-gym chain_sum, 2 terms: held-out accuracy at each evaluation."""
     folder = root / ENVIRONMENTS / "chain-sum"
@@ -1082,7 +1137,8 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "lora": lora_table, "gpu": gpu_table, "guess-number": guess_number_table, "chain-sum": chain_sum_table, "rlhf": rlhf_table, "mopd": mopd_table, "dpo": dpo_table, "ppo-rlhf": ppo_rlhf_table,
     "objectives": objectives_table, "perstep": perstep_table, "viewer": viewer_table,
     "vllm-cpu": vllm_cpu_table, "vllm-mismatch": vllm_mismatch_table,
-    "async-cpu": async_cpu_table,
+    "async-cpu": async_cpu_table, "ecosystem-envs": ecosystem_envs_table,
+    "ecosystem-judge": ecosystem_judge_table,
 }
 
 

@@ -28,6 +28,8 @@ def test_a_score_is_read_from_the_last_score_line_and_bounded():
     assert parse_score("**Score:** 5") == 0.5
     assert parse_score("Score: 11") is None          # out of range: unscorable, not clipped
     assert parse_score("I think it is right.") is None
+    assert parse_score("Yes.") == 1.0 and parse_score("**No**, it is 41.") == 0.0   # a verdict
+    assert parse_score("I would say yes") is None        # (only a reply that starts with one)
     assert parse_group_scores("Scores: [10, 0, 5]", 3) == [1.0, 0.0, 0.5]
     assert parse_group_scores("Scores: [10, 0]", 3) is None      # wrong size scores nobody
     assert parse_group_scores("Scores: [10, true, 0]", 3) is None

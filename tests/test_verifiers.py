@@ -108,3 +108,16 @@ def test_a_taskset_module_without_one_taskset_is_refused_before_any_model(tmp_pa
     from posttrain.util.errors import ConfigError
     with pytest.raises(ConfigError, match=r"verifiers:tests.conftest: .*exactly one Taskset"):
         build_task(load_config(None, ["--data.task", "verifiers:tests.conftest"]).data)
+
+
+def test_a_failing_rubric_is_counted_with_its_error(tokenizer):
+    """Every rollout's scoring fails: each episode is an environment error with verifiers' own
+    message (FailureWatch stops a run where most episodes fail, step after step)."""
+    task, env = env_for("tests.vf_broken", tokenizer)
+    engine = make_engine("hf", make_tiny_model(tokenizer, seed=3), tokenizer)
+    out = run_episodes(engine, tokenizer, env, task.train_pool[:2], 2, SamplingParams(4, 1.0),
+                       EpisodeSettings(None, True, None, 32, 16), seeds=torch.arange(4))
+    env.close()
+    assert out.counts["env_errors"] == 4 and out.env_rewards_B.tolist() == [0.0] * 4
+    assert "the rubric is broken" in out.errors["environment"]
+    assert out.tallies()["environment"].failures == 4

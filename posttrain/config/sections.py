@@ -216,8 +216,9 @@ class RewardConfig:
     judge: str | None = None
     judge_model: str = "default"        # the model name sent to the judge's endpoint
     # the judge's prompt: 'correctness' (against the reference answer), 'rubric' (no reference),
-    # or a text file with {prompt}, {completion}, {answer} (group mode: {prompt}, {answer},
-    # {responses}, {n}) whose reply ends with 'Score: N' (group: 'Scores: [...]'), N of 10
+    # 'yes_no' (a verdict, for small judges), or a text file with {prompt}, {completion}, {answer}
+    # (group mode: {prompt}, {answer}, {responses}, {n}); its reply ends with 'Score: N' (N of
+    # 10; group: 'Scores: [...]') or starts with Yes or No
     judge_template: str = "correctness"
     judge_weight: float = 1.0           # weight of the judge's score (in [0, 1]) in the reward
     judge_group: bool = False           # RULER-style: one request scores a prompt's whole group

@@ -90,6 +90,7 @@ class Driven:
     correct: bool | None = None              # its verdict (None: the task's verifier decides)
     parts: dict[str, float] = field(default_factory=dict)   # the reward by source (logged), in it
     counts: dict[str, int] = field(default_factory=dict)    # summed per step, as Reply.counts
+    error: str | None = None                 # the episode failed (counted; most failing stops the run)
 
 
 @runtime_checkable

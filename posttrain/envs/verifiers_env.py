@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 import threading
 import time
@@ -34,6 +35,7 @@ from posttrain.envs.tools import parse_calls
 # verifiers' loader imports a harness by a top-level module name: the harness module is
 # registered under this one in sys.modules before the first rollout
 HARNESS = "posttrain_verifiers_harness"
+log = logging.getLogger("posttrain")
 TOOL_PROMPT = ("You can call functions. To call one, write <tool_call>{{\"name\": NAME, "
                "\"arguments\": {{...}}}}</tool_call>; its result comes back in the next message. "
                "When you know the answer, write it without a call.\nFunctions:\n{schemas}")
@@ -123,6 +125,15 @@ class VerifiersEnvironment:
         self._server = None
         self._lock = threading.Lock()
 
+    def start_batch(self) -> None:
+        """Said once: a verifiers rubric scores the model's text where verifiers runs it, in the
+        trainer's process, not in posttrain's reward sandbox (docs/safety.md)."""
+        if not getattr(self, "_warned", False):
+            self._warned = True
+            log.warning("verifiers: the task's rubric (and any tool without a sandbox of its own) "
+                        "reads the model's text in the trainer's process, outside posttrain's "
+                        "reward sandbox (docs/safety.md)")
+
     def bind(self, tokenizer) -> "VerifiersEnvironment":
         """Tools go to the chat template when it renders them, else to a system message."""
         self.renders_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
@@ -182,8 +193,9 @@ class VerifiersEnvironment:
 
 
 def driven(trace) -> Driven:
-    """A rollout's trace as the episode's end: the rubric's weighted sum and its parts."""
+    """A rollout's trace as the episode's end: the rubric's weighted sum and its parts, and its
+    first error (a rubric or tool that failed: env_errors, and a run whose episodes mostly fail
+    for reward.max_failing_steps steps stops with it)."""
     parts = {name: r.score * r.weight for name, r in trace.rewards.items() if r is not None}
-    errors = len(trace.errors)
-    return Driven(float(trace.reward or 0.0), None, parts,
-                  {"verifiers_errors": errors} if errors else {})
+    error = f"{trace.errors[0].type}: {trace.errors[0].message}" if trace.errors else None
+    return Driven(float(trace.reward or 0.0), None, parts, error=error)

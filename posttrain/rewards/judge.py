@@ -40,6 +40,9 @@ TEMPLATES: dict[str, str] = {
         "You rate a response to a request.\n\nRequest:\n{prompt}\n\nResponse:\n{completion}\n\n"
         "Rate how correct, helpful and concise the response is. Explain in one sentence, then "
         "end with a line 'Score: N' where N is an integer from 0 (worst) to 10 (best)."),
+    "yes_no": (   # (for small judges, which rarely write a score line)
+        "Problem: {prompt}\nReference answer: {answer}\nResponse: {completion}\n\n"
+        "Is the response's final answer equal to the reference answer? Answer Yes or No."),
 }
 GROUP_TEMPLATES: dict[str, str] = {
     "correctness": (
@@ -57,15 +60,18 @@ GROUP_FIELDS = {"prompt", "answer", "responses", "n"}
 MAX_SCORE = 10.0
 
 _SCORE = re.compile(r"score\W{0,3}\s*[:=]\s*\**\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
+_VERDICT = re.compile(r"^\W*(yes|no)\b", re.IGNORECASE)
 _SCORES = re.compile(r"scores\W{0,3}\s*[:=]\s*\**\s*(\[[^\[\]]*\])", re.IGNORECASE)
 
 
 def parse_score(reply: str, max_score: float = MAX_SCORE) -> float | None:
-    """The last 'Score: N' (or JSON '"score": N') in a judge's reply, as N / max_score; None when
-    there is none or N is outside [0, max_score]."""
+    """The last 'Score: N' (or JSON '"score": N') in a judge's reply, as N / max_score, else a
+    reply that starts with Yes (1) or No (0); None when there is neither or N is outside
+    [0, max_score]."""
     found = _SCORE.findall(reply[-MAX_REPLY_CHARS:])
     if not found:
-        return None
+        verdict = _VERDICT.match(reply[:100])
+        return None if verdict is None else float(verdict[1].lower() == "yes")
     value = float(found[-1])
     return value / max_score if 0.0 <= value <= max_score else None
 

@@ -284,7 +284,12 @@ def drive_batch(engine: RolloutEngine, tokenizer, env: Environment, problems: li
     def one(r: int) -> Driven:
         client = PolicyClient(r, sessions[r], recorder, batcher, params, settings.max_tokens)
         try:
-            return env.drive(client, problems[r])
+            out = env.drive(client, problems[r])
+            if out.error is not None:   # (a failure the environment caught: a rubric's error)
+                with lock:
+                    counts["env_errors"] += 1
+                    errors.setdefault("environment", out.error[-4000:])
+            return out
         except EpisodeOver:   # (the harness let the budget's error through: the episode ends)
             with lock:
                 counts["over_budget"] += 1

@@ -209,6 +209,8 @@ def driven_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems
     """Episodes the environment drove (rollout/driven.py), as one Rollout: each group's rows
     must have started from the same prompt (they answer the same problem)."""
     from posttrain.rollout.driven import drive_batch
+    if isinstance(env, StartsBatch):
+        env.start_batch()
     rows = [p for p in problems for _ in range(G)]
     out = drive_batch(engine, tokenizer, env, rows, params, settings, generator, seeds)
     s = out.sessions
