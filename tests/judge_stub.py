@@ -52,6 +52,14 @@ class StubJudge:
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:   # noqa: N802 (the judge's startup check)
+                out = json.dumps({"object": "list", "data": [{"id": "judge", "object": "model"}]})
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out.encode())
+
             def do_POST(self) -> None:   # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 status, content = stub.reply(body["messages"][-1]["content"])

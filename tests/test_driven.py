@@ -60,10 +60,11 @@ def test_a_rewritten_history_forks_the_row_and_is_counted(engine, tokenizer):
                        SETTINGS, seeds=SEEDS)
     second_turns = out.counts["turns"] - 4
     assert second_turns > 0 and out.counts["forks"] == second_turns
-    for r, text in enumerate(out.transcripts):   # the row restarted from the rendered history
-        if "(edited)" in text:                   # the edited reply is context, not the policy's
-            first_policy = int(out.rollout.policy_tokens_B_T[r].nonzero()[0])
-            assert "(edited)" in tokenizer.decode(out.rollout.response_ids_B_T[r, :first_policy])
+    edited = [r for r, text in enumerate(out.transcripts) if "(edited)" in text]
+    assert len(edited) == sum(1 for t in out.transcripts if "(edited)" in t) > 0
+    for r in edited:   # the row restarted from the rendered history: the edit is context
+        first_policy = int(out.rollout.policy_tokens_B_T[r].nonzero()[0])
+        assert "(edited)" in tokenizer.decode(out.rollout.response_ids_B_T[r, :first_policy])
 
 
 def test_an_external_client_records_exactly_the_tokens_the_trainer_trains_on(engine, tokenizer):
@@ -149,3 +150,79 @@ def test_an_agent_harness_trains_from_the_config(tmp_path, tokenizer):
     train(cfg, model=make_tiny_model(tokenizer, seed=3), tokenizer=tokenizer, show_progress=False)
     rows = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
     assert len(rows) == 2 and all(r["env/turns"] > 1 and r["env/forks"] == 0 for r in rows)
+
+
+class Fixed:
+    """An engine that samples 2 fixed tokens per row (or fails, `broken`)."""
+
+    model = None
+
+    def __init__(self, broken=False):
+        self.broken, self.calls = broken, 0
+
+    def generate(self, prompts, G, params, generator=None, seeds=None):
+        from posttrain.rollout.episodes import padded_rollout
+        self.calls += 1
+        if self.broken:
+            raise RuntimeError("out of memory")
+        ids = [[5, 6] for _ in prompts]
+        return padded_rollout(prompts, 1, ids, [[-1.0, -1.0]] * len(prompts),
+                              [[1.0, 1.0]] * len(prompts), [False] * len(prompts), 0,
+                              torch.device("cpu"))
+
+
+def test_a_request_that_outlives_its_episode_is_refused_and_never_stalls_the_batch():
+    import threading
+
+    from posttrain.rollout.driven import EpisodeOver, TurnBatcher
+    batcher = TurnBatcher(Fixed(), SamplingParams(2, 1.0), 2, None, None)
+    got = {}
+
+    def ask(row):
+        try:
+            got[row] = batcher.ask(row, [1, 2], 2)
+        except EpisodeOver as e:
+            got[row] = e
+    waiting = threading.Thread(target=ask, args=(0,))
+    waiting.start()            # row 0 waits for row 1 to ask ...
+    batcher.done(0)            # ... but its episode ends first (a harness that timed out)
+    waiting.join(timeout=10)
+    assert not waiting.is_alive() and isinstance(got[0], EpisodeOver)
+    assert batcher.ask(1, [1, 2], 2) == ([5, 6], [-1.0, -1.0], False)   # row 1 alone is sampled
+    with pytest.raises(EpisodeOver):   # a late request of the ended row
+        batcher.ask(0, [1, 2], 2)
+
+
+def test_an_engine_failure_fails_the_step_instead_of_every_episode(tokenizer):
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run_episodes(Fixed(broken=True), tokenizer, DrivenGuess(3), PROBLEMS, 2, PARAMS,
+                     SETTINGS, seeds=SEEDS)
+
+
+class FirstOfGroupFails(DrivenGuess):
+    def drive(self, policy, problem):
+        if policy.row % 2 == 0:
+            raise RuntimeError("the harness broke")
+        return super().drive(policy, problem)
+
+
+def test_an_episode_that_fails_before_asking_is_one_error_not_a_broken_group(engine, tokenizer):
+    out = run_episodes(engine, tokenizer, FirstOfGroupFails(3), PROBLEMS, 2, PARAMS, SETTINGS,
+                       seeds=SEEDS)
+    assert out.counts["env_errors"] == 2 and "the harness broke" in out.errors["environment"]
+    assert out.rollout.policy_tokens_B_T[0::2].sum() == 0     # nothing of the failed ones trains
+    assert out.rollout.policy_tokens_B_T[1::2].sum() > 0
+
+
+def test_the_endpoint_refuses_bad_lengths_and_bodies():
+    import http.client
+    ep = Endpoint(default=Echo())
+    host, port = ep.server.server_address[:2]
+    for length, body in (("-5", b""), ("x", b""), ("4", b"[1,2")):
+        conn = http.client.HTTPConnection(host, port, timeout=10)
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Content-Length", length)
+        conn.endheaders(body)
+        assert conn.getresponse().status == 400, length
+    assert post(ep.base_url + "/completions", [1, 2])[0] == 400   # not a JSON object
+    ep.close()

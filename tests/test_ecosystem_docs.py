@@ -27,9 +27,11 @@ PAGE = ROOT / "docs" / "environments.md"
 SHRINK = ["--steps", "2", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
           "--rollout.max_new_tokens", "4", "--data.eval_size", "2", "--max_minutes", "null",
           "--model.path", "my-model", "--env.max_tokens", "32", "--no-progress"]
-# what each example's run must show it did
-SHOWS = {"openenv": "env/turns", "verifiers": "env/reward_correct", "agent": "env/turns",
-         "judge": "reward/judge_unscorable"}
+# what each example's run must show it did (a tiny random policy solves nothing: counts, not rewards)
+SHOWS = {"openenv": lambda r: r.get("env/turns", 0) >= 1,
+         "verifiers": lambda r: "env/reward_correct" in r and r.get("env/env_errors", 0) == 0,
+         "agent": lambda r: r.get("env/turns", 0) >= 1,
+         "judge": lambda r: r.get("reward/judge_requests", 0) + r.get("reward/judge_cache_hits", 0) > 0}
 
 
 def examples() -> list[tuple[str, str | None, str]]:
@@ -47,7 +49,7 @@ def free_port() -> int:
 def wait_for(port: int, proc: subprocess.Popen) -> None:
     for _ in range(600):
         if proc.poll() is not None:
-            raise AssertionError(f"the background server exited: {proc.stderr.read().decode()[-2000:]}")
+            raise AssertionError(f"the background server exited: {open(proc.log).read()[-2000:]}")
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
@@ -64,7 +66,9 @@ def background(line: str, ports: dict[str, str]) -> subprocess.Popen:
     else:
         args[0] = sys.executable
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.getcwd()]))
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    log = open(f"background-{len(ports)}.log", "w")   # (never a pipe nobody reads)
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc.log = log.name
     wait_for(int(ports[port]), proc)
     return proc
 
@@ -113,6 +117,6 @@ def test_every_worked_example_runs(tokenizer, tmp_path, monkeypatch):
     for line, run_dir in runs:
         rows = [json.loads(x) for x in open(run_dir / "metrics.jsonl")]
         kind = next(k for k in ("openenv", "verifiers", "agent", "judge") if k in line)
-        assert any(SHOWS[kind] in r for r in rows), (line, rows[-1])
+        assert any(SHOWS[kind](r) for r in rows), (line, rows[-1])
         shown.add(kind)
     assert shown == set(SHOWS) and len(runs) == 5

@@ -43,6 +43,12 @@ def test_a_template_file_with_an_unknown_field_fails_before_anything_runs(tmp_pa
         load_template(str(bad), group=False)
     with pytest.raises(ConfigError, match="neither a built-in template"):
         load_template("corectness", group=False)
+    no_response = tmp_path / "n.txt"
+    no_response.write_text("Grade {prompt} against {answer}")
+    with pytest.raises(ConfigError, match=r"must use \{completion\}"):
+        load_template(str(no_response), group=False)
+    with pytest.raises(ConfigError, match=r"must use \{responses\}"):
+        load_template(str(no_response), group=True)
     good = tmp_path / "g.txt"
     good.write_text("Q {prompt} A {completion} {{json}} Score: N")
     assert load_template(str(good), group=False).startswith("Q {prompt}")
@@ -136,6 +142,12 @@ def test_a_half_failing_judge_trains_with_its_failures_out_of_the_baseline_and_l
         assert batch.loss_mask_B_T[odd].sum() == 0      # out of the loss
         assert batch.loss_mask_B_T[~odd].sum() > 0
         assert stats["reward/judge_unscorable"] == int(odd.sum())
+        adv = ADVANTAGES["group"](AdvantageInputs(batch.rewards_P_G, batch.loss_mask_B_T,
+                                                  scored_P_G=batch.scored_P_G), AdvantageParams())
+        assert adv.adv_B_T[odd].abs().sum() == 0          # out of the baseline: advantage 0
+        from posttrain.rl.batch import equal_reward_groups
+        assert batch.equal_groups.equal(equal_reward_groups(
+            batch.rewards_P_G.masked_fill(~batch.scored_P_G, 99.0), batch.scored_P_G))
         train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert len(rows) == 2 and all(r["reward/judge_unscorable"] > 0 for r in rows)
@@ -168,3 +180,26 @@ def test_a_real_model_served_by_posttrain_serve_judges_with_its_calls_recorded(t
         by_prompt.setdefault(tuple(r["prompt_token_ids"]), []).append(r["token_ids"])
     assert sorted(len(v) for v in by_prompt.values()) == [1, 2]
     assert all(v[0] == v[-1] for v in by_prompt.values())
+
+
+def test_a_judge_that_does_not_answer_or_serve_the_model_is_refused_before_any_model(tmp_path):
+    with StubJudge() as stub:
+        cfg = load_config(None, [*TOY, "--reward.judge", stub.url, "--reward.judge_model", "gpt-9"])
+        with pytest.raises(ConfigError, match=r"judge_model='gpt-9' is not served .*\['judge'\]"):
+            Scorer(cfg.reward, run_dir=tmp_path).start()
+        default = Scorer(load_config(None, [*TOY, "--reward.judge", stub.url]).reward, run_dir=tmp_path)
+        default.start()                     # 'default' takes the one model served
+        assert default.judge.s.model == "judge"
+        default.close(final=True)
+    cfg = load_config(None, [*TOY, "--reward.judge", stub.url])   # (the stub has stopped)
+    with pytest.raises(ConfigError, match="the endpoint does not answer GET /models"):
+        Scorer(cfg.reward, run_dir=tmp_path).start()
+    assert not (tmp_path / "judge_cache.sqlite").exists()   # nothing written for a refused run
+
+
+def test_equal_groups_read_only_the_scored_rewards():
+    from posttrain.rl.batch import equal_reward_groups
+    r = torch.tensor([[1.0, 0.0, 1.0], [1.0, 0.0, 0.5], [2.0, 3.0, 4.0]])
+    scored = torch.tensor([[True, False, True], [True, True, False], [False, False, True]])
+    assert equal_reward_groups(r, scored).tolist() == [True, False, True]   # (< 2 scored: no signal)
+    assert equal_reward_groups(r).tolist() == [False, False, False]

@@ -18,7 +18,7 @@ from posttrain.util.usercode import load_function
 __all__ = ["ENVIRONMENTS", "BindsTokenizer", "Demonstrates", "DescribesTools", "DrivesPolicy",
            "Driven", "Environment",
            "GuessNumber", "Reply", "SingleTurn", "Tool",
-           "ToolEnv", "for_tokenizer", "make_env"]
+           "ToolEnv", "close_env", "for_tokenizer", "make_env"]
 
 ENVIRONMENTS: Registry[Callable[[EnvConfig], Any]] = Registry("environment")
 ENVIRONMENTS.register("single_turn")(lambda cfg: SingleTurn())
@@ -69,6 +69,13 @@ def make_env(cfg: EnvConfig, task: Task) -> Environment:
         raise ConfigError(f"env.name={cfg.name!r}: {e.args[0]}") from None
     except ValueError as e:
         raise ConfigError(f"env: {e}") from None
+
+
+def close_env(env: Environment) -> None:
+    """Stop what an environment started (an endpoint, an event loop, sessions), if anything."""
+    close = getattr(env, "close", None)
+    if callable(close):
+        close()
 
 
 def for_tokenizer(env: Environment, tokenizer) -> Environment:

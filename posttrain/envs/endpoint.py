@@ -173,14 +173,18 @@ def _handler(ep: Endpoint) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:   # noqa: N802
             if not self.allowed():
                 return
-            size = int(self.headers.get("Content-Length") or 0)
-            if size > MAX_BODY:
+            size = self.headers.get("Content-Length") or "0"
+            if not size.isdigit():
+                return self.send_json(400, error("Content-Length: a non-negative integer"))
+            if int(size) > MAX_BODY:
                 return self.send_json(413, error(f"request body over {MAX_BODY} bytes"))
             backend, route = ep.backend(self.path)
             if backend is None:
                 return self.send_json(404, error(f"no session or route {self.path}"))
             try:
-                body = json.loads(self.rfile.read(size) or b"{}")
+                body = json.loads(self.rfile.read(int(size)) or b"{}")
+                if not isinstance(body, dict):
+                    raise RequestError("the request body must be a JSON object")
                 self.send_json(200, answer(backend, route, body, ep.model))
             except KeyError:
                 self.send_json(404, error(f"no route {self.path}"))
@@ -190,16 +194,20 @@ def _handler(ep: Endpoint) -> type[BaseHTTPRequestHandler]:
                 self.send_json(500, error(f"{type(e).__name__}: {e}", "server_error"))
 
         def send_json(self, status: int, obj: dict[str, Any]) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_json(self, status, obj)
 
         def log_message(self, *args) -> None:
             pass
     return Handler
+
+
+def send_json(handler: BaseHTTPRequestHandler, status: int, obj: dict[str, Any]) -> None:
+    data = json.dumps(obj).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
 
 
 def error(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:

@@ -24,7 +24,6 @@ import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from posttrain.data.tasks import Problem
@@ -73,8 +72,8 @@ def make_client(policy: Any, renders_tools: bool):
             schemas = tool_schemas(request.tools)
             if schemas and not renders_tools:
                 messages, schemas = with_tool_prompt(messages, schemas), None
-            out = await asyncio.to_thread(policy.chat, messages, schemas,
-                                          body.get("max_tokens") or sampling.max_tokens)
+            out = await in_thread(policy.chat, messages, schemas,
+                                  body.get("max_tokens") or sampling.max_tokens)
             content, calls = split_calls(out.text, request.tools)
             policy.shown_as(content)
             response = vf.Response(
@@ -94,6 +93,23 @@ def make_client(policy: Any, renders_tools: bool):
         async def relay_aux(self, *args, **kwargs):
             raise NotImplementedError("posttrain's client answers whole turns")
     return PolicyVFClient()
+
+
+async def in_thread(fn, *args):
+    """fn(*args) in a thread of its own, awaited: the sampler answers once every episode of the
+    step has asked, so their blocking calls must not queue behind an executor's cap."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def run() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(lambda err=e: done.done() or done.set_exception(err))
+        else:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+    threading.Thread(target=run, daemon=True, name="vf-turn").start()
+    return await done
 
 
 def split_calls(text: str, tools: list[Any] | None):
@@ -160,15 +176,18 @@ class VerifiersEnvironment:
                 model="policy", harness={"id": self.harness}, runtime=vf.SubprocessConfig(),
                 client=key, sampling=vf.SamplingConfig(), max_turns=self.max_turns),
                 interception=server)
-            trace = asyncio.run_coroutine_threadsafe(agent.run(task), loop).result(self.timeout_s)
+            future = asyncio.run_coroutine_threadsafe(agent.run(task), loop)
+            try:
+                trace = future.result(self.timeout_s)
+            except TimeoutError:
+                future.cancel()
+                raise
         finally:
             server.clients.pop(key.model_dump_json(), None)
         return driven(trace)
 
     def started(self):
-        """The event loop thread and the interception server, started on the first episode.
-        Its default executor has room for every episode's blocking call at once (the sampler
-        waits until all of them ask)."""
+        """The event loop thread and the interception server, started on the first episode."""
         with self._lock:
             if self._loop is None:
                 from verifiers.v1.interception import InterceptionServer
@@ -176,7 +195,6 @@ class VerifiersEnvironment:
                 from posttrain.envs import verifiers_harness
                 sys.modules.setdefault(HARNESS, verifiers_harness)
                 loop = asyncio.new_event_loop()
-                loop.set_default_executor(ThreadPoolExecutor(1024, thread_name_prefix="vf-turn"))
                 threading.Thread(target=loop.run_forever, daemon=True, name="verifiers").start()
                 server = InterceptionServer()
                 asyncio.run_coroutine_threadsafe(server.__aenter__(), loop).result(60)

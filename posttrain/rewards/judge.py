@@ -109,38 +109,57 @@ def load_template(spec: str, group: bool) -> str:
     except ValueError as e:
         raise ConfigError(f"{path}: reward.judge_template is not a valid template ({e}); write "
                           "literal braces as {{ and }}") from None
-    if names - allowed or not names:
+    needed = "responses" if group else "completion"
+    if names - allowed or needed not in names:
         raise ConfigError(f"{path}: reward.judge_template uses {sorted(names - allowed) or 'no'} "
-                          f"field(s); it may use {sorted(allowed)}")
+                          f"unknown field(s) and {sorted(names & allowed)}; it must use "
+                          f"{{{needed}}} and may use {sorted(allowed)}")
     return text
 
 
 class ReplyCache:
-    """Judge replies on disk (SQLite: safe across threads and crashes), keyed by the sha256 of
-    the endpoint's model name and the exact request, so a response judged once (in this run or a
-    resumed one) is not paid for again. Only replies that parsed are stored."""
+    """Judge replies on disk (SQLite, write-ahead log: safe across threads, ranks and crashes),
+    keyed by the sha256 of the endpoint, its model name and the exact request, so a response
+    judged once (in this run or a resumed one) is not paid for again. Only replies that parsed
+    are stored. Opened on first use (a refused run leaves no folder); a cache that fails (a
+    locked or broken file) is a miss, never a failed step."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self.db.execute("CREATE TABLE IF NOT EXISTS replies (key TEXT PRIMARY KEY, reply TEXT)")
+        self.path, self.db = path, None
         self.lock = threading.Lock()
 
+    def _open(self):
+        if self.db is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.db = sqlite3.connect(str(self.path), timeout=30, check_same_thread=False,
+                                      isolation_level=None)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("CREATE TABLE IF NOT EXISTS replies (key TEXT PRIMARY KEY, reply TEXT)")
+        return self.db
+
     @staticmethod
-    def key(model: str, messages: list[dict[str, str]], max_tokens: int) -> str:
-        return hashlib.sha256(json.dumps([model, messages, max_tokens]).encode()).hexdigest()
+    def key(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) -> str:
+        return hashlib.sha256(json.dumps([url, model, messages, max_tokens]).encode()).hexdigest()
 
     def get(self, key: str) -> str | None:
-        with self.lock:
-            row = self.db.execute("SELECT reply FROM replies WHERE key = ?", (key,)).fetchone()
+        try:
+            with self.lock:
+                row = self._open().execute("SELECT reply FROM replies WHERE key = ?", (key,)).fetchone()
+        except sqlite3.Error:
+            return None
         return None if row is None else row[0]
 
     def put(self, key: str, reply: str) -> None:
-        with self.lock:
-            self.db.execute("INSERT OR REPLACE INTO replies VALUES (?, ?)", (key, reply))
+        try:
+            with self.lock:
+                self._open().execute("INSERT OR REPLACE INTO replies VALUES (?, ?)", (key, reply))
+        except sqlite3.Error:
+            pass
 
     def close(self) -> None:
-        self.db.close()
+        if self.db is not None:
+            self.db.close()
+            self.db = None
 
 
 class RateLimit:
@@ -212,6 +231,21 @@ class Judge:
         self.limit = RateLimit(settings.rate)
         self.pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="judge")
 
+    def check(self) -> None:
+        """Before any model loads: the endpoint answers and serves `judge_model` (a name it does
+        not serve would make every response unscorable). 'default' takes the one it serves."""
+        try:
+            served = [m.id for m in self.client.models.list()]
+        except Exception as e:  # noqa: BLE001 - said in one line, with the fix
+            raise ConfigError(f"reward.judge={self.s.url!r}: the endpoint does not answer "
+                              f"GET /models ({type(e).__name__}: {str(e)[:200]}); start it first "
+                              "(posttrain serve, vLLM) or fix the URL") from None
+        if self.s.model == "default" and len(served) == 1:
+            self.s.model = served[0]
+        elif served and self.s.model not in served:
+            raise ConfigError(f"reward.judge_model={self.s.model!r} is not served at "
+                              f"{self.s.url} (it serves {served[:10]})")
+
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         if self.cache is not None:
@@ -252,7 +286,7 @@ class Judge:
     def ask(self, job) -> tuple[list[float] | None, tuple[bool, str]]:
         """One request: (scores or None, (served from the cache, the failure's reason))."""
         messages, rows = job
-        key = ReplyCache.key(self.s.model, messages, self.s.max_tokens)
+        key = ReplyCache.key(self.s.url, self.s.model, messages, self.s.max_tokens)
         reply = self.cache.get(key) if self.cache is not None else None
         hit = reply is not None
         if reply is None:

@@ -87,7 +87,7 @@ class Scorer:
 
     def __init__(self, cfg: RewardConfig, task_verifier: str = "math",
                  system_prompt: str | None = None, autocast: str = "none",
-                 run_dir: str | Path | None = None) -> None:
+                 run_dir: str | Path | None = None, judge: bool = True) -> None:
         self.cfg = cfg
         name = task_verifier if cfg.verifier == "math" and task_verifier != "math" else cfg.verifier
         self.verifier = None if name == "none" else name
@@ -108,18 +108,25 @@ class Scorer:
         self.tallies: dict[str, Tally] = {}
         self.system_prompt, self.autocast = system_prompt, autocast
         self._reward_model = None
-        self.judge = make_judge(cfg, run_dir) if cfg.judge else None
+        # (`judge` False: a command that never scores with it, eval and generate)
+        self.judge = make_judge(cfg, run_dir) if cfg.judge and judge else None
 
     def start(self) -> None:
         """Start the reward sandbox now (it starts on the first batch otherwise): a function that
-        cannot be imported inside it is an error before any model loads."""
+        cannot be imported inside it is an error before any model loads; so is a judge's endpoint
+        that does not answer."""
         if self.pool is not None:
             self.pool.start()
+        if self.judge is not None:
+            self.judge.check()
 
-    def close(self) -> None:
-        """Stop the reward sandbox (a later call starts it again)."""
+    def close(self, final: bool = False) -> None:
+        """Stop the reward sandbox (a later call starts it again); `final`: the judge too."""
         if self.pool is not None:
             self.pool.close()
+        if final and self.judge is not None:
+            self.judge.close()
+            self.judge = None
 
     @property
     def reward_model(self):

@@ -68,6 +68,16 @@ class ScoredBatch:
     def rewards_P_G(self) -> Tensor:
         return self.rewards_B.reshape(-1, self.rollout.group_size)
 
+    @property
+    def scored_P_G(self) -> Tensor | None:
+        """False where the LLM judge could not score a response (None: every response scored)."""
+        return None if self.scored_B is None else self.scored_B.reshape(-1, self.rollout.group_size)
+
+    @property
+    def equal_groups(self) -> Tensor:
+        """(P,) bool: the groups with no signal (equal_reward_groups)."""
+        return equal_reward_groups(self.rewards_P_G, self.scored_P_G)
+
     def select(self, rows: Tensor) -> ScoredBatch:
         """The responses `rows` (whole groups, for dynamic sampling), every field kept."""
         idx = rows.tolist()
@@ -124,6 +134,13 @@ def merge(parts: list[ScoredBatch], pad_id: int) -> ScoredBatch:
     return ScoredBatch(**joined)
 
 
-def equal_reward_groups(rewards_P_G: Tensor) -> Tensor:
-    """(P,) bool: groups whose G rewards are all equal (zero group advantage, no signal)."""
-    return (rewards_P_G == rewards_P_G[:, :1]).all(dim=1)
+def equal_reward_groups(rewards_P_G: Tensor, scored_P_G: Tensor | None = None) -> Tensor:
+    """(P,) bool: groups whose G rewards are all equal (zero group advantage, no signal); with
+    unscorable responses (`scored_P_G` False), groups whose scored rewards are all equal or that
+    have fewer than 2 scored (their advantages are 0 too: losses/advantages.py)."""
+    if scored_P_G is None:
+        return (rewards_P_G == rewards_P_G[:, :1]).all(dim=1)
+    inf = torch.tensor(float("inf"), device=rewards_P_G.device)
+    high = torch.where(scored_P_G, rewards_P_G, -inf).amax(dim=1)
+    low = torch.where(scored_P_G, rewards_P_G, inf).amin(dim=1)
+    return (high == low) | (scored_P_G.sum(dim=1) < 2)

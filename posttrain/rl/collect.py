@@ -23,7 +23,7 @@ from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, episode_se
 from posttrain.rollout.episodes import Episodes, run_episodes
 from posttrain.rollout.hf import row_seeds
 from posttrain.model.distributed import SINGLE, World, full_weights_for_generation, gather_objects
-from posttrain.rl.batch import ScoredBatch, equal_reward_groups, merge
+from posttrain.rl.batch import ScoredBatch, merge
 from posttrain.rl.step_metrics import judge_metrics, read_floats, reward_model_metrics
 
 
@@ -43,7 +43,7 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
     while True:
         batch = sample_and_score_round(engine, tokenizer, sampler, scorer, cfg, algo, generator,
                                        timings, world, env, tallies, stats, first=rounds == 0)
-        equal = equal_reward_groups(batch.rewards_P_G)
+        equal = batch.equal_groups
         if rounds == 0:
             first = batch
         rounds += 1
@@ -93,8 +93,9 @@ def sample_and_score_round(engine: RolloutEngine, tokenizer, sampler: Sampler, s
                         transcripts=episodes.transcripts if multi_turn else None, reward_parts=parts,
                         scored_B=scored)
     if first:
-        first_stats = {"rollout/equal_groups_frac": equal_reward_groups(batch.rewards_P_G).float().mean(),
-                       "reward/generated_mean": rewards.mean()}
+        scored = torch.ones_like(rewards, dtype=torch.bool) if scored is None else scored
+        first_stats = {"rollout/equal_groups_frac": batch.equal_groups.float().mean(),
+                       "reward/generated_mean": rewards[scored].mean()}
         if result.model_scores_B is not None:   # RLHF: the proxy beside the truth (hacking shows)
             first_stats.update(reward_model_metrics(result.model_scores_B, result.correct_B))
         if result.judge_scores_B is not None:   # the judge beside the verifier

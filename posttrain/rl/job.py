@@ -32,7 +32,7 @@ from posttrain.model.memory import estimate as estimate_memory
 from posttrain.model.loading import (add_lora, check_model_folder, load_policy, load_tokenizer,
                               merged_lora_copy, resolve_model_path, save_model)
 from posttrain.rewards.scorer import Scorer
-from posttrain.envs import Environment, SingleTurn, for_tokenizer
+from posttrain.envs import Environment, SingleTurn, close_env, for_tokenizer
 from posttrain.rollout import HFRolloutEngine, RolloutEngine, async_core_split
 from posttrain.rl.sampling import isolation, sampling_engine, sampling_inputs
 from posttrain.run.optim import make_adamw, make_scheduler
@@ -221,9 +221,11 @@ def run_eval(run: RLJob, step: int, label: str) -> dict[str, Any]:
 
 
 def close_sources(run: RLJob) -> None:
-    """The engine (its threads, processes and servers) and the reward sandbox."""
+    """The engine (its threads, processes and servers), the reward sandbox and judge, and what
+    the environment started (an endpoint, verifiers' event loop, OpenEnv sessions)."""
     run.batches.close()
-    run.scorer.close()
+    run.scorer.close(final=True)
+    close_env(run.env)
 
 
 def save_final(run: RLJob, summary: dict[str, Any]) -> dict[str, Any]:

@@ -221,8 +221,7 @@ def compute_advantages(run: RLJob, batch: ScoredBatch) -> tuple[ScoredBatch, dic
         AdvantageInputs(batch.rewards_P_G, batch.loss_mask_B_T, token_rewards_B_T=token_rewards,
                         values_B_T=old_values, old_logp_B_T=batch.old_logp_B_T,
                         teacher_logp_B_T=batch.teacher_logp_B_T,
-                        scored_P_G=None if batch.scored_B is None
-                        else batch.scored_B.reshape(batch.rewards_P_G.shape)),
+                        scored_P_G=batch.scored_P_G),
         AdvantageParams(algo.eps, algo.scale_by_std, algo.gamma, algo.lam, algo.reward_weight,
                         not DISTILL_LOSSES[algo.distill_loss].in_advantage))
     batch = replace(batch, adv_B_T=adv_out.adv_B_T, old_values_B_T=old_values,

@@ -28,18 +28,19 @@ def isolation(scorer: Scorer, env: Environment) -> dict[str, str]:
     return out
 
 
-def sampling_inputs(cfg: TrainConfig, check=None,
-                    run_dir: Path | None = None) -> tuple[Task, Environment, Scorer]:
+def sampling_inputs(cfg: TrainConfig, check=None, run_dir: Path | None = None,
+                    judge: bool = True) -> tuple[Task, Environment, Scorer]:
     """The task (data errors surface here), its environment (unknown environments and tools
     too), then `check()` (the command's own checks: a teacher's folder), then the reward scorer
     with its sandbox started (a function the sandbox cannot import fails here too); where the
-    model's text runs is said once. `run_dir`: where the LLM judge keeps its replies."""
+    model's text runs is said once. `run_dir`: where the LLM judge keeps its replies; `judge`
+    False: no judge (eval and generate score with the verifier alone)."""
     task = build_task(cfg.data)
     env = make_env(cfg.env, task)
     if check is not None:
         check()
     scorer = Scorer(cfg.reward, task.verifier, cfg.data.system_prompt, cfg.model.autocast,
-                    run_dir=run_dir)
+                    run_dir=run_dir, judge=judge)
     scorer.start()
     log.info("the model's text runs in: %s",
              ", ".join(f"{k} {v}" for k, v in isolation(scorer, env).items()))

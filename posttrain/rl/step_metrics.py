@@ -69,8 +69,9 @@ def rollout_metrics(batch: ScoredBatch) -> dict[str, float | None]:
     """What was sampled and how it scored, read from the device in one transfer ('_tokens': the
     generated tokens, for the throughput; None where no row qualifies)."""
     lengths, correct, r = batch.rollout.lengths_B, batch.correct_B, batch.rewards_B
-
-    t = {"reward/mean": r.mean(), "reward/std": r.std() if len(r) > 1 else torch.zeros_like(r[0]),
+    if batch.scored_B is not None:   # the reward of the responses the judge scored
+        r = r[batch.scored_B] if batch.scored_B.any() else r[:0]
+    t = {"reward/mean": r.mean(), "reward/std": r.std() if len(r) > 1 else torch.zeros(()),
          "reward/accuracy": correct.float().mean(),
          "rollout/length_mean": lengths.mean(),
          "rollout/truncated_frac": batch.rollout.truncated_B.float().mean(),

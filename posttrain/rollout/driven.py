@@ -59,6 +59,13 @@ def text_of(content: Any) -> str:
     return "" if content is None else str(content)
 
 
+def plain(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as a chat template takes it: its text, and its tool calls or tool-call id."""
+    out = {"role": message.get("role", "user"), "content": text_of(message.get("content"))}
+    out.update({k: message[k] for k in ("tool_calls", "tool_call_id", "name") if message.get(k)})
+    return out
+
+
 def same_turns(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
     return len(a) == len(b) and all(x.get("role") == y.get("role") and
                                     text_of(x.get("content")) == text_of(y.get("content"))
@@ -92,10 +99,13 @@ class Recorder:
         self.tokenizer, self.encoder, self.kwargs = tokenizer, encoder, template_kwargs
 
     def render(self, messages: list[dict[str, Any]], tools: list | None) -> list[int]:
+        if not self.encoder.templated:
+            raise ValueError("an environment that drives the policy sends chat messages: it needs "
+                             "a tokenizer with a chat template and data.chat_template true")
         extra = dict(self.kwargs, **({"tools": tools} if tools else {}))
-        plain = [{"role": m.get("role", "user"), "content": text_of(m.get("content"))} for m in messages]
-        return _ids(self.tokenizer.apply_chat_template(plain, add_generation_prompt=True,
-                                                       tokenize=True, **extra))
+        return _ids(self.tokenizer.apply_chat_template([plain(m) for m in messages],
+                                                       add_generation_prompt=True, tokenize=True,
+                                                       **extra))
 
     def context(self, s: Session, messages: list[dict[str, Any]], tools: list | None,
                 budget: int) -> list[int]:
@@ -165,9 +175,14 @@ class TurnBatcher:
         self.pending: dict[int, tuple[list[int], int]] = {}
         self.results: dict[int, Any] = {}
         self.turn = [0] * n
+        self.error: BaseException | None = None   # the engine's failure: the step's, re-raised
 
     def ask(self, row: int, context: list[int], max_new: int) -> tuple[list[int], list[float], bool]:
         with self.cond:
+            if self.error is not None:
+                raise self.error
+            if row not in self.live:   # (a request that outlived its episode: a timed-out harness)
+                raise EpisodeOver("the episode has ended")
             if row in self.pending:
                 raise RuntimeError("an episode asked the policy twice at once")
             self.pending[row] = (context, max_new)
@@ -180,8 +195,12 @@ class TurnBatcher:
         return out
 
     def done(self, row: int) -> None:
+        """The row's episode ended; a request of it still waiting is answered EpisodeOver."""
         with self.cond:
             self.live.discard(row)
+            if self.pending.pop(row, None) is not None:
+                self.results[row] = EpisodeOver("the episode ended while its request waited")
+                self.cond.notify_all()
             self._run_if_ready()
 
     def _run_if_ready(self) -> None:
@@ -191,7 +210,8 @@ class TurnBatcher:
         rows = sorted(self.pending)
         try:
             outs = self._sample(rows)
-        except Exception as e:  # noqa: BLE001 - every waiting episode gets the engine's error
+        except Exception as e:  # noqa: BLE001 - kept: drive_batch raises it once episodes end
+            self.error = e
             outs = [e] * len(rows)
         for r, out in zip(rows, outs):
             self.results[r] = out
@@ -295,6 +315,8 @@ def drive_batch(engine: RolloutEngine, tokenizer, env: Environment, problems: li
                 counts["over_budget"] += 1
             return Driven()
         except Exception:  # noqa: BLE001 - an episode's failure ends it, not the run
+            if batcher.error is not None:   # (the engine's, raised for the step below)
+                return Driven()
             with lock:
                 counts["env_errors"] += 1
                 errors.setdefault("environment", traceback.format_exc()[-4000:])
@@ -303,4 +325,6 @@ def drive_batch(engine: RolloutEngine, tokenizer, env: Environment, problems: li
             batcher.done(r)
     with ThreadPoolExecutor(max_workers=B, thread_name_prefix="episode") as pool:
         results = list(pool.map(one, range(B)))
+    if batcher.error is not None:   # the engine failed: the step fails, as a built-in's would
+        raise batcher.error
     return DrivenBatch(sessions, results, counts, errors)

@@ -216,7 +216,9 @@ def driven_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems
     s = out.sessions
     for r, sess in enumerate(s):
         if sess.prompt is None:   # (an episode that never asked the policy: an empty answer)
-            sess.prompt = s[r - r % G].prompt or [tokenizer.eos_token_id]
+            asked = [x.prompt for x in s[r - r % G:r - r % G + G] if x.prompt is not None]
+            sess.prompt = asked[0] if asked else [tokenizer.eos_token_id]
+    for r, sess in enumerate(s):
         if sess.prompt != s[r - r % G].prompt:
             raise ValueError(f"the driven episodes of problem {r // G} started from different "
                              "prompts; a group's episodes must answer the same prompt")

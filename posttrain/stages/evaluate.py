@@ -10,7 +10,7 @@ from typing import Any
 
 
 from posttrain.config.commands import TrainConfig
-from posttrain.envs import for_tokenizer
+from posttrain.envs import close_env, for_tokenizer
 from posttrain.rl.evaluation import (Answers, answer, answers_metrics, eval_settings,
                                     sampling_params)
 from posttrain.run.lifecycle import finish_job, open_folder, run_steps, start_job
@@ -24,7 +24,7 @@ def evaluate_model(cfg: TrainConfig, k: int = 1, samples: int = 0, show_progress
     k > 1 pass@k from max(samples, k) answers per problem at rollout.temperature (seeded by
     `seed`). Returns the summary: the metrics, `problems` answered of `of`, the run folder."""
     job = start_job("eval", cfg, None, show_progress)
-    task, env, scorer = sampling_inputs(cfg)
+    task, env, scorer = sampling_inputs(cfg, judge=False)
     engine = None
     try:   # (the reward sandbox and the engine stop however the command ends)
         model, tokenizer, path = load_sampled_model(cfg, model, tokenizer)
@@ -37,6 +37,7 @@ def evaluate_model(cfg: TrainConfig, k: int = 1, samples: int = 0, show_progress
         if engine is not None:
             close_engine(engine)
         scorer.close()
+        close_env(env)
     return write_results(job, task.eval_problems, greedy, sampled, k, env, signal_name)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.data.source import Sampler
-from posttrain.envs import for_tokenizer
+from posttrain.envs import close_env, for_tokenizer
 from posttrain.envs.base import Demonstrates
 from posttrain.run.lifecycle import finish_job, open_folder, run_steps, start_job
 from posttrain.rollout import SamplingParams, close_engine
@@ -32,7 +32,7 @@ def generate(cfg, n: int, out: str | Path | None = None, samples: int = 1,
     if out is None and not cfg.writes_folder:
         raise ValueError("generate: no --out and --run_dir none: the rows need a file")
     job = start_job("generate", cfg, None, show_progress)
-    task, env, scorer = sampling_inputs(cfg)
+    task, env, scorer = sampling_inputs(cfg, judge=False)
     engine = None
     try:   # (the reward sandbox and the engine stop however the command ends)
         model, tokenizer, path = load_sampled_model(cfg, model, tokenizer, weights=not demonstrate)
@@ -45,6 +45,7 @@ def generate(cfg, n: int, out: str | Path | None = None, samples: int = 1,
         if engine is not None:
             close_engine(engine)
         scorer.close()
+        close_env(env)
     out = Path(out) if out is not None else job.run_dir / "sft.jsonl"
     write_jsonl(out, rows)
     summary = {"written": len(rows), "generated": min(n, job.steps_done * cfg.eval_batch_size) * (

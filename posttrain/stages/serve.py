@@ -17,7 +17,7 @@ from typing import Any
 from posttrain.envs.endpoint import Endpoint
 from posttrain.model.prompts import _ids
 from posttrain.rl.sampling import load_sampled_model, sampling_engine
-from posttrain.rollout import SamplingParams
+from posttrain.rollout import SamplingParams, close_engine
 from posttrain.rollout.driven import PolicyTurn, text_of
 from posttrain.run.lifecycle import Job, open_folder, start_job
 
@@ -48,17 +48,17 @@ class ServedModel:
     def sample(self, ids: list[int], max_tokens: int | None, sampling: dict[str, Any]) -> PolicyTurn:
         r = self.cfg.rollout
         n = min(max_tokens or r.max_new_tokens, r.max_new_tokens)
-        with self.lock:
+        with self.lock:   # (one request at a time; its record line whole)
             params = request_params(sampling, n, r.temperature, r.top_p)
             out = self.engine.generate([ids], 1, params, self.generator)
-        k = int(out.response_mask_B_T[0].sum())
-        got, logps = out.response_ids_B_T[0, :k].tolist(), out.logp_B_T[0, :k].tolist()
-        turn = PolicyTurn(self.tokenizer.decode(got, skip_special_tokens=True), ids, got, logps,
-                          "length" if bool(out.truncated_B[0]) else "stop",
-                          [self.tokenizer.decode([t]) for t in got])
-        if self.record is not None:
-            self.record({"time": time.time(), "prompt_token_ids": ids, "token_ids": got,
-                         "logprobs": logps, "finish_reason": turn.finish_reason})
+            k = int(out.response_mask_B_T[0].sum())
+            got, logps = out.response_ids_B_T[0, :k].tolist(), out.logp_B_T[0, :k].tolist()
+            turn = PolicyTurn(self.tokenizer.decode(got, skip_special_tokens=True), ids, got,
+                              logps, "length" if bool(out.truncated_B[0]) else "stop",
+                              [self.tokenizer.decode([t]) for t in got])
+            if self.record is not None:
+                self.record({"time": time.time(), "prompt_token_ids": ids, "token_ids": got,
+                             "logprobs": logps, "finish_reason": turn.finish_reason})
         return turn
 
 
@@ -100,3 +100,4 @@ def serve_until_stopped(cfg, host: str, port: int, name: str | None) -> None:
         threading.Event().wait()
     except KeyboardInterrupt:
         endpoint.close()
+        close_engine(endpoint.default.engine)
