@@ -303,13 +303,20 @@ def judge_row(label: str, runs: list[tuple[dict, list[dict]]]) -> str:
 def ecosystem_judge_table(root: Path) -> str:
     """The default job rewarded by the verifier and by an LLM judge (SmolLM2 itself, served)."""
     lines = ["| reward | held-out before (%, mean ± sd) | held-out after (%) | after, per seed | "
-             "steps in the budget (mean) | judge agrees with the verifier | unscorable |", "|---" * 7 + "|"]
+             "steps in the budget (mean) | judge agrees with the verifier (training answers) | "
+             "unscorable (training) |", "|---" * 7 + "|"]
     lines.append(judge_row("the verifier (the default job)", arm_runs(root, "addition-native")))
     lines.append(judge_row("an LLM judge alone (correct_reward 0)", arm_runs(root, "addition-judge")))
     n = len(arm_runs(root, "addition-judge"))
-    return "\n".join(lines + ["", f"Held-out accuracy is the verifier's in both rows; {n} seed(s) "
-                              f"for the judge. Records: `{ECOSYSTEM}/addition-judge-seedS/record.json`, "
-                              f"the judge's calls in `{ECOSYSTEM}/judge-server/served.jsonl`."]) + "\n"
+    a = json.loads((root / ECOSYSTEM / "judge-agreement" / "record.json").read_text())
+    return "\n".join(lines + [
+        "", f"Held-out accuracy is the verifier's in both rows; {n} seed(s) for the judge. On the "
+        f"{a['judged']} held-out answers of the verifier-trained seed 0 after training "
+        f"({a['verifier_correct']} correct), the judge says Yes {a['judge_yes']} times, No "
+        f"{a['judge_no']} times ({a['unscorable']} unscorable): it agrees with the verifier on "
+        f"{100 * a['agreement']:.0f}% (`benchmarks/judge_agreement.py`, {a['judge_seconds']:.0f} s). "
+        f"Records: `{ECOSYSTEM}/addition-judge-seedS/record.json`, `{ECOSYSTEM}/judge-agreement/"
+        f"record.json`, the judge's calls in `{ECOSYSTEM}/judge-server/served.jsonl`."]) + "\n"
 
 
 def chain_sum_table(root: Path) -> str:
