@@ -104,6 +104,7 @@ def _batch(T: int, with_optional: bool) -> ScoredBatch:
                        adv_B_T=opt(0.5), old_values_B_T=opt(0.25), returns_B_T=opt(0.75),
                        token_rewards_B_T=opt(0.125),
                        version_B=torch.arange(B) if with_optional else None,
+                       scored_B=torch.tensor([True, False, True, True]) if with_optional else None,
                        reward_parts=[{"verifier": float(i)} for i in range(B)] if with_optional else None)
 
 
@@ -117,6 +118,7 @@ def test_a_scored_batch_is_immutable_and_select_merge_keep_every_field():
     assert s.completions == ["c2", "c3"] and s.rewards_B.tolist() == [2.0, 3.0]
     assert s.reward_parts == [{"verifier": 2.0}, {"verifier": 3.0}]
     assert s.version_B.tolist() == [2, 3]       # each response keeps the weights that sampled it
+    assert s.scored_B.tolist() == [True, True] and b.select(torch.tensor([1])).scored_B.tolist() == [False]
     assert s.trainer_old_logp_B_T.shape == (2, 5) and s.teacher_view.response_ids_B_T.shape == (2, 5)
     m = merge([_batch(5, True), _batch(3, True)], pad_id=0)
     assert m.ref_logp_B_T.shape == (8, 5) and (m.ref_logp_B_T[4:, 3:] == 0).all()
