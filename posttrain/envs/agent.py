@@ -21,15 +21,12 @@ from collections.abc import Callable
 from typing import Any
 
 from posttrain.data.tasks import Problem
-from posttrain.envs.base import Driven
+from posttrain.envs.base import Driven, DrivingEnvironment
 from posttrain.envs.endpoint import Endpoint
 
 
-class AgentEnvironment:
+class AgentEnvironment(DrivingEnvironment):
     """Episodes run by `run(base_url, problem)` against the policy's endpoint."""
-
-    stop: tuple[str, ...] = ()
-    tool_schemas = None
 
     def __init__(self, run: Callable[[str, Problem], Any], max_turns: int = 4,
                  name: str = "agent") -> None:
@@ -43,15 +40,6 @@ class AgentEnvironment:
             if self._endpoint is None:
                 self._endpoint = Endpoint(model="policy")
             return self._endpoint
-
-    def system_prompt(self, base: str | None) -> str | None:
-        return base
-
-    def reset(self, problem: Problem) -> Any:
-        raise NotImplementedError("an agent environment drives its episodes (drive)")
-
-    def step(self, state: Any, text: str, turn: int):
-        raise NotImplementedError("an agent environment drives its episodes (drive)")
 
     def drive(self, policy: Any, problem: Problem) -> Driven:
         url = self.endpoint.add(policy)

@@ -103,6 +103,25 @@ class DrivesPolicy(Protocol):
     def drive(self, policy: Any, problem: Problem) -> Driven: ...
 
 
+class DrivingEnvironment:
+    """The base of an environment that drives its episodes (DrivesPolicy): it has no turns of
+    its own to take, so `reset` and `step` are refused; subclasses give `drive`."""
+
+    name = "driving"
+    max_turns = 4
+    stop: tuple[str, ...] = ()
+    tool_schemas = None
+
+    def system_prompt(self, base: str | None) -> str | None:
+        return base
+
+    def reset(self, problem: Problem) -> Any:
+        raise NotImplementedError(f"the {self.name} environment drives its episodes (drive)")
+
+    def step(self, state: Any, text: str, turn: int) -> Reply:
+        raise NotImplementedError(f"the {self.name} environment drives its episodes (drive)")
+
+
 class SingleTurn:
     """One answer per problem, scored by the task's verifier and the reward functions."""
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from posttrain.data.tasks import Problem
 from posttrain.data.verifiers_tasks import load_taskset_tasks
-from posttrain.envs.base import Driven
+from posttrain.envs.base import Driven, DrivingEnvironment
 from posttrain.envs.tools import parse_calls
 
 # verifiers' loader imports a harness by a top-level module name: the harness module is
@@ -126,12 +126,9 @@ def split_calls(text: str, tools: list[Any] | None):
         for c in calls]
 
 
-class VerifiersEnvironment:
+class VerifiersEnvironment(DrivingEnvironment):
     """Each episode a verifiers rollout of the problem's task (`data.task verifiers:ID`), run
     on an event loop of its own (one thread, one interception server for all episodes)."""
-
-    stop: tuple[str, ...] = ()
-    tool_schemas = None
 
     def __init__(self, max_turns: int = 4, harness: str = HARNESS, name: str = "verifiers",
                  timeout_s: float = 600.0) -> None:
@@ -140,11 +137,12 @@ class VerifiersEnvironment:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server = None
         self._lock = threading.Lock()
+        self._warned = False
 
     def start_batch(self) -> None:
         """Said once: a verifiers rubric scores the model's text where verifiers runs it, in the
         trainer's process, not in posttrain's reward sandbox (docs/safety.md)."""
-        if not getattr(self, "_warned", False):
+        if not self._warned:
             self._warned = True
             log.warning("verifiers: the task's rubric (and any tool without a sandbox of its own) "
                         "reads the model's text in the trainer's process, outside posttrain's "
@@ -154,15 +152,6 @@ class VerifiersEnvironment:
         """Tools go to the chat template when it renders them, else to a system message."""
         self.renders_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
         return self
-
-    def system_prompt(self, base: str | None) -> str | None:
-        return base
-
-    def reset(self, problem: Problem) -> Any:
-        raise NotImplementedError("a verifiers environment drives its episodes (drive)")
-
-    def step(self, state: Any, text: str, turn: int):
-        raise NotImplementedError("a verifiers environment drives its episodes (drive)")
 
     def drive(self, policy: Any, problem: Problem) -> Driven:
         import verifiers.v1 as vf

@@ -18,7 +18,7 @@ from posttrain.envs.endpoint import Endpoint
 from posttrain.model.prompts import _ids
 from posttrain.rl.sampling import load_sampled_model, sampling_engine
 from posttrain.rollout import SamplingParams, close_engine
-from posttrain.rollout.driven import PolicyTurn, text_of
+from posttrain.rollout.driven import PolicyTurn, plain
 from posttrain.run.lifecycle import Job, open_folder, start_job
 
 
@@ -33,10 +33,8 @@ class ServedModel:
         self.lock = threading.Lock()
 
     def chat(self, messages, tools=None, max_tokens=None, **sampling) -> PolicyTurn:
-        plain = [{"role": m.get("role", "user"), "content": text_of(m.get("content"))}
-                 for m in messages]
         ids = _ids(self.tokenizer.apply_chat_template(
-            plain, add_generation_prompt=True, tokenize=True,
+            [plain(m) for m in messages], add_generation_prompt=True, tokenize=True,
             **({"tools": tools} if tools else {}), **self.cfg.data.chat_template_kwargs))
         return self.sample(ids, max_tokens, sampling)
 
