@@ -325,6 +325,9 @@ def no_bwrap(monkeypatch):
 
 
 def test_without_bubblewrap_root_is_refused_and_a_user_is_warned(no_bwrap, monkeypatch, caplog):
+    """bwrap named and not there: refused. auto as root: refused. auto as a normal user: only
+    scorers that parse and compare fall back, with a warning (what runs the model's code is
+    refused: test_without_bubblewrap_auto_refuses_what_runs_the_models_code)."""
     launch = no_bwrap
     with pytest.raises(launch.SandboxError, match="env.sandbox=bwrap but bubblewrap cannot start"):
         launch.decide("bwrap", "the python tool", "env.sandbox")
@@ -335,8 +338,58 @@ def test_without_bubblewrap_root_is_refused_and_a_user_is_warned(no_bwrap, monke
     assert launch.decide("fallback", "the python tool", "env.sandbox") == "fallback"   # said by name
     monkeypatch.setattr(launch, "is_root", lambda: False)
     with caplog.at_level("WARNING", logger="posttrain"):
-        assert launch.decide("auto", "the python tool", "env.sandbox") == "fallback"
-    assert "SANDBOX FALLBACK: the python tool runs without bubblewrap" in caplog.text
+        assert launch.decide("auto", "the verifier", "reward.sandbox", runs=None) == "fallback"
+    assert "SANDBOX FALLBACK: the verifier runs without bubblewrap" in caplog.text
+    assert "/dev/shm (RAM: 16 MB a file, any number of them" in caplog.text   # (it outlives calls)
+
+
+def test_only_verifiers_known_to_parse_and_compare_fall_back(no_bwrap, monkeypatch):
+    """An allow-list: `math`, `countdown` and `exact` fall back on their own (a normal user,
+    `auto`, no bubblewrap); a verifier not on it (one added later: here registered by the test)
+    counts as evaluating the answer and is refused, in one line naming the option, until the
+    fallback is named."""
+    from posttrain.config.sections import RewardConfig
+    from posttrain.rewards import verifiers
+    from posttrain.rewards.scorer import Scorer
+    monkeypatch.setattr(no_bwrap, "is_root", lambda: False)
+    monkeypatch.setitem(verifiers.VERIFIERS, "brand_new", lambda completion, problem: True)
+    for name in ("math", "countdown", "exact"):
+        scorer = Scorer(RewardConfig(), name)
+        assert scorer.sandbox == "fallback", name
+        scorer.close()
+    with pytest.raises(no_bwrap.SandboxError) as refused:
+        Scorer(RewardConfig(), "brand_new")
+    assert "\n" not in str(refused.value) and "the verifier 'brand_new'" in str(refused.value)
+    assert "set reward.sandbox fallback" in str(refused.value)
+    scorer = Scorer(RewardConfig(sandbox="fallback"), "brand_new")
+    assert scorer.sandbox == "fallback"
+    scorer.close()
+
+
+def test_without_bubblewrap_auto_refuses_what_runs_the_models_code(no_bwrap, monkeypatch):
+    """A normal user, `auto`, no bubblewrap: the python tool, reward functions and
+    reasoning-gym's scorers (some evaluate the answer) are refused in one line naming the option
+    that accepts the fallback; named, they run there. The built-in math verifier falls back."""
+    from posttrain.config.sections import RewardConfig
+    from posttrain.rewards.scorer import Scorer
+    monkeypatch.setattr(no_bwrap, "is_root", lambda: False)
+    cfg = type("C", (), {"sandbox": "auto"})()
+    with pytest.raises(no_bwrap.SandboxError) as tool_error:
+        make_tools(("python",), cfg)
+    message = str(tool_error.value)
+    assert "\n" not in message and "the python tool would run the programs the model writes" in message
+    assert "set env.sandbox fallback" in message and "POSTTRAIN_FORCE_NO_BWRAP=1" in message
+    functions = RewardConfig(verifier="none", functions=("tests.toy_rewards:first_letter_a_to_e",))
+    for reward, verifier in ((functions, "math"), (RewardConfig(), "reasoning_gym")):
+        with pytest.raises(no_bwrap.SandboxError, match="without a namespace sandbox.*"
+                                                        "set reward.sandbox fallback"):
+            Scorer(reward, verifier)
+    cfg.sandbox = "fallback"
+    assert make_tools(("python",), cfg)[0].sandbox == "fallback"
+    named = Scorer(RewardConfig(verifier="none", sandbox="fallback",
+                                functions=("tests.toy_rewards:first_letter_a_to_e",)))
+    assert named.sandbox == "fallback"
+    assert Scorer(RewardConfig()).sandbox == "fallback"          # math-verify parses and compares
 
 
 @pytest.mark.parametrize("broken", [["--no-such-option"], ["--ro-bind", "/no/such/path", "/x"]])

@@ -144,8 +144,8 @@ def python_tool(cfg: Any = None) -> Tool:
     memory = getattr(cfg, "python_memory_mb", 512)
     output = getattr(cfg, "tool_max_output", 2000)
     procs = getattr(cfg, "python_max_procs", 32)
-    mode = decide(getattr(cfg, "sandbox", "auto"), "the python tool (code the model writes)",
-                  "env.sandbox")   # decided once, before training
+    mode = decide(getattr(cfg, "sandbox", "auto"), "the python tool", "env.sandbox",
+                  runs="the programs the model writes")   # decided once, before training
     return Tool("python", "Run a Python program and return what it prints.",
                 {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
                 lambda code, timeout_s: run_python(code, timeout_s, memory, output, mode, procs),

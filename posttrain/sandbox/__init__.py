@@ -5,4 +5,5 @@ it is imported inside the sandbox too.
     run.py      a program run to its end: bounded output, time and memory (the python tool)
     procs.py    process trees and groups from /proc (memory in all, killing all of it)
     seccomp.py  the syscall filter, and the prctl flags a sandboxed process sets
+    cgroup.py   a memory (and process-count) cgroup per sandbox, where the machine allows one
 """

@@ -3,8 +3,9 @@
 At most `max_output` bytes of output are kept and the program is killed past them, so one that
 prints forever costs the trainer nothing; the wall clock is `timeout_s`; the memory of all its
 processes together is checked every 50 ms against `memory_mb` (each process's address space is
-also limited to it, so one allocation cannot outrun the check); its whole tree is killed on
-every exit path. A sandbox that could not start is an error of the tool (`SandboxStartError`), never
+also limited to it, so one allocation cannot outrun the check), and where the machine allows, a
+memory cgroup bounds what it holds in processes and outside them (tmpfs files, pipe buffers;
+launch.py); its whole tree is killed on every exit path. A sandbox that could not start is an error of the tool (`SandboxStartError`), never
 the program's output.
 """
 
@@ -45,12 +46,14 @@ def run_python_code(code: str, limits: Limits, mode: Mode) -> Result:
             out, err, status = _read_bounded(sp.proc, limits, t0)
         finally:
             _kill(sp.proc)
-            ran = sp.program_ran()
+            ran, oom = sp.program_ran(), sp.oom_killed()
             sp.close()
     code_ = sp.proc.returncode
     if status == "ok" and not ran:   # (ended by itself, yet bubblewrap ran no program)
         raise SandboxStartError("bubblewrap could not start the sandbox: "
                                 + " ".join(err.decode(errors="replace").split())[:300])
+    if oom and status != "output_limit":   # (the kernel killed in its cgroup: memory in all)
+        status = "memory_limit"
     if status == "ok" and code_:
         status = "timeout" if code_ in (-signal.SIGXCPU, -signal.SIGKILL) else "error"
     return Result(out.decode(errors="replace"), err.decode(errors="replace"), status, code_,
