@@ -1,9 +1,12 @@
 """A stub OpenAI-compatible judge on loopback (`/v1/chat/completions`), for the judge's tests.
 
-It scores a response 10 when its text (between 'Response:' and the instructions) contains the
-reference answer, else 0; it answers HTTP 500 to every request whose response text has an odd
-number of characters (`fail_odd`: a judge that fails half its calls, retries or not), and to the
-first `fail_first` requests of all (a transient outage that retries get past)."""
+It reads each response as a careful judge would: between its fence's tags, the boundary taken
+from the first tag (the request's own; a prompt without fences, by its 'Response:' or
+'Response k:' headers), and scores it 10 when it contains the reference answer, else 0. It answers
+HTTP 500 to every request whose response text has an odd number of characters (`fail_odd`: a judge
+that fails half its calls, retries or not), and to the first `fail_first` requests of all (a
+transient outage that retries get past). `reply`: a fixed reply instead; `keys`: the API key of
+each request (its Authorization header)."""
 
 from __future__ import annotations
 
@@ -14,9 +17,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class StubJudge:
-    def __init__(self, fail_odd: bool = False, fail_first: int = 0, group: bool = False) -> None:
-        self.fail_odd, self.fail_first, self.group = fail_odd, fail_first, group
-        self.requests = 0
+    def __init__(self, fail_odd: bool = False, fail_first: int = 0, group: bool = False,
+                 reply: str | None = None, finish_reason: str = "stop") -> None:
+        self.fail_odd, self.fail_first, self.group, self.fixed = fail_odd, fail_first, group, reply
+        self.finish_reason = finish_reason
+        self.requests, self.keys = 0, []
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -39,11 +44,15 @@ class StubJudge:
             n = self.requests
         if n <= self.fail_first:
             return 500, ""
+        if self.fixed is not None:
+            return 200, self.fixed
         answer = re.search(r"Reference answer: (.*)\n", text).group(1).strip()
         if self.group:
-            parts = re.findall(r"Response \d+:\n(.*?)(?=\n\nResponse \d+:|\n\nFor each)", text, re.S)
+            parts = group_responses(text)
             return 200, "Scores: " + json.dumps([10 if answer in p else 0 for p in parts])
-        response = re.search(r"Response:\n(.*)\n\nIs the response", text, re.S).group(1)
+        fence = re.search(r"<response-(\w+)>\n(.*?)\n</response-\1>", text, re.S)
+        response = (fence.group(2) if fence else
+                    re.search(r"Response:\n(.*)\n\nIs the response", text, re.S).group(1))
         if self.fail_odd and len(response) % 2:
             return 500, ""
         return 200, f"Looks {'right' if answer in response else 'wrong'}.\nScore: {10 if answer in response else 0}"
@@ -61,11 +70,12 @@ class StubJudge:
                 self.wfile.write(out.encode())
 
             def do_POST(self) -> None:   # noqa: N802
+                stub.keys.append(self.headers.get("Authorization", "").removeprefix("Bearer "))
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 status, content = stub.reply(body["messages"][-1]["content"])
                 out = json.dumps({"id": "x", "object": "chat.completion", "created": 0,
                                   "model": body["model"], "choices": [{
-                                      "index": 0, "finish_reason": "stop",
+                                      "index": 0, "finish_reason": stub.finish_reason,
                                       "message": {"role": "assistant", "content": content}}]})
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -76,3 +86,16 @@ class StubJudge:
             def log_message(self, *args) -> None:
                 pass
         return Handler
+
+
+def group_responses(text: str) -> list[str]:
+    """A group request's responses in order: the fenced ones (response k between <response-k-B>
+    and </response-k-B>, B read from response 1's tag), else the text after each 'Response k:'."""
+    first = re.search(r"<response-1-(\w+)>", text)
+    if first is None:
+        return re.findall(r"Response \d+:\n(.*?)(?=\n\nResponse \d+:|\n\n\S+ each)", text, re.S)
+    parts, b = [], first.group(1)
+    while (m := re.search(rf"<response-{len(parts) + 1}-{b}>\n(.*?)\n</response-{len(parts) + 1}-{b}>",
+                          text, re.S)):
+        parts.append(m.group(1))
+    return parts

@@ -266,5 +266,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = dict(base or {})
     if path is not None:
         data = merge_dicts(data, read_yaml(path))
-    data = merge_dicts(data, parse_overrides(overrides or []))
-    return build_config(TrainConfig, data, "").validate()
+    given = parse_overrides(overrides or [])
+    cfg = build_config(TrainConfig, merge_dicts(data, given), "").validate()
+    check_judge_key_source(cfg, given)
+    return cfg
+
+
+def check_judge_key_source(cfg: TrainConfig, given: dict[str, Any]) -> None:
+    """reward.judge_api_key_env: a recipe, a config file or a resumed run's config.json names a
+    URL and could name any variable (an HF token, a paid key) to send there. A variable that is
+    set is sent only when the command line (`given`) names it, or its name starts with JUDGE_
+    (the judge's own), or it is the default OPENAI_API_KEY and the URL is on loopback or comes
+    from the command line."""
+    import os
+    from urllib.parse import urlsplit
+    name, url, line = cfg.reward.judge_api_key_env, cfg.reward.judge, given.get("reward") or {}
+    if url is None or name not in os.environ or line.get("judge_api_key_env") == name:
+        return
+    if name.upper().startswith("JUDGE_"):
+        return
+    loopback = (urlsplit(url).hostname or "") in ("127.0.0.1", "localhost", "::1")
+    if name == "OPENAI_API_KEY" and (loopback or line.get("judge") == url):
+        return
+    raise ConfigError(f"reward.judge_api_key_env={name!r} and reward.judge={url!r} come from a "
+                      f"config file: it would send ${name} there; name it on the command line "
+                      f"(--reward.judge_api_key_env {name}, or --reward.judge URL for "
+                      "OPENAI_API_KEY), or keep the key in a variable named JUDGE_...")

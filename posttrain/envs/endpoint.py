@@ -11,22 +11,36 @@ in each choice `token_ids` and `logprobs` (chat: `logprobs.content[i].logprob`; 
 `logprobs.token_logprobs`). The sampling temperature and top_p are the trainer's (the log-probs
 it trains with are computed at them); a request's `max_tokens` can only lower the rollout's.
 
-It listens on loopback and, like the viewer, refuses a request whose Host header is not its own
-address (DNS rebinding). A standard-library server: a handful of JSON routes need no framework.
+It listens on loopback, and a web page open in the user's browser must not be able to drive it:
+a request whose Host header is not its own address (DNS rebinding) or whose Origin, when sent,
+is another site is refused (403), and a POST must be `Content-Type: application/json` (415), which
+a page cannot send cross-site without a CORS preflight this server never grants. Every sampling
+field and token id is checked before the policy sees it (400 naming the field), and a client
+socket idle for `client_timeout_s` is dropped, so a silent client cannot hold a thread forever.
+A standard-library server: a handful of JSON routes need no framework.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
 from posttrain.util.hosts import host_allowed
 
 MAX_BODY = 16 * 1024 * 1024     # bytes of one request
+CLIENT_TIMEOUT_S = 60.0         # a client socket that sends or reads nothing this long is dropped
+MAX_TOKENS = 1 << 20            # the largest max_tokens a request may name (the rollout's caps it)
+MAX_STOP = 16                   # stop strings in one request, each 1..MAX_STOP_CHARS characters
+MAX_STOP_CHARS = 1000
+# number fields: (lowest, lowest excluded, highest); penalties are accepted and not applied
+NUMBERS = {"temperature": (0.0, False, math.inf), "top_p": (0.0, True, 1.0),
+           "presence_penalty": (-2.0, False, 2.0), "frequency_penalty": (-2.0, False, 2.0)}
 
 
 class Turn(Protocol):
@@ -84,37 +98,116 @@ def usage(turn: Turn) -> dict[str, int]:
 
 
 def answer(backend: PolicyBackend, route: str, body: dict[str, Any], model: str) -> dict[str, Any]:
-    """One request's reply (RequestError: a 400)."""
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-        raise RequestError(f"max_tokens={max_tokens!r}: a positive integer")
-    if body.get("n", 1) != 1 or body.get("stream"):
-        raise RequestError("n > 1 and stream are not supported: one turn per request")
-    sampling = {k: body[k] for k in ("temperature", "top_p", "stop") if body.get(k) is not None}
+    """One request's reply (RequestError, naming the field: a 400)."""
+    max_tokens, sampling = sampling_fields(body)
     if route == "chat/completions":
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("messages: a non-empty list of chat messages")
-        return chat_reply(backend.chat(messages, body.get("tools"), max_tokens, **sampling), model)
+        if not (isinstance(messages, list) and messages
+                and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
+            raise RequestError("messages: a non-empty list of chat messages, each with a 'role'")
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise RequestError(f"tools={str(tools)[:80]!r}: a list of tool definitions")
+        return chat_reply(backend.chat(messages, tools, max_tokens, **sampling), model)
     if route == "completions":
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                            and all(isinstance(t, int) for t in prompt))):
-            raise RequestError("prompt: a string or a list of token ids")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
+            raise RequestError("prompt: a string or a non-empty list of token ids")
+        if isinstance(prompt, list):
+            check_token_ids(prompt, vocab_size(backend))
         return completion_reply(backend.complete(prompt, max_tokens, **sampling), model)
     raise KeyError(route)
+
+
+def sampling_fields(body: dict[str, Any]) -> tuple[int | None, dict[str, Any]]:
+    """A request's max_tokens and the sampling settings passed to the policy (temperature, top_p,
+    stop), every field checked: NaN, a negative temperature or a million stop strings never
+    reach the engine. A field that is absent or null is the server's default."""
+    for name, (lo, lo_open, hi) in NUMBERS.items():
+        v = body.get(name)
+        if v is not None and not (_is_number(v) and math.isfinite(v)
+                                  and (lo < v if lo_open else lo <= v) and v <= hi):
+            where = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if hi < math.inf else f">= {lo:g}"
+            raise RequestError(f"{name}={v!r}: a finite number {where}")
+    for name in ("max_tokens", "max_completion_tokens"):
+        v = body.get(name)
+        if v is not None and not (_is_int(v) and 1 <= v <= MAX_TOKENS):
+            raise RequestError(f"{name}={v!r}: an integer from 1 to {MAX_TOKENS}")
+    if body.get("n") is not None and not (_is_int(body["n"]) and body["n"] == 1):
+        raise RequestError(f"n={body['n']!r}: only 1 is supported (one turn per request)")
+    if body.get("stream") not in (None, False):
+        raise RequestError(f"stream={body['stream']!r}: streaming is not supported")
+    seed = body.get("seed")
+    if seed is not None and not (_is_int(seed) and -(2 ** 63) <= seed < 2 ** 64):
+        raise RequestError(f"seed={seed!r}: a 64-bit integer")
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if stop is not None and not (isinstance(stops, list) and len(stops) <= MAX_STOP and all(
+            isinstance(x, str) and 1 <= len(x) <= MAX_STOP_CHARS for x in stops)):
+        raise RequestError(f"stop={str(stop)[:80]!r}: a string or a list of at most {MAX_STOP} "
+                           f"strings of 1 to {MAX_STOP_CHARS} characters")
+    given = body.get("max_completion_tokens") or body.get("max_tokens")
+    return given, {k: body[k] for k in ("temperature", "top_p", "stop") if body.get(k) is not None}
+
+
+def check_token_ids(ids: list[Any], vocab: int | None) -> None:
+    """Every prompt id an integer of the policy's vocabulary: an id past the embedding would
+    fail inside the engine (on a GPU, a device-side assert that ends the process)."""
+    for i, t in enumerate(ids):
+        if not (_is_int(t) and t >= 0 and (vocab is None or t < vocab)):
+            bound = f"0 <= id < {vocab}" if vocab is not None else "0 <= id"
+            raise RequestError(f"prompt[{i}]={str(t)[:40]!r}: token ids are integers {bound} "
+                               "(the policy's vocabulary)")
+
+
+def vocab_size(backend: PolicyBackend) -> int | None:
+    """The number of token ids the backend's tokenizer knows: its `vocab_size`, or the length
+    of its tokenizer (a training session's, rollout/driven.py's PolicyClient, sits on its
+    recorder); None when neither is there (ids are then only checked to be non-negative)."""
+    size = getattr(backend, "vocab_size", None)
+    if size is None:
+        tok = getattr(backend, "tokenizer", None) or getattr(
+            getattr(backend, "recorder", None), "tokenizer", None)
+        size = len(tok) if tok is not None else None
+    return size
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def origin_allowed(origin: str | None, bound: str, port: int) -> bool:
+    """A request's Origin header: absent (a client that is not a browser), or this server's own
+    address (the same names host_allowed accepts). Any other site, and the opaque origin
+    `null` (a sandboxed frame, a file:// page), is refused."""
+    if origin is None:
+        return True
+    url = urlparse(origin.strip())
+    try:
+        given = url.port or 80
+    except ValueError:
+        return False
+    name = url.hostname or ""
+    name = f"[{name}]" if ":" in name else name
+    return url.scheme == "http" and host_allowed(f"{name}:{given}", bound, port)
 
 
 class Endpoint:
     """The server: `add(backend)` opens a session and returns its base URL
     (`http://127.0.0.1:PORT/s/ID/v1`); `default` answers the plain `/v1` routes (posttrain
-    serve). Exceptions a backend raises that are not RequestError are answered with 500."""
+    serve). Exceptions a backend raises that are not RequestError are answered with 500.
+    `client_timeout_s`: how long one read or write of a client's socket may wait."""
 
     def __init__(self, model: str = "policy", host: str = "127.0.0.1", port: int = 0,
-                 default: PolicyBackend | None = None) -> None:
-        self.model, self.default = model, default
+                 default: PolicyBackend | None = None,
+                 client_timeout_s: float = CLIENT_TIMEOUT_S) -> None:
+        self.model, self.default, self.client_timeout_s = model, default, client_timeout_s
         self.sessions: dict[str, PolicyBackend] = {}
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer((host, port), _handler(self))
@@ -155,12 +248,14 @@ class Endpoint:
 
 def _handler(ep: Endpoint) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        def allowed(self) -> bool:
+        timeout = ep.client_timeout_s   # (socketserver: each read and write of the client socket)
+
+        def allowed(self, post: bool = False) -> bool:
             bound, port = self.server.server_address[:2]
-            if host_allowed(self.headers.get("Host", ""), str(bound), port):
-                return True
-            self.send_json(403, error("Host is not the address this endpoint serves"))
-            return False
+            why = refusal(self.headers, str(bound), port, post)
+            if why is not None:
+                self.send_json(why[0], error(why[1]))
+            return why is None
 
         def do_GET(self) -> None:   # noqa: N802 (http.server's name)
             if self.allowed():
@@ -171,13 +266,9 @@ def _handler(ep: Endpoint) -> type[BaseHTTPRequestHandler]:
                 self.send_json(404, error(f"no route {self.path}"))
 
         def do_POST(self) -> None:   # noqa: N802
-            if not self.allowed():
+            if not self.allowed(post=True):
                 return
             size = self.headers.get("Content-Length") or "0"
-            if not size.isdigit():
-                return self.send_json(400, error("Content-Length: a non-negative integer"))
-            if int(size) > MAX_BODY:
-                return self.send_json(413, error(f"request body over {MAX_BODY} bytes"))
             backend, route = ep.backend(self.path)
             if backend is None:
                 return self.send_json(404, error(f"no session or route {self.path}"))
@@ -199,6 +290,28 @@ def _handler(ep: Endpoint) -> type[BaseHTTPRequestHandler]:
         def log_message(self, *args) -> None:
             pass
     return Handler
+
+
+def refusal(headers, bound: str, port: int, post: bool) -> tuple[int, str] | None:
+    """Why a request is refused before its body is read, as (status, message); None: it is not.
+    A foreign Host (DNS rebinding) or Origin (another site's page) is a 403; a POST that is not
+    JSON (all a page can send without a CORS preflight) a 415; a bad or large length a 400/413."""
+    if not host_allowed(headers.get("Host", ""), bound, port):
+        return 403, "Host is not the address this endpoint serves"
+    if not origin_allowed(headers.get("Origin"), bound, port):
+        return 403, (f"Origin {headers['Origin'][:80]!r} is another site: only a client on this "
+                     "machine may call the policy")
+    if not post:
+        return None
+    if headers.get_content_type() != "application/json":
+        return 415, (f"Content-Type {headers.get('Content-Type')!r}: send the body as "
+                     "Content-Type: application/json")
+    size = headers.get("Content-Length") or "0"
+    if not size.isdigit():
+        return 400, "Content-Length: a non-negative integer"
+    if int(size) > MAX_BODY:
+        return 413, f"request body over {MAX_BODY} bytes"
+    return None
 
 
 def send_json(handler: BaseHTTPRequestHandler, status: int, obj: dict[str, Any]) -> None:

@@ -9,117 +9,35 @@ different things; the trainer leaves unscorable responses out of their group's b
 of the loss (losses/advantages.py `excluding_unscored`) and counts them (reward/judge_unscorable).
 
 The model's text reaches the judge as data inside a JSON request and nothing here evaluates it or
-the judge's reply: the reply is read by a regular expression and `json.loads`, bounded in size.
+the judge's reply: the reply is read by a regular expression and `json.loads`, bounded in size,
+and only in the format its template asks for; each response is fenced by a boundary drawn per
+request (rewards/judge_format.py: the templates, the fences and the parsers).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import re
 import sqlite3
-import string
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from posttrain.rewards.judge_format import (GROUP_TEMPLATES, MAX_REPLY_CHARS, TEMPLATES,  # noqa: F401
+                                            draw_boundary, fenced, load_template,
+                                            parse_group_scores, parse_score, template_format)
 from posttrain.util.errors import ConfigError
 
-MAX_REPLY_CHARS = 20_000    # a judge reply read past this is cut (the score line ends the reply)
-
-TEMPLATES: dict[str, str] = {
-    "correctness": (
-        "You grade a response to a problem against its reference answer.\n\n"
-        "Problem:\n{prompt}\n\nReference answer: {answer}\n\nResponse:\n{completion}\n\n"
-        "Is the response's final answer correct (equal to the reference answer)? Explain in one "
-        "sentence, then end with a line 'Score: N' where N is 10 if it is correct, else 0."),
-    "rubric": (
-        "You rate a response to a request.\n\nRequest:\n{prompt}\n\nResponse:\n{completion}\n\n"
-        "Rate how correct, helpful and concise the response is. Explain in one sentence, then "
-        "end with a line 'Score: N' where N is an integer from 0 (worst) to 10 (best)."),
-    "yes_no": (   # (for small judges, which rarely write a score line)
-        "Problem: {prompt}\nReference answer: {answer}\nResponse: {completion}\n\n"
-        "Is the response's final answer equal to the reference answer? Answer Yes or No."),
-}
-GROUP_TEMPLATES: dict[str, str] = {
-    "correctness": (
-        "You grade {n} responses to one problem against its reference answer.\n\n"
-        "Problem:\n{prompt}\n\nReference answer: {answer}\n\n{responses}\n\n"
-        "For each response in order, 10 if its final answer is correct, else 0. End with a line "
-        "'Scores: [s1, s2, ...]' holding exactly {n} numbers."),
-    "rubric": (
-        "You rank {n} responses to one request against each other.\n\nRequest:\n{prompt}\n\n"
-        "{responses}\n\nScore each response in order from 0 (worst) to 10 (best), relative to the "
-        "others. End with a line 'Scores: [s1, s2, ...]' holding exactly {n} numbers."),
-}
-FIELDS = {"prompt", "completion", "answer"}
-GROUP_FIELDS = {"prompt", "answer", "responses", "n"}
-MAX_SCORE = 10.0
-
-_SCORE = re.compile(r"score\W{0,3}\s*[:=]\s*\**\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
-_VERDICT = re.compile(r"^\W*(yes|no)\b", re.IGNORECASE)
-_SCORES = re.compile(r"scores\W{0,3}\s*[:=]\s*\**\s*(\[[^\[\]]*\])", re.IGNORECASE)
-
-
-def parse_score(reply: str, max_score: float = MAX_SCORE) -> float | None:
-    """The last 'Score: N' (or JSON '"score": N') in a judge's reply, as N / max_score, else a
-    reply that starts with Yes (1) or No (0); None when there is neither or N is outside
-    [0, max_score]."""
-    found = _SCORE.findall(reply[-MAX_REPLY_CHARS:])
-    if not found:
-        verdict = _VERDICT.match(reply[:100])
-        return None if verdict is None else float(verdict[1].lower() == "yes")
-    value = float(found[-1])
-    return value / max_score if 0.0 <= value <= max_score else None
-
-
-def parse_group_scores(reply: str, n: int, max_score: float = MAX_SCORE) -> list[float] | None:
-    """The last 'Scores: [s1, ..., sn]' in a reply, each / max_score; None unless it holds
-    exactly n numbers in [0, max_score] (a ranking of the wrong size scores nobody)."""
-    found = _SCORES.findall(reply[-MAX_REPLY_CHARS:])
-    if not found:
-        return None
-    try:
-        values = json.loads(found[-1])
-    except ValueError:
-        return None
-    if (len(values) != n or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                    and 0.0 <= v <= max_score for v in values)):
-        return None
-    return [float(v) / max_score for v in values]
-
-
-def load_template(spec: str, group: bool) -> str:
-    """A built-in template's text, or a text file's; its {fields} are checked here (a typo fails
-    before any model loads). Literal braces in a file are written {{ and }}."""
-    builtin = GROUP_TEMPLATES if group else TEMPLATES
-    allowed = GROUP_FIELDS if group else FIELDS
-    if spec in builtin:
-        return builtin[spec]
-    path = Path(spec)
-    if not path.is_file():
-        raise ConfigError(f"reward.judge_template={spec!r} is neither a built-in template "
-                          f"({', '.join(sorted(builtin))}) nor a file")
-    text = path.read_text()
-    try:
-        names = {f for _, f, _, _ in string.Formatter().parse(text) if f is not None}
-    except ValueError as e:
-        raise ConfigError(f"{path}: reward.judge_template is not a valid template ({e}); write "
-                          "literal braces as {{ and }}") from None
-    needed = "responses" if group else "completion"
-    if names - allowed or needed not in names:
-        raise ConfigError(f"{path}: reward.judge_template uses {sorted(names - allowed) or 'no'} "
-                          f"unknown field(s) and {sorted(names & allowed)}; it must use "
-                          f"{{{needed}}} and may use {sorted(allowed)}")
-    return text
+log = logging.getLogger("posttrain")
 
 
 class ReplyCache:
     """Judge replies on disk (SQLite, write-ahead log: safe across threads, ranks and crashes),
-    keyed by the sha256 of the endpoint, its model name and the exact request, so a response
+    keyed by the sha256 of the endpoint, its model name and the request's texts, so a response
     judged once (in this run or a resumed one) is not paid for again. Only replies that parsed
     are stored. Opened on first use (a refused run leaves no folder); a cache that fails (a
     locked or broken file) is a miss, never a failed step."""
@@ -138,8 +56,10 @@ class ReplyCache:
         return self.db
 
     @staticmethod
-    def key(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) -> str:
-        return hashlib.sha256(json.dumps([url, model, messages, max_tokens]).encode()).hexdigest()
+    def key(url: str, model: str, request: list, max_tokens: int) -> str:
+        """`request`: the template and the texts it is filled with (not the message sent, whose
+        fences are drawn afresh for each request)."""
+        return hashlib.sha256(json.dumps([url, model, request, max_tokens]).encode()).hexdigest()
 
     def get(self, key: str) -> str | None:
         try:
@@ -224,9 +144,14 @@ class Judge:
                               "'posttrain[judge]'") from None
         self.s = settings
         self.template = load_template(settings.template, settings.group)
+        self.format = "scores" if settings.group else template_format(settings.template,
+                                                                      self.template)
+        key = os.environ.get(settings.api_key_env)
+        log.info("reward.judge: %s", f"the API key in ${settings.api_key_env} is sent to "
+                 f"{settings.url}" if key else f"${settings.api_key_env} is not set: no API key "
+                 f"is sent to {settings.url}")
         self.client = OpenAI(base_url=settings.url, max_retries=settings.retries,
-                             timeout=settings.timeout_s,
-                             api_key=os.environ.get(settings.api_key_env) or "no-key")
+                             timeout=settings.timeout_s, api_key=key or "no-key")
         self.cache = ReplyCache(settings.cache) if settings.cache is not None else None
         self.limit = RateLimit(settings.rate)
         self.pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="judge")
@@ -257,10 +182,10 @@ class Judge:
         out = Verdicts([None] * len(completions))
         if self.s.group:
             G = group_size
-            jobs = [(self.group_messages(prompts[i], completions[i:i + G], answers[i]),
-                     range(i, i + G)) for i in range(0, len(completions), G)]
+            jobs = [((prompts[i], completions[i:i + G], answers[i]), range(i, i + G))
+                    for i in range(0, len(completions), G)]
         else:
-            jobs = [(self.messages(p, c, a), range(i, i + 1))
+            jobs = [((p, c, a), range(i, i + 1))
                     for i, (p, c, a) in enumerate(zip(prompts, completions, answers, strict=True))]
         for (_, rows), (scores, reply_state) in zip(jobs, self.pool.map(self.ask, jobs)):
             hit, error = reply_state
@@ -274,23 +199,32 @@ class Judge:
         return out
 
     def messages(self, prompt: str, completion: str, answer: str) -> list[dict[str, str]]:
-        text = self.template.format(prompt=prompt, completion=completion, answer=answer)
+        """The request for one response, fenced by a boundary drawn for this request."""
+        fence = fenced(completion, draw_boundary([prompt, completion, answer]))
+        text = self.template.format(prompt=prompt, completion=fence, answer=answer)
         return [{"role": "user", "content": text}]
 
     def group_messages(self, prompt: str, completions: list[str], answer: str) -> list[dict[str, str]]:
-        block = "\n\n".join(f"Response {k + 1}:\n{c}" for k, c in enumerate(completions))
+        """The request for a group: `Response k:` then its fence, every fence with one boundary
+        drawn for this request, so a response cannot end early or pose as response k."""
+        boundary = draw_boundary([prompt, answer, *completions])
+        block = "\n\n".join(f"Response {k}:\n{fenced(c, boundary, k)}"
+                             for k, c in enumerate(completions, 1))
         text = self.template.format(prompt=prompt, answer=answer, responses=block,
                                     n=len(completions))
         return [{"role": "user", "content": text}]
 
     def ask(self, job) -> tuple[list[float] | None, tuple[bool, str]]:
         """One request: (scores or None, (served from the cache, the failure's reason))."""
-        messages, rows = job
-        key = ReplyCache.key(self.s.url, self.s.model, messages, self.s.max_tokens)
+        (prompt, completion, answer), rows = job
+        request = [self.template, prompt, completion, answer]
+        key = ReplyCache.key(self.s.url, self.s.model, request, self.s.max_tokens)
         reply = self.cache.get(key) if self.cache is not None else None
         hit = reply is not None
         if reply is None:
             self.limit.wait()
+            messages = (self.group_messages if self.s.group else self.messages)(
+                prompt, completion, answer)
             try:
                 reply = self.request(messages)
             except Exception as e:   # (the client already retried what is worth retrying)
@@ -303,12 +237,23 @@ class Judge:
         return scores, (hit, "")
 
     def request(self, messages: list[dict[str, str]]) -> str:
+        """The judge's reply; one cut short (max_tokens, or past MAX_REPLY_CHARS) is an error
+        unless its verdict opens it (yes_no): what ends a cut reply may be a quote of the
+        response, not the judge's score."""
         reply = self.client.chat.completions.create(
             model=self.s.model, messages=messages, max_tokens=self.s.max_tokens, temperature=0.0)
-        return (reply.choices[0].message.content or "")[:MAX_REPLY_CHARS]
+        choice = reply.choices[0]
+        text = choice.message.content or ""
+        if self.format == "yes_no":
+            return text[:MAX_REPLY_CHARS]
+        if choice.finish_reason == "length" or len(text) > MAX_REPLY_CHARS:
+            raise ValueError(f"the judge's reply was cut at {len(text)} characters "
+                             f"(finish_reason {choice.finish_reason!r}; reward.judge_max_tokens "
+                             f"{self.s.max_tokens}): unscorable")
+        return text
 
     def parse(self, reply: str, n: int) -> list[float] | None:
         if self.s.group:
             return parse_group_scores(reply, n)
-        score = parse_score(reply)
+        score = parse_score(reply, self.format)
         return None if score is None else [score]

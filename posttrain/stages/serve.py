@@ -25,11 +25,14 @@ from posttrain.run.lifecycle import Job, open_folder, start_job
 class ServedModel:
     """One request, one sample: the chat template applied to the messages (tools too), the
     request's temperature (0: greedy), top_p, max_tokens (up to rollout.max_new_tokens) and
-    stop strings; `record(row)` gets each call."""
+    stop strings, each checked by the endpoint (envs/endpoint.py sampling_fields); `seed` and
+    the penalties are accepted and not applied (samples come from the run's generator);
+    `record(row)` gets each call."""
 
     def __init__(self, engine, tokenizer, cfg, generator, record=None) -> None:
         self.engine, self.tokenizer, self.cfg, self.generator = engine, tokenizer, cfg, generator
         self.record = record
+        self.vocab_size = len(tokenizer)   # (the endpoint refuses a prompt id outside it)
         self.lock = threading.Lock()
 
     def chat(self, messages, tools=None, max_tokens=None, **sampling) -> PolicyTurn:
@@ -60,14 +63,20 @@ class ServedModel:
         return turn
 
 
+GREEDY_BELOW = 1e-5     # vLLM's _SAMPLING_EPS: a lower temperature samples greedily
+
+
 def request_params(body: dict[str, Any], max_new: int, temperature: float,
                    top_p: float) -> SamplingParams:
-    """A request's sampling settings over the served defaults (temperature 0: greedy)."""
-    t = body.get("temperature", temperature)
+    """A request's sampling settings over the served defaults (temperature 0: greedy). A
+    temperature below GREEDY_BELOW is greedy too, as vLLM takes it: dividing the logits by 1e-300
+    makes them infinite and sampling fails."""
+    t = float(body.get("temperature", temperature))
     stop = body.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    return SamplingParams(max_new, float(t) if t else 1.0, float(body.get("top_p") or top_p),
-                          greedy=t == 0, stop=stop)
+    greedy = t < GREEDY_BELOW
+    return SamplingParams(max_new, 1.0 if greedy else t, float(body.get("top_p") or top_p),
+                          greedy=greedy, stop=stop)
 
 
 def serve_model(cfg, host: str = "127.0.0.1", port: int = 8000, name: str | None = None,

@@ -16,7 +16,8 @@ installed package: no CDN, it works offline.
 
 A request whose `Host` header is not the address the viewer serves is refused (403): a page on
 another site that points a DNS name at 127.0.0.1 (DNS rebinding) would otherwise read every
-rollout through the browser of whoever runs the viewer.
+rollout through the browser of whoever runs the viewer. A client socket that sends or reads
+nothing for `client_timeout_s` is dropped, so an idle connection cannot hold a thread forever.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from posttrain.logs.metrics import TOKENS_DIR
 from posttrain.util.hosts import host_allowed
 
 STATIC = Path(__file__).parent / "static"
+CLIENT_TIMEOUT_S = 60.0   # a client socket that sends or reads nothing this long is dropped
 
 
 class ViewError(ValueError):
@@ -128,8 +130,11 @@ class Viewer:
         raise KeyError(route)
 
 
-def make_handler(viewer: Viewer) -> type[BaseHTTPRequestHandler]:
+def make_handler(viewer: Viewer, client_timeout_s: float = CLIENT_TIMEOUT_S
+                 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = client_timeout_s   # (socketserver: each read and write of the client socket)
+
         def do_GET(self) -> None:   # noqa: N802 (http.server's name)
             bound, port = self.server.server_address[:2]
             if not host_allowed(self.headers.get("Host", ""), str(bound), port):
@@ -163,11 +168,12 @@ def make_handler(viewer: Viewer) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def serve(runs: list[Path], host: str = "127.0.0.1", port: int = 8765,
-          background: bool = False) -> ThreadingHTTPServer:
+def serve(runs: list[Path], host: str = "127.0.0.1", port: int = 8765, background: bool = False,
+          client_timeout_s: float = CLIENT_TIMEOUT_S) -> ThreadingHTTPServer:
     """Start the server (port 0: any free port; the address is `server.server_address`). In the
     background (tests, notebooks) it runs in a daemon thread; else this call blocks."""
-    server = ThreadingHTTPServer((host, port), make_handler(Viewer(runs)))
+    server = ThreadingHTTPServer((host, port), make_handler(Viewer(runs), client_timeout_s))
+    server.daemon_threads = True   # (a client still connected never holds up Ctrl-C)
     if background:
         threading.Thread(target=server.serve_forever, daemon=True).start()
     else:
