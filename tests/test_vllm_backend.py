@@ -176,11 +176,32 @@ def test_a_weight_sync_checks_each_engine_and_empties_its_prefix_cache(tokenizer
     engine.close()
 
 
+def test_the_weight_fingerprint_sees_every_matrix_and_not_vllms_fusing():
+    """The trainer's tensors and the engine's (q, k, v fused into one, gate and up fused, the
+    vocabulary padded with zero rows, another order) give the same fingerprint; one matrix that
+    kept its old values, changed by 1e-4 in each entry, gives another."""
+    from posttrain.rollout.vllm_worker import fingerprint, same_fingerprint
+    g = torch.Generator().manual_seed(0)
+    w = {n: torch.randn(*shape, generator=g) * 0.02 for n, shape in (
+        ("q", (64, 32)), ("k", (16, 32)), ("v", (16, 32)), ("gate", (48, 32)), ("up", (48, 32)),
+        ("down", (32, 48)), ("embed", (100, 32)))}
+    w["norm"] = torch.ones(32) + torch.randn(32, generator=g) * 0.01
+    engine = {"embed": torch.cat([w["embed"], torch.zeros(28, 32)]), "down": w["down"],
+              "gate_up": torch.cat([w["gate"], w["up"]]), "norm": w["norm"],
+              "qkv": torch.cat([w["q"], w["k"], w["v"]])}
+    trainer = fingerprint(w.items())
+    assert same_fingerprint(trainer, fingerprint(engine.items()))
+    for name in ("down", "gate_up", "embed"):    # one matrix stale: the load missed it
+        stale = {**engine, name: engine[name] + 1e-4 * torch.randn(*engine[name].shape, generator=g)}
+        assert not same_fingerprint(trainer, fingerprint(stale.items())), name
+    assert not same_fingerprint(trainer, fingerprint({**engine, "norm": w["norm"] + 1e-6}.items()))
+
+
 def test_requests_are_shared_out_and_a_failing_server_is_dropped_by_name(tokenizer, caplog):
     from posttrain.rollout.base import SamplingParams
     from posttrain.rollout.vllm import VLLMRolloutEngine
-    a, b = FakeEngine("http://a", holds=[1.0]), FakeEngine("http://b", holds=[1.0])
-    engine = VLLMRolloutEngine(make_tiny_model(tokenizer), tokenizer, [a, b], FakePush([1.0]))
+    a, b = FakeEngine("http://a", holds=[1.0, 1.0]), FakeEngine("http://b", holds=[1.0, 1.0])
+    engine = VLLMRolloutEngine(make_tiny_model(tokenizer), tokenizer, [a, b], FakePush([1.0, 1.0]))
     in_order = [[1, 10], [1, 11], [3, 10], [3, 11], [4, 10], [4, 11]]   # each prompt's answers
     out = engine.generate([[1, 2], [3], [4, 5, 6]], 2, SamplingParams(max_new_tokens=2))
     assert out.response_ids_B_T.tolist() == in_order

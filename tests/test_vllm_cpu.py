@@ -118,6 +118,29 @@ def test_a_skipped_push_is_caught(engine, tiny, monkeypatch):
         engine.sync_weights()
 
 
+def test_one_stale_linear_layer_is_caught(engine, tiny, monkeypatch):
+    """An update whose push the engine loads all but one matrix of (the layer keeps its old
+    weights, as when the loader finds no tensor of that name): the engine's fingerprint, read
+    through the packed kernels the CPU backend multiplies with, is not the trainer's."""
+    import safetensors.torch
+    model, _ = tiny
+    stale = "model.layers.1.mlp.down_proj.weight"
+    save = safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file", lambda state, path, *a, **kw: save(
+        {k: v for k, v in state.items() if k != stale}, path, *a, **kw))
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():                # one small update of every weight
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    try:
+        with pytest.raises(RuntimeError, match="holds weights other than the trainer's"):
+            engine.sync_weights()
+    finally:
+        monkeypatch.undo()
+        model.load_state_dict(old)
+        engine.sync_weights()
+
+
 def test_episodes_with_a_tool_run_turn_by_turn_on_the_engine(engine, tokenizer):
     """A multi-turn episode on an engine without `respond=`: each turn a request with the
     conversation so far; the environment's tokens are context (policy mask 0)."""
@@ -172,6 +195,116 @@ def group_members(groups: list[int]) -> list[tuple[int, str]]:
         if int(fields[2]) in groups:       # (state, ppid, pgrp, ...)
             found.append((int(entry), fields[0]))
     return found
+
+
+def test_a_launched_server_refuses_every_request_without_its_secret(two_servers):
+    """Any local process can reach a loopback port: without the server's secret, the development
+    routes (load weights, reset the cache), the OpenAI routes and /health all answer 401; the
+    secret is in the server's environment, not on its command line (which every user can read)."""
+    import requests
+    server = two_servers.engines[0]
+    key = server.http.headers.get("Authorization", "").removeprefix("Bearer ")
+    for method, route, body in (("post", "/collective_rpc", {"method": "posttrain_state"}),
+                                ("post", "/reset_prefix_cache", {}), ("get", "/v1/models", None),
+                                ("get", "/health", None)):
+        for headers in ({}, {"Authorization": "Bearer not-the-secret"}, {"Authorization": key}):
+            r = requests.request(method, server.url + route, json=body, headers=headers, timeout=60)
+            assert r.status_code == 401, (route, headers, r.status_code)
+    r = server.http.post(server.url + "/collective_rpc", json={"method": "posttrain_state"}, timeout=60)
+    assert r.status_code == 200 and r.json()["results"][0]["version"] == 0
+    assert key.encode() not in open(f"/proc/{server.process.pid}/cmdline", "rb").read()
+
+
+def test_the_nccl_push_takes_a_free_port_and_sends_the_servers_secret(monkeypatch):
+    """NCCL's rendezvous on a port of the kernel's choosing, not a fixed one; the weight-transfer
+    routes called with the server's secret."""
+    from types import SimpleNamespace
+    from vllm.distributed.weight_transfer import nccl_engine
+    from posttrain.model.distributed import SINGLE
+    from posttrain.rollout.vllm_engines import ServerEngine
+    from posttrain.rollout.vllm_push import NcclPush
+    monkeypatch.delenv("POSTTRAIN_VLLM_SYNC_PORT", raising=False)
+    server = ServerEngine("http://127.0.0.1:9", 5.0, api_key="s3cret")
+    sent = []
+    monkeypatch.setattr(server.http, "get", lambda url, timeout: SimpleNamespace(
+        json=lambda: {"world_size": 1}))
+    monkeypatch.setattr(server.http, "post", lambda url, json, timeout: sent.append(
+        (url, server.http.headers["Authorization"])) or SimpleNamespace(raise_for_status=lambda: None))
+    inits = []
+
+    def trainer_init(init, client, source):
+        inits.append(init)
+        client.start_weight_update()
+    monkeypatch.setattr(nccl_engine.NCCLTrainerWeightTransferEngine, "trainer_init", trainer_init)
+    for _ in range(2):
+        NcclPush(torch.nn.Linear(2, 2), [server], SINGLE, torch.float32)
+    ports = [i.master_port for i in inits]
+    assert 51216 not in ports and ports[0] != ports[1], ports
+    assert sent == [("http://127.0.0.1:9/start_weight_update", "Bearer s3cret")] * 2
+
+
+@pytest.fixture
+def raw_logprobs_server(tiny):
+    """A server as a user might start it: posttrain's worker extension and the development
+    routes, but vLLM's default log-probs (the raw distribution's)."""
+    import signal
+    import subprocess
+    import sys
+    import requests
+    import socket
+    from posttrain.rollout.vllm import WORKER_EXTENSION
+    from posttrain.rollout.vllm_engines import cpu_settings
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny[1]),
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
+            "--enforce-eager", "--worker-extension-cls", WORKER_EXTENSION]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **cpu_settings(1)}
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                time.sleep(1)
+        assert proc.poll() is None
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_a_server_reporting_raw_logprobs_is_refused_in_one_line(monkeypatch):
+    """The check itself, on the reply of a server's worker extension (the real server: below)."""
+    from posttrain.rollout.vllm_engines import ServerEngine, check_server
+    server = ServerEngine("http://127.0.0.1:9", 5.0)
+    monkeypatch.setattr(server, "rpc", lambda method, kwargs: [{"logprobs_mode": "raw_logprobs"}])
+    with pytest.raises(RuntimeError, match=r"^vLLM server http://127.0.0.1:9 returns log-probs as "
+                                           r"raw_logprobs, before temperature and top-p: restart "
+                                           r"it with --logprobs-mode processed_logprobs$"):
+        check_server(server)
+    monkeypatch.setattr(server, "rpc", lambda method, kwargs: [{"logprobs_mode": "processed_logprobs"}])
+    check_server(server)
+
+
+@pytest.mark.slow
+def test_a_server_without_processed_logprobs_is_refused_at_start(raw_logprobs_server, tiny,
+                                                                 tokenizer):
+    """Its log-probs would be the distribution's before temperature and top-p: every correction
+    wrong whenever temperature != 1 or top_p < 1. Refused in one line, before any push. (Slow: a
+    vLLM server of its own, 30 s to start; the check on its reply runs in the quick suite.)"""
+    from posttrain.rollout.vllm_engines import make_vllm_engine
+    model, folder = tiny
+    cfg = RolloutConfig(backend="vllm", vllm_servers=(raw_logprobs_server,))
+    with pytest.raises(RuntimeError) as err:
+        make_vllm_engine(model, tokenizer, str(folder), cfg, "float32", seed=0, max_model_len=256)
+    assert str(err.value) == (f"vLLM server {raw_logprobs_server} returns log-probs as raw_logprobs, "
+                              f"before temperature and top-p: restart it with --logprobs-mode "
+                              f"processed_logprobs")
 
 
 def test_two_servers_share_the_prompts_and_one_killed_mid_run_is_dropped(two_servers, tiny,

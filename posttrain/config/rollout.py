@@ -43,13 +43,16 @@ class RolloutConfig:
     # how another engine's samples are corrected (docs §3,
     # losses.correction.OFF_POLICY_CORRECTIONS):
     # token_tis (min(rho_t, tis_cap)), seq_tis (min(prod_t rho_t, tis_cap) per response),
-    # token_mis / seq_mis (rho where it lies in is_band, else 0), icepop (1 inside is_band, 0 out)
+    # token_mis / seq_mis (rho where it lies in is_band, else 0), icepop (token_mis by its
+    # paper's name: rho inside is_band, 0 outside; the paper's band is 0.5,5)
     correction: str = "token_tis"
     is_band: tuple[float, float] = (0.5, 2.0)   # token_mis, seq_mis, icepop: ratios kept
     # vLLM: in this process unless servers are named or launched; requests are shared out over
     # the servers, a server that fails is dropped (named) and its prompts go to the others
-    vllm_servers: tuple[str, ...] = ()  # 'http://host:port' of `vllm serve` servers you started
-    vllm_launch: int = 0                # `vllm serve` servers posttrain starts on loopback
+    # 'http://host:port' of `vllm serve` servers you started (with --logprobs-mode
+    # processed_logprobs and posttrain's worker extension: checked at start, rollout/vllm.py)
+    vllm_servers: tuple[str, ...] = ()
+    vllm_launch: int = 0                # `vllm serve` servers started on loopback, each with a secret
     vllm_timeout_s: float = 300.0       # a server that does not answer a request within it is dropped
     # how weights reach the engines: 'shm' (a safetensors folder in shared memory, reloaded in
     # place: any device, this machine), 'ipc' / 'nccl' (CUDA, in process / one server); 'auto':

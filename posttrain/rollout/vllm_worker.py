@@ -1,5 +1,8 @@
-"""What posttrain adds to each vLLM worker (`worker_extension_cls`): loading the trainer's newest
-weights from a safetensors folder and saying which weights it holds.
+"""What posttrain runs inside vLLM's processes. In each worker (`worker_extension_cls`): loading
+the trainer's newest weights from a safetensors folder, saying which weights it holds and how it
+samples. In the in-process engine's core: a session of its own, and shutting down with the
+trainer (rollout/vllm_process.py). In the servers posttrain launches: the middleware that makes
+every request carry the server's secret.
 
 vLLM mixes this class into its worker, in the worker's own process (in-process engines and
 `vllm serve` alike), and its methods are called by name through `collective_rpc` (the server's
@@ -11,25 +14,115 @@ posttrain's other modules: it is imported inside vLLM's processes.
 
 from __future__ import annotations
 
-import math
+import os
+import signal
+import threading
+import time
 
 
-def fingerprint(named_parameters) -> list[float]:
-    """Two sums that change with every update, in float64: every norm weight's, and every 997th
-    entry of the embedding (all of it would cost 0.1 s a push). Norms and the embedding are
-    loaded as written (no kernel repacking), so the trainer computes the same numbers from the
-    tensors it wrote."""
-    embed, norms = 0.0, 0.0
-    for name, p in named_parameters:
-        if name.endswith("embed_tokens.weight"):
-            embed += float(p.detach().reshape(-1)[::997].double().sum())
-        elif name.endswith("norm.weight"):
-            norms += float(p.detach().double().sum())
-    return [embed, norms]
+COLUMNS = 8       # columns of every matrix whose entries (all rows) the fingerprint sums
+REL_TOL = 1e-10   # float64 sums of the same values in another order agree far closer
 
 
-def same_fingerprint(a: list[float], b: list[float], rel: float = 1e-6) -> bool:
-    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=rel, abs_tol=1e-6) for x, y in zip(a, b))
+def columns(k: int, m: int = COLUMNS) -> list[int]:
+    """The columns of a matrix with `k` columns that the fingerprint reads: `m` spread evenly, a
+    function of `k` alone (the trainer's tensor and the engine's fused one have the same)."""
+    m = min(m, k)
+    return [((2 * c + 1) * k) // (2 * m) for c in range(m)]
+
+
+def sum_and_l1(t) -> tuple[float, float]:
+    """sum(t) and sum(|t|) in float64, a few million entries at a time (no float64 copy of a
+    whole embedding)."""
+    s = a = 0.0
+    for chunk in t.detach().reshape(-1).split(1 << 22):
+        c = chunk.double()
+        s += float(c.sum())
+        a += float(c.abs().sum())
+    return s, a
+
+
+def add(acc: list, k: int, sums: tuple[float, float]) -> None:
+    acc[k] += sums[0]
+    acc[k + 1] += sums[1]
+
+
+def fingerprint(named_tensors) -> list[float]:
+    """Three (sum, sum of |x|) pairs in float64 over every tensor: every entry of each vector
+    (norms, biases); `columns` of each matrix, all rows; every entry of each matrix. Sums do
+    not change when vLLM fuses tensors (q, k, v into one; gate and up) or pads the vocabulary
+    with zero rows, so the engine's fused tensors give the trainer's numbers, and one matrix
+    that kept its old values (a layer the load missed, a stale packed copy) changes them."""
+    acc = [0.0] * 6
+    for _, t in named_tensors:
+        if t.ndim <= 1:
+            add(acc, 0, sum_and_l1(t))
+            continue
+        rows = t.detach().reshape(-1, t.shape[-1])
+        add(acc, 2, sum_and_l1(rows[:, columns(rows.shape[1])]))
+        add(acc, 4, sum_and_l1(t))
+    return acc
+
+
+def engine_fingerprint(model) -> list[float | None]:
+    """`fingerprint` of the weights a vLLM model computes with. On a CPU, vLLM multiplies with a
+    packed copy of each linear layer's weight (and of the embedding, for a tied head), dropping
+    the linear layers' weights: their columns are read through each packed kernel (one-hot
+    inputs: exact), a copy that disagrees with its weight counting instead of it; the sums over
+    whole matrices, which only the weights give, are then None (left out of the comparison)."""
+    acc: list = [0.0] * 6
+    weights: dict[int, object] = {}
+    kernels: dict[int, list] = {}          # a weight -> the modules multiplying with a copy of it
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            weights.setdefault(id(p), p)  # (a tied weight: counted once, as the trainer writes it)
+            if name == "weight" and hasattr(module, "cpu_linear"):
+                kernels.setdefault(id(p), []).append(module)
+    whole = True
+    for key, p in weights.items():
+        if key not in kernels:
+            fingerprint_into(acc, p)
+            continue
+        seen = [probe(module, p) for module in kernels[key]]
+        if p.numel():
+            add(acc, 4, sum_and_l1(p))
+            seen.insert(0, sum_and_l1(p.detach()[:, columns(p.shape[1])]))
+        else:
+            whole = False
+        odd = [c for c in seen if not same_fingerprint(list(c), list(seen[0]))]
+        add(acc, 2, (odd or seen)[0])
+    return acc if whole else acc[:4] + [None, None]
+
+
+def probe(module, weight) -> tuple[float, float]:
+    """sum and sum of |x| of `columns` of the matrix `module`'s packed kernel multiplies with:
+    the kernel applied to one-hot rows (each output entry one weight, exactly)."""
+    import torch
+    k = weight.shape[-1] if weight.numel() else module.input_size_per_partition
+    cols = columns(k)
+    x = torch.zeros(len(cols), k, dtype=weight.dtype, device=weight.device)
+    x[torch.arange(len(cols)), cols] = 1
+    return sum_and_l1(module.cpu_linear(x, weight, None))
+
+
+def fingerprint_into(acc: list, t) -> None:
+    new = fingerprint([("", t)])
+    for k in range(6):
+        acc[k] += new[k]
+
+
+def same_fingerprint(a: list, b: list, rel: float = REL_TOL) -> bool:
+    """Each (sum, sum of |x|) pair agrees within `rel` of the sum of |x| (a pair that one side
+    could not compute, None, is left out)."""
+    if len(a) != len(b) or len(a) % 2:
+        return False
+    for k in range(0, len(a), 2):
+        if None in (a[k], b[k], a[k + 1], b[k + 1]):
+            continue
+        tol = rel * max(abs(a[k + 1]), abs(b[k + 1])) + 1e-30
+        if abs(a[k] - b[k]) > tol or abs(a[k + 1] - b[k + 1]) > tol:
+            return False
+    return True
 
 
 def repack_kept_cpu_weights(model) -> int:
@@ -62,8 +155,62 @@ class WeightSync:
         return self.posttrain_state()
 
     def posttrain_state(self) -> dict:
-        """The weight version this worker holds (-1: the folder it started from) and its
-        fingerprint."""
+        """The weight version this worker holds (-1: the folder it started from) and the
+        fingerprint of the weights it computes with."""
         model = self.model_runner.get_model()
         return {"version": getattr(self, "posttrain_weights_version", -1),
-                "fingerprint": fingerprint(model.named_parameters())}
+                "fingerprint": engine_fingerprint(model)}
+
+    def posttrain_settings(self) -> dict:
+        """How this worker samples, as the trainer needs it: which log-probs it returns."""
+        return {"logprobs_mode": str(self.vllm_config.model_config.logprobs_mode)}
+
+
+# -- the in-process engine's core (rollout/vllm_process.py) ------------------------------------
+
+TRAINER_PID = "POSTTRAIN_VLLM_TRAINER_PID"   # (set while the trainer starts its engine)
+POLL_S = 0.5       # how often the engine core looks for its trainer
+GRACE_S = 15.0     # after the trainer is gone: vLLM's shutdown, then SIGKILL
+
+
+def detach_from_trainer() -> bool:
+    """In an engine core started by the trainer named in TRAINER_PID: a session of its own, and a
+    thread that shuts the core down when the trainer is gone. Whether it detached (not in the
+    trainer itself: an engine core run in process, VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    raw = os.environ.get(TRAINER_PID)
+    if not raw or int(raw) == os.getpid():
+        return False
+    try:
+        os.setsid()
+    except OSError:       # (already leads a process group: its own already)
+        pass
+    threading.Thread(target=watch_trainer, args=(int(raw),), daemon=True,
+                     name="posttrain-trainer-watch").start()
+    return True
+
+
+def watch_trainer(trainer: int, poll_s: float = POLL_S, grace_s: float = GRACE_S) -> None:
+    """Wait until this process's parent is no longer `trainer` (it died; the process was
+    re-parented), then stop as a close stops it, and for good after `grace_s`."""
+    while os.getppid() == trainer:
+        time.sleep(poll_s)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(grace_s)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- the servers posttrain launches ----------------------------------------------------------------
+
+async def require_secret(request, call_next):
+    """The API server middleware (`--middleware`) of every server posttrain launches: a request
+    on any route, /health and the development routes included, must carry the server's secret
+    (VLLM_API_KEY in its environment) as a bearer token. vLLM's own --api-key guards /v1 only,
+    which leaves /collective_rpc (load any weights into the sampler) open to every local
+    process."""
+    import hmac
+    from starlette.responses import JSONResponse
+    key = os.environ.get("VLLM_API_KEY", "")
+    given = request.headers.get("authorization", "")
+    if not key or not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        return JSONResponse({"error": "Unauthorized"}, status_code=401)
+    return await call_next(request)
