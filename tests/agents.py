@@ -1,7 +1,10 @@
-"""Environments that drive the policy, for tests/test_driven.py: guess-the-number run by its own
-loop (in process, and by an external client through the OpenAI-compatible endpoint)."""
+"""Environments that drive the policy, for tests/test_driven.py and tests/test_hung_episodes.py:
+guess-the-number run by its own loop (in process, and by an external client through the
+OpenAI-compatible endpoint), and harnesses that never answer."""
 
 from __future__ import annotations
+
+import threading
 
 from posttrain.data.tasks import Problem
 from posttrain.envs import GuessNumber
@@ -60,3 +63,62 @@ def guess_over_http(base_url: str, problem: Problem) -> float:
             return answer.reward
         messages += [{"role": "assistant", "content": text}, answer.message]
     return 0.0
+
+
+RELEASE = threading.Event()   # set by a test when it is done: a hung harness's thread ends
+STARTED = {"episodes": 0}     # episodes the hanging harnesses began, in this process
+_LOCK = threading.Lock()
+EPISODES_PER_STEP = 4         # (the tests' runs: 2 prompts x group 2)
+
+
+def _nth_episode() -> int:
+    with _LOCK:
+        STARTED["episodes"] += 1
+        return STARTED["episodes"] - 1
+
+
+def hangs_once_a_step(base_url: str, problem: Problem) -> float:
+    """guess_over_http, except that the first episode to start in each step never answers: it
+    sleeps until the test releases it (forever, in a run of its own)."""
+    if _nth_episode() % EPISODES_PER_STEP == 0:
+        RELEASE.wait()
+        return 0.0
+    return guess_over_http(base_url, problem)
+
+
+def hangs_after_the_first_step(base_url: str, problem: Problem) -> float:
+    """guess_over_http for the first step's episodes; every later episode never answers: a
+    step that cannot finish."""
+    if _nth_episode() >= EPISODES_PER_STEP:
+        RELEASE.wait()
+        return 0.0
+    return guess_over_http(base_url, problem)
+
+
+def closes_never(cfg):
+    """env.name for a run whose cleanup hangs: the agent environment of
+    hangs_after_the_first_step, whose `close` never returns."""
+    from posttrain.envs.agent import AgentEnvironment
+
+    class ClosesNever(AgentEnvironment):
+        def close(self) -> None:
+            RELEASE.wait()
+    return ClosesNever(hangs_after_the_first_step, cfg.max_turns)
+
+
+try:   # (openenv-core is an optional extra)
+    from examples.openenv_guess_number import GuessAction, GuessNumberEnv
+except ImportError:   # pragma: no cover - the tests that use it skip
+    GuessNumberEnv = None
+else:
+    class StuckOnceAStep(GuessNumberEnv):
+        """The example OpenEnv environment whose first step of each batch of
+        EPISODES_PER_STEP never answers (until the test releases it)."""
+
+        def step(self, action: GuessAction, timeout_s: float | None = None, **kwargs):
+            with _LOCK:
+                STARTED["steps"] = STARTED.get("steps", 0) + 1
+                first = STARTED["steps"] % EPISODES_PER_STEP == 1
+            if first:
+                RELEASE.wait()
+            return super().step(action, timeout_s, **kwargs)

@@ -221,6 +221,7 @@ def test_the_endpoint_refuses_bad_lengths_and_bodies():
     for length, body in (("-5", b""), ("x", b""), ("4", b"[1,2")):
         conn = http.client.HTTPConnection(host, port, timeout=10)
         conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Content-Type", "application/json")
         conn.putheader("Content-Length", length)
         conn.endheaders(body)
         assert conn.getresponse().status == 400, length

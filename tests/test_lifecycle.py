@@ -57,6 +57,136 @@ def test_a_second_ctrl_c_aborts_at_once():
             os.kill(os.getpid(), signal.SIGINT)
 
 
+def test_a_step_that_outlives_the_grace_is_abandoned_but_a_checkpoint_write_is_not():
+    """A wait that never ends (a hung episode) is interrupted stop_grace_s after the signal,
+    in the main thread; a checkpoint being written then is let finish; a second SIGTERM
+    abandons at once. Each abandonment arms the hard exit (on_abandon) with its signal."""
+    import threading
+    import time
+
+    from posttrain.run.lifecycle import StepAbandoned
+    armed = []
+    with Lifecycle(grace_s=0.5, on_abandon=armed.append) as life:
+        os.kill(os.getpid(), signal.SIGTERM)
+        t0 = time.monotonic()
+        with pytest.raises(StepAbandoned, match="stop_grace_s=0.5"):
+            threading.Event().wait()            # (blocked in the kernel: a real signal wakes it)
+        assert 0.5 <= time.monotonic() - t0 < 10 and armed == [signal.SIGTERM]
+    with Lifecycle(grace_s=0.3, on_abandon=armed.append) as life:
+        os.kill(os.getpid(), signal.SIGTERM)
+        with life.saving():
+            time.sleep(1.0)                     # (the grace ends during the write: not interrupted)
+        assert life.after_step(1) == (True, True)
+    with Lifecycle(grace_s=600, on_abandon=armed.append):
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(StepAbandoned, match="a second SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert armed == [signal.SIGTERM] * 3
+
+
+def _job(tmp_path, grace, max_minutes=None):
+    """A bare Job for run_steps; its hard exit stubbed (the real one ends the process)."""
+    from types import SimpleNamespace
+    ckpt = SimpleNamespace(every_steps=0, every_minutes=None, stop_grace_s=grace)
+    job = lifecycle_mod.Job(command="train", cfg=SimpleNamespace(checkpoint=ckpt,
+                                                                 max_minutes=max_minutes),
+                            run_dir=tmp_path, show_progress=False)
+    job.hard_exit = SimpleNamespace(cancel=lambda: None)
+    return job
+
+
+def _kill_self():
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_stopped_step_is_saved_before_its_evaluation(tmp_path):
+    """A signal during step 2: step 2 is saved at once and its evaluation skipped (an
+    evaluation longer than the grace lost the finished step); a signal during an evaluation
+    saves that step."""
+    import time
+    saved, evaluated = [], []
+
+    def evaluate(step):
+        evaluated.append(step)
+        time.sleep(1.5)                        # (longer than the grace)
+    job = _job(tmp_path, 0.5)
+    steps = lambda step: step == 2 and _kill_self()   # noqa: E731
+    assert lifecycle_mod.run_steps(job, 4, steps, saved.append, "t", evaluate) == "SIGTERM"
+    assert saved == [2] and evaluated == [1] and job.abandoned_step is None
+    assert 0 <= job.cleanup_wait_s() <= 0.25   # (the cleanup gets what is left of the grace)
+    saved, job = [], _job(tmp_path, 0.5)
+    assert lifecycle_mod.run_steps(job, 4, lambda step: None, saved.append, "t",
+                                   lambda step: _kill_self()) == "SIGTERM"
+    assert saved == [1] and job.steps_done == 1
+
+
+def test_a_max_minutes_checkpoint_outlives_the_grace(tmp_path):
+    """The checkpoint max_minutes writes is let finish, as any other, when the grace of a
+    signal that came during it runs out (it was interrupted: no checkpoint)."""
+    import time
+    saved = []
+
+    def slow_save(step):
+        _kill_self()
+        time.sleep(1.0)                        # (the grace, 0.3 s, ends during the write)
+        saved.append(step)
+    job = _job(tmp_path, 0.3, max_minutes=0.001)
+    assert lifecycle_mod.run_steps(job, 4, lambda step: time.sleep(0.1), slow_save,
+                                   "t") == "SIGTERM"
+    assert saved == [1] and job.abandoned_step is None
+
+
+def test_an_infinite_grace_is_no_limit(tmp_path, monkeypatch):
+    """checkpoint.stop_grace_s inf: no grace timer (Timer(inf) died with OverflowError)."""
+    import threading
+    import time
+    failures = []
+    monkeypatch.setattr(threading, "excepthook", failures.append)
+    saved, job = [], _job(tmp_path, float("inf"))
+
+    def save(step):
+        time.sleep(0.2)
+        saved.append(step)
+    assert lifecycle_mod.run_steps(job, 3, lambda step: _kill_self(), save, "t") == "SIGTERM"
+    time.sleep(0.2)
+    assert saved == [1] and failures == [] and job.cleanup_wait_s() == 60.0
+
+
+def test_the_hard_exit_closes_the_logs_and_writes_the_summary(tmp_path, monkeypatch):
+    """The last resort flushes TensorBoard and the trackers (the logger closed, bounded)
+    before the process ends."""
+    import threading
+    from posttrain.logs.metrics import NullLogger
+    exited, closed = threading.Event(), []
+
+    class Logger(NullLogger):
+        def close(self):
+            closed.append(True)
+    monkeypatch.setattr(lifecycle_mod.os, "_exit", lambda code: exited.set())
+    job = lifecycle_mod.Job(command="train", cfg=None, run_dir=tmp_path, logger=Logger(),
+                            steps_done=3)
+    lifecycle_mod.arm_hard_exit(job, signal.SIGTERM, 0.1)
+    assert exited.wait(10) and closed == [True]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["hard_exit"] and summary["abandoned_step"] == 4
+
+
+def test_a_stopped_runs_engine_waits_no_longer_than_the_grace_left():
+    """close_sources hands the engine's close what is left of the grace (Ahead.close waited
+    60 s, twice, whatever the grace)."""
+    import time
+    from types import SimpleNamespace
+
+    from posttrain.rl.job import close_sources
+    waits = []
+    run = lifecycle_mod.Job(command="train", cfg=None, stop_by=time.monotonic() + 8.0)
+    run.batches = SimpleNamespace(close=lambda wait_s=60.0: waits.append(wait_s))
+    run.scorer = SimpleNamespace(close=lambda final=False: None)
+    run.env = None
+    close_sources(run)
+    assert len(waits) == 1 and 3.0 < waits[0] <= 4.0
+
+
 def _signal_after(monkeypatch, step_to_signal, sig=signal.SIGTERM):
     real = trainer.log_step
 

@@ -152,7 +152,7 @@ class EnvConfig:
     # where the python tool runs the model's code (docs/safety.md): 'bwrap' (bubblewrap: own
     # namespaces, no network, no view of the trainer or the run folder), 'fallback' (own
     # session, limits, empty environment; as root that is the machine: asked for by name only),
-    # 'auto' (bwrap where it can start; else fallback with a warning, or an error for root)
+    # 'auto' (bwrap where it can start; else an error: 'fallback' must be chosen by name)
     sandbox: Literal["auto", "bwrap", "fallback"] = "auto"
     python_memory_mb: int = 512         # address-space limit of the python tool's processes
     python_max_procs: int = 32          # processes the python tool may run at once
@@ -163,6 +163,13 @@ class EnvConfig:
     # an external agent harness (env.name agent): 'module:function' called as
     # function(base_url, problem) per episode, against the policy's OpenAI-compatible endpoint
     agent: str | None = None
+    # an episode an environment runs (an agent harness, a verifiers rollout, an OpenEnv session)
+    # past a time limit is ended, counted (env/timeouts, an environment error) and left out of its
+    # group's baseline and the loss; the step goes on without it. turn_timeout_s: the
+    # environment's time from the episode's start or the policy's last reply to its next request
+    # or its end (an OpenEnv reset or step). Either may be inf: no limit
+    turn_timeout_s: float = 300.0
+    episode_timeout_s: float = 1800.0   # an episode's wall time, sampling included (past it: as above)
 
     def validate(self) -> None:
         for name in ("max_turns", "max_tokens", "max_reply_tokens", "python_memory_mb",
@@ -172,6 +179,10 @@ class EnvConfig:
         check_range("env.tool_timeout_s", self.tool_timeout_s, 0.0, lo_open=True)
         check_range("env.tool_seconds_per_episode", self.tool_seconds_per_episode, 0.0, lo_open=True)
         check_range("env.tool_seconds_per_step", self.tool_seconds_per_step, 0.0, lo_open=True)
+        for name in ("turn_timeout_s", "episode_timeout_s"):   # (nan would pass a range check)
+            if getattr(self, name) != getattr(self, name):
+                raise ConfigError(f"env.{name}=nan: give a number of seconds > 0 (inf: no limit)")
+            check_range(f"env.{name}", getattr(self, name), 0.0, lo_open=True)
         if self.name == "agent" and not self.agent:
             raise ConfigError("env.name agent needs env.agent: the 'module:function' that runs "
                               "one episode against the policy's endpoint")
@@ -217,8 +228,8 @@ class RewardConfig:
     judge_model: str = "default"        # the model name sent to the judge's endpoint
     # the judge's prompt: 'correctness' (against the reference answer), 'rubric' (no reference),
     # 'yes_no' (a verdict, for small judges), or a text file with {prompt}, {completion}, {answer}
-    # (group mode: {prompt}, {answer}, {responses}, {n}); its reply ends with 'Score: N' (N of
-    # 10; group: 'Scores: [...]') or starts with Yes or No
+    # (group mode: {prompt}, {answer}, {responses}, {n}); the reply is read only where it asks:
+    # a last line 'Score: N' (N of 10; group: 'Scores: [...]'), or the Yes/No that opens it
     judge_template: str = "correctness"
     judge_weight: float = 1.0           # weight of the judge's score (in [0, 1]) in the reward
     judge_group: bool = False           # RULER-style: one request scores a prompt's whole group
@@ -230,7 +241,10 @@ class RewardConfig:
     # replies on disk, keyed by model and request: None, judge_cache.sqlite in the run folder
     # (a resumed run reuses it); a path to share one between runs; 'none' for no cache
     judge_cache: str | None = None
-    judge_api_key_env: str = "OPENAI_API_KEY"   # the environment variable holding the API key
+    # the environment variable sent to reward.judge as its API key (the run logs which, and to
+    # where): OPENAI_API_KEY, a name holding JUDGE, or any other named on the command line (a
+    # recipe, config file or resumed run cannot name one, e.g. HF_TOKEN: config/options.py)
+    judge_api_key_env: str = "OPENAI_API_KEY"
 
     def validate(self) -> None:
         check_range("reward.workers", self.workers, 0)
@@ -315,9 +329,19 @@ class CheckpointConfig:
     every_steps: int = 0                # every N optimizer steps (0: not by steps)
     every_minutes: float | None = 5.0   # every M minutes of wall time (null: not by time)
     keep: int = 2                       # the newest K checkpoints are kept, older ones deleted
+    # after SIGINT / SIGTERM the step in flight gets this long to finish (inf: no limit); past it
+    # (or at a second signal) the step is abandoned and the run exits with its last checkpoint,
+    # summary.json saying so (a run whose cleanup then hangs too ends the process stop_grace_s
+    # later). Under torchrun the agent SIGKILLs the workers 30 s after it forwards SIGTERM: give
+    # torchrun --shutdown-timeout more than this plus a checkpoint's write, or lower this
+    stop_grace_s: float = 180.0
 
     def validate(self) -> None:
         check_range("checkpoint.every_steps", self.every_steps, 0)
+        if self.stop_grace_s != self.stop_grace_s:   # (nan would pass a range check)
+            raise ConfigError("checkpoint.stop_grace_s=nan: give a number of seconds > 0 "
+                              "(inf: no limit)")
+        check_range("checkpoint.stop_grace_s", self.stop_grace_s, 0.0, lo_open=True)
         if self.every_minutes is not None:
             check_range("checkpoint.every_minutes", self.every_minutes, 0.0, lo_open=True)
         check_range("checkpoint.keep", self.keep, 1)

@@ -11,7 +11,10 @@ trains on them (rollout/driven.py); the harness never handles token ids unless i
 
 Each episode gets its own session URL (`.../s/<id>/v1`), alive while `run` runs; a request
 after the episode's token budget is answered 400. `run` is your code and runs in the trainer's
-process, one thread per episode.
+process, one daemon thread per episode. An episode that holds its turn past `env.turn_timeout_s`
+or runs past `env.episode_timeout_s` is ended (its requests answered 400), counted
+(env/timeouts) and left out of the loss; its session URL is dropped when the batch ends (later
+requests: 404) and its thread is abandoned, never waited for again.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class AgentEnvironment(DrivingEnvironment):
 
     def drive(self, policy: Any, problem: Problem) -> Driven:
         url = self.endpoint.add(policy)
+        if hasattr(policy, "on_end"):   # (a time limit ends the episode: its session goes now,
+            policy.on_end(lambda: self.endpoint.drop(url))   # whether or not `run` returns)
         try:
             out = self.run(url, problem)
         finally:

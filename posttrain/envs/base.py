@@ -9,10 +9,23 @@ into tokens with the chat template and feeds them to the sampler, whose loss mas
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from posttrain.data.tasks import Problem
+
+
+class EpisodeTimeout(TimeoutError):
+    """An episode passed its time limit (env.turn_timeout_s, env.episode_timeout_s): it ends,
+    is counted as an environment error (env/timeouts) and is left out of its group's baseline
+    and the loss, as an unscorable response. An environment's reset, step or drive raises it."""
+
+
+def no_limit_as_none(seconds: float | None) -> float | None:
+    """A time limit as a wait takes it: None for none (None, or inf, which the options accept
+    as "no limit" but Thread.join, Future.result and Timer refuse with OverflowError)."""
+    return None if seconds is None or math.isinf(seconds) else float(seconds)
 
 
 @dataclass(frozen=True)

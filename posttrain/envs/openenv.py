@@ -12,6 +12,11 @@ compares answers to the same environment. A served environment must accept as ma
 a step runs episodes at once (prompts_per_step x group_size); OpenEnv's default is one, and the
 error says so. `openenv-core` is an optional extra (`pip install 'posttrain[openenv]'`), imported
 only when an OpenEnv environment is made.
+
+Time limits: a reset or step that does not answer within `turn_timeout_s`, or past the batch's
+`episode_timeout_s` (env.turn_timeout_s, env.episode_timeout_s), ends its episode with
+EpisodeTimeout (counted, and left out of its group's baseline and the loss); the call is made in
+a daemon thread that is abandoned, never waited for again.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from posttrain.data.tasks import Problem
-from posttrain.envs.base import Reply
+from posttrain.envs.base import EpisodeTimeout, Reply, no_limit_as_none
 from posttrain.util.errors import ConfigError
 
 TEXT_FIELDS = ("message", "feedback", "text", "content", "prompt")   # an observation's text, in turn
@@ -73,7 +80,8 @@ class OpenEnvEnvironment:
     def __init__(self, factory: Callable[[], Any] | None = None, url: str | None = None,
                  action: Callable[[str], Any] | None = None,
                  text: Callable[[dict[str, Any]], str] = observation_text,
-                 max_turns: int = 4, name: str = "openenv") -> None:
+                 max_turns: int = 4, name: str = "openenv", turn_timeout_s: float | None = 300.0,
+                 episode_timeout_s: float | None = 1800.0) -> None:
         if (factory is None) == (url is None):
             raise ConfigError("OpenEnvEnvironment: give an environment factory (in process) or "
                               "a url (served), not both")
@@ -82,6 +90,10 @@ class OpenEnvEnvironment:
         self.action = action or (lambda t: {"message": t})
         self.max_turns, self.name = max_turns, name
         self.open: list[Any] = []   # served sessions of the current batch
+        # (None or inf: no limit)
+        self.turn_timeout_s = no_limit_as_none(turn_timeout_s)
+        self.episode_timeout_s = no_limit_as_none(episode_timeout_s)
+        self.batch_started: float | None = None   # the episodes' clock (start_batch)
 
     def system_prompt(self, base: str | None) -> str | None:
         return base
@@ -91,19 +103,50 @@ class OpenEnvEnvironment:
         for session in self.open:
             _close(session)
         self.open = []
+        self.batch_started = time.monotonic()
+
+    def bounded(self, fn: Callable[[], Any], what: str,
+                late: Callable[[Any], None] | None = None) -> Any:
+        """fn(), given at most turn_timeout_s and what is left of the batch's episode_timeout_s
+        (EpisodeTimeout past it; at once, without calling fn, once the batch's time is spent);
+        `late(value)`: what to do with a value fn returns after its caller gave up on it."""
+        if self.batch_started is None:
+            self.batch_started = time.monotonic()
+        limits = {"env.turn_timeout_s": self.turn_timeout_s}
+        if self.episode_timeout_s is not None:
+            limits["env.episode_timeout_s"] = (self.batch_started + self.episode_timeout_s
+                                               - time.monotonic())
+        given = {k: v for k, v in limits.items() if v is not None}
+        if not given:
+            return fn()
+        option = min(given, key=given.get)
+        limit = given[option]
+        if limit <= 0:
+            raise EpisodeTimeout(f"the OpenEnv {what} was not started: no time left ({option})")
+        return call_bounded(fn, limit, f"the OpenEnv {what} did not answer within {limit:g} s "
+                                       f"({option})", late)
 
     def reset(self, problem: Problem) -> Any:
         kwargs = {"seed": problem_seed(problem), "answer": problem.answer, "prompt": problem.prompt}
         if self.factory is not None:
             env = self.factory()
-            env.reset(**_accepted(env.reset, kwargs))
+            self.bounded(lambda: env.reset(**_accepted(env.reset, kwargs)), "reset")
             return env
-        session = open_session(self.url, kwargs, len(self.open))
+        session = self.bounded(lambda: open_session(self.url, kwargs, len(self.open),
+                                                    self.turn_timeout_s), "session's reset",
+                               late=_close)   # (a session opened after all is closed)
         self.open.append(session)
         return session
 
     def step(self, env: Any, text: str, turn: int) -> Reply:
-        obs = env.step(self.action(text))
+        action = self.action(text)
+        try:
+            obs = self.bounded(lambda: env.step(action), "step")
+        except EpisodeTimeout:
+            if self.url is not None:   # (the session is given up)
+                _close_soon(env)
+                self.open.remove(env)
+            raise
         if self.url is not None:   # a StepResult: the observation's fields, reward, done
             reward, done, fields = obs.reward, obs.done, obs.observation
         else:
@@ -121,12 +164,13 @@ def from_config(cfg) -> OpenEnvEnvironment:
     """env.name openenv: `env.openenv` a URL (served) or 'module:Class' (in process); the
     policy's turn goes into the action's field `env.openenv_action`."""
     field = cfg.openenv_action
+    limits = dict(max_turns=cfg.max_turns, turn_timeout_s=cfg.turn_timeout_s,
+                  episode_timeout_s=cfg.episode_timeout_s)
     if cfg.openenv.startswith(("http://", "https://")):
-        return OpenEnvEnvironment(url=cfg.openenv, action=lambda t: {field: t},
-                                  max_turns=cfg.max_turns)
+        return OpenEnvEnvironment(url=cfg.openenv, action=lambda t: {field: t}, **limits)
     from posttrain.util.usercode import load_function
     factory = load_function(cfg.openenv)
-    return OpenEnvEnvironment(factory, action=action_maker(factory, field), max_turns=cfg.max_turns)
+    return OpenEnvEnvironment(factory, action=action_maker(factory, field), **limits)
 
 
 def action_maker(factory: Callable[[], Any], field: str) -> Callable[[str], Any]:
@@ -149,11 +193,14 @@ def _accepted(fn: Callable, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-def open_session(url: str, reset_kwargs: dict[str, Any], already_open: int):
+def open_session(url: str, reset_kwargs: dict[str, Any], already_open: int,
+                 timeout_s: float | None = 300.0):
     """A new WebSocket session with the served environment, reset (the server passes on the keys
-    its reset takes); a server at its session limit is a one-line error naming the fix."""
+    its reset takes); a server at its session limit is a one-line error naming the fix. The
+    client gives up on a message after `timeout_s` (env.turn_timeout_s; None: no limit)."""
     from openenv.core import GenericEnvClient
-    session = GenericEnvClient(base_url=url).sync()
+    session = GenericEnvClient(base_url=url, connect_timeout_s=min(timeout_s or 60.0, 60.0),
+                               message_timeout_s=timeout_s).sync()
     try:
         session.reset(**reset_kwargs)
     except Exception as e:   # noqa: BLE001 - a RuntimeError or ConnectionClosed, by timing
@@ -173,3 +220,39 @@ def _close(session: Any) -> None:
         session.close()
     except Exception:  # noqa: BLE001 - a session the server already dropped
         pass
+
+
+def _close_soon(session: Any) -> None:
+    """Close a session that stopped answering, in a daemon thread (closing may block too)."""
+    threading.Thread(target=_close, args=(session,), daemon=True, name="openenv-close").start()
+
+
+def call_bounded(fn: Callable[[], Any], timeout_s: float, message: str,
+                 late: Callable[[Any], None] | None = None) -> Any:
+    """fn() in a daemon thread, waited for at most `timeout_s` seconds: EpisodeTimeout(message)
+    past it (the thread is abandoned: Python cannot stop a call stuck in a server or user code).
+    A value fn returns after that goes to `late` (a session opened too late is closed)."""
+    box: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            value = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+            return
+        with lock:
+            box["value"] = value
+            abandoned = box.get("abandoned", False)
+        if abandoned and late is not None:
+            late(value)
+    worker = threading.Thread(target=run, daemon=True, name="openenv-call")
+    worker.start()
+    worker.join(timeout_s)
+    with lock:
+        if "value" not in box and "error" not in box:
+            box["abandoned"] = True
+            raise EpisodeTimeout(message)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

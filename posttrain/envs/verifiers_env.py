@@ -28,7 +28,7 @@ from typing import Any
 
 from posttrain.data.tasks import Problem
 from posttrain.data.verifiers_tasks import load_taskset_tasks
-from posttrain.envs.base import Driven, DrivingEnvironment
+from posttrain.envs.base import Driven, DrivingEnvironment, EpisodeTimeout, no_limit_as_none
 from posttrain.envs.tools import parse_calls
 
 # verifiers' loader imports a harness by a top-level module name: the harness module is
@@ -131,7 +131,9 @@ class VerifiersEnvironment(DrivingEnvironment):
     on an event loop of its own (one thread, one interception server for all episodes)."""
 
     def __init__(self, max_turns: int = 4, harness: str = HARNESS, name: str = "verifiers",
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float | None = None) -> None:
+        # timeout_s: a rollout's limit; None: the episode's (env.episode_timeout_s, the policy
+        # client's `time_left`), so the rollout is cancelled when the batch ends its episode
         self.max_turns, self.harness, self.name, self.timeout_s = max_turns, harness, name, timeout_s
         self.renders_tools = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -167,13 +169,22 @@ class VerifiersEnvironment(DrivingEnvironment):
                 interception=server)
             future = asyncio.run_coroutine_threadsafe(agent.run(task), loop)
             try:
-                trace = future.result(self.timeout_s)
+                trace = future.result(self.time_limit(policy))
             except TimeoutError:
                 future.cancel()
-                raise
+                raise EpisodeTimeout("the verifiers rollout passed its time limit (timeout_s, "
+                                     "else env.episode_timeout_s)") from None
         finally:
             server.clients.pop(key.model_dump_json(), None)
         return driven(trace)
+
+    def time_limit(self, policy: Any) -> float | None:
+        """Seconds a rollout may still take: timeout_s, else what the episode has left (None:
+        no limit; inf is None here, as Future.result cannot wait for inf)."""
+        if self.timeout_s is not None:
+            return no_limit_as_none(self.timeout_s)
+        left = getattr(policy, "time_left", None)
+        return no_limit_as_none(left()) if callable(left) else None
 
     def started(self):
         """The event loop thread and the interception server, started on the first episode."""

@@ -84,7 +84,7 @@ class InTurn:
     def paused(self, load_latest: bool = True) -> Iterator[None]:
         yield                              # (the engine holds the trainer's weights already)
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 60.0) -> None:   # (nothing in flight to wait for)
         close_engine(self.engine)
 
 

@@ -48,4 +48,5 @@ def episode_settings(cfg) -> EpisodeSettings:
     """How episodes of a TrainConfig are encoded and bounded (rollout/episodes.py)."""
     return EpisodeSettings(cfg.data.system_prompt, cfg.data.chat_template,
                            dict(cfg.data.chat_template_kwargs), cfg.env.max_tokens,
-                           cfg.env.max_reply_tokens)
+                           cfg.env.max_reply_tokens, cfg.env.turn_timeout_s,
+                           cfg.env.episode_timeout_s)

@@ -16,6 +16,10 @@ tokens are never re-tokenised (TRL #5224). A request that rewrites the history (
 drops earlier reasoning, a harness that edits the reply) is a *fork*: the row restarts after the
 prompt from the rendered conversation, the policy's earlier turns lose their place in the loss,
 and the fork is counted (env/forks), never silently mis-masked.
+
+Time limits (rollout/turns.py): an episode that holds its turn longer than
+`env.turn_timeout_s`, or runs longer than `env.episode_timeout_s`, is ended, counted
+(env/timeouts) and left out of its group's baseline and the loss; the batch goes on without it.
 """
 
 from __future__ import annotations
@@ -23,23 +27,20 @@ from __future__ import annotations
 import threading
 import traceback
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from posttrain.data.tasks import Problem
-from posttrain.envs.base import Driven, Environment
-from posttrain.envs.endpoint import RequestError
+from posttrain.envs.base import Driven, Environment, EpisodeTimeout
 from posttrain.model.prompts import ReplyEncoder, _ids
 from posttrain.rollout.base import RolloutEngine, SamplingParams
+from posttrain.rollout.turns import EpisodeOver, TurnBatcher
 
-
-class EpisodeOver(RequestError):
-    """The episode's token budget (env.max_tokens) is spent: no more turns (the endpoint
-    answers 400, as vLLM does to a request past the context length)."""
+__all__ = ["DrivenBatch", "EpisodeOver", "PolicyClient", "PolicyTurn", "Recorder", "Session",
+           "TurnBatcher", "drive_batch", "plain", "text_of"]
 
 
 @dataclass(frozen=True)
@@ -163,80 +164,6 @@ class Recorder:
         return s.last_text
 
 
-class TurnBatcher:
-    """Waits until every live episode has asked for its next turn (or ended), then samples all
-    of them in one engine call; `ask` blocks its episode's thread until its turn is sampled."""
-
-    def __init__(self, engine: RolloutEngine, params: SamplingParams, n: int,
-                 generator: torch.Generator | None, seeds: Tensor | None) -> None:
-        self.engine, self.params, self.generator, self.seeds = engine, params, generator, seeds
-        self.cond = threading.Condition()
-        self.live = set(range(n))
-        self.pending: dict[int, tuple[list[int], int]] = {}
-        self.results: dict[int, Any] = {}
-        self.turn = [0] * n
-        self.error: BaseException | None = None   # the engine's failure: the step's, re-raised
-
-    def ask(self, row: int, context: list[int], max_new: int) -> tuple[list[int], list[float], bool]:
-        with self.cond:
-            if self.error is not None:
-                raise self.error
-            if row not in self.live:   # (a request that outlived its episode: a timed-out harness)
-                raise EpisodeOver("the episode has ended")
-            if row in self.pending:
-                raise RuntimeError("an episode asked the policy twice at once")
-            self.pending[row] = (context, max_new)
-            self._run_if_ready()
-            while row not in self.results:
-                self.cond.wait()
-            out = self.results.pop(row)
-        if isinstance(out, BaseException):
-            raise out
-        return out
-
-    def done(self, row: int) -> None:
-        """The row's episode ended; a request of it still waiting is answered EpisodeOver."""
-        with self.cond:
-            self.live.discard(row)
-            if self.pending.pop(row, None) is not None:
-                self.results[row] = EpisodeOver("the episode ended while its request waited")
-                self.cond.notify_all()
-            self._run_if_ready()
-
-    def _run_if_ready(self) -> None:
-        """(Under the lock.) Sample every pending turn once all live episodes wait."""
-        if not self.pending or set(self.pending) != self.live:
-            return
-        rows = sorted(self.pending)
-        try:
-            outs = self._sample(rows)
-        except Exception as e:  # noqa: BLE001 - kept: drive_batch raises it once episodes end
-            self.error = e
-            outs = [e] * len(rows)
-        for r, out in zip(rows, outs):
-            self.results[r] = out
-            self.turn[r] += 1
-        self.pending.clear()
-        self.cond.notify_all()
-
-    def _sample(self, rows: list[int]) -> list[tuple[list[int], list[float], bool]]:
-        seeds = None
-        if self.seeds is not None:
-            turn = torch.tensor([self.turn[r] for r in rows])
-            base = self.seeds[rows]
-            seeds = torch.where(turn == 0, base, base * 1_000_003 + turn)
-        out = self.engine.generate([self.pending[r][0] for r in rows], 1, self.params,
-                                   self.generator, seeds=seeds)
-        results = []
-        for j, r in enumerate(rows):
-            n = int(out.response_mask_B_T[j].sum())
-            keep = min(n, self.pending[r][1])
-            results.append((out.response_ids_B_T[j, :keep].tolist(),
-                            out.logp_B_T[j, :keep].tolist(),
-                            bool(out.truncated_B[j]) or keep < n))
-        return results
-
-
 class PolicyClient:
     """What a driving environment's episode talks to: `chat(messages)` is one policy turn.
     `max_tokens` can only lower the rollout's max_new_tokens; temperature, top_p and stop
@@ -247,10 +174,18 @@ class PolicyClient:
         self.row, self.session, self.recorder, self.batcher = row, session, recorder, batcher
         self.params, self.budget = params, budget
         self.lock = threading.Lock()
+        self.end_hooks: list[Callable[[], None]] = []
+
+    def on_end(self, hook: Callable[[], None]) -> None:
+        """`hook()` is called once the batch is over if a time limit or a stop ended this
+        episode (its thread may never return): an environment releases what the episode holds
+        (the agent environment: its endpoint session)."""
+        self.end_hooks.append(hook)
 
     def chat(self, messages: list[dict[str, Any]], tools: list | None = None,
              max_tokens: int | None = None, **sampling: Any) -> PolicyTurn:
         with self.lock:
+            self.batcher.live_or_raise(self.row)   # (an ended episode's request costs nothing)
             context = self.recorder.context(self.session, messages, tools, self.budget)
             return self._turn(context, max_tokens)
 
@@ -264,9 +199,15 @@ class PolicyClient:
                  **sampling: Any) -> PolicyTurn:
         """A completions request: the prompt as text (tokenised here) or token ids."""
         with self.lock:
+            self.batcher.live_or_raise(self.row)
             ids = (self.recorder.tokenizer(prompt, add_special_tokens=False)["input_ids"]
                    if isinstance(prompt, str) else list(prompt))
             return self._turn(self.recorder.context_ids(self.session, ids, self.budget), max_tokens)
+
+    def time_left(self) -> float | None:
+        """Seconds until the episode passes its time limit (env.episode_timeout_s; None: none):
+        an environment that waits on its own rollout waits no longer than this."""
+        return self.batcher.time_left()
 
     def _turn(self, context: list[int], max_tokens: int | None) -> PolicyTurn:
         room = self.budget - len(self.session.ids)
@@ -281,50 +222,75 @@ class PolicyClient:
 class DrivenBatch:
     sessions: list[Session]
     results: list[Driven]
-    counts: Counter
-    errors: dict[str, str]
+    counts: Counter = field(default_factory=Counter)
+    errors: dict[str, str] = field(default_factory=dict)
+    timed_out: list[bool] = field(default_factory=list)   # ended by a time limit: left out
+
+    def record(self, r: int, out: Driven, count: str | None, error: str | None) -> None:
+        """An episode's end, as its thread left it with the batcher (TurnBatcher.done)."""
+        self.results[r] = out
+        if count is not None:
+            self.counts[count] += 1
+        if error is not None:
+            self.errors.setdefault("environment", error[-4000:])
 
 
 def drive_batch(engine: RolloutEngine, tokenizer, env: Environment, problems: list[Problem],
                 params: SamplingParams, settings, generator: torch.Generator | None = None,
                 seeds: Tensor | None = None) -> DrivenBatch:
-    """Every row's episode (`problems`: one per row) driven by the environment in its own
-    thread; a failed episode gets reward 0 and is counted (env_errors), as a built-in's."""
+    """Every row's episode (`problems`: one per row) driven by the environment in a daemon
+    thread of its own; a failed episode gets reward 0 and is counted (env_errors), as a
+    built-in's; one past a time limit is ended, counted (timeouts) and marked `timed_out`."""
     B = len(problems)
     params = replace(params, max_episode_tokens=None)
-    batcher = TurnBatcher(engine, params, B, generator, seeds)
+    batcher = TurnBatcher(engine, params, B, generator, seeds,
+                          getattr(settings, "turn_timeout_s", None),
+                          getattr(settings, "episode_timeout_s", None))
     recorder = Recorder(tokenizer, ReplyEncoder(tokenizer, settings.chat_template,
                                                 settings.template_kwargs),
                         dict(settings.template_kwargs or {}))
-    sessions = [Session() for _ in range(B)]
-    counts: Counter = Counter()
-    errors: dict[str, str] = {}
-    lock = threading.Lock()
-
-    def one(r: int) -> Driven:
-        client = PolicyClient(r, sessions[r], recorder, batcher, params, settings.max_tokens)
-        try:
-            out = env.drive(client, problems[r])
-            if out.error is not None:   # (a failure the environment caught: a rubric's error)
-                with lock:
-                    counts["env_errors"] += 1
-                    errors.setdefault("environment", out.error[-4000:])
-            return out
-        except EpisodeOver:   # (the harness let the budget's error through: the episode ends)
-            with lock:
-                counts["over_budget"] += 1
-            return Driven()
-        except Exception:  # noqa: BLE001 - an episode's failure ends it, not the run
-            if batcher.error is not None:   # (the engine's, raised for the step below)
-                return Driven()
-            with lock:
-                counts["env_errors"] += 1
-                errors.setdefault("environment", traceback.format_exc()[-4000:])
-            return Driven()
-        finally:
-            batcher.done(r)
-    with ThreadPoolExecutor(max_workers=B, thread_name_prefix="episode") as pool:
-        results = list(pool.map(one, range(B)))
+    out = DrivenBatch([Session() for _ in range(B)], [Driven()] * B)
+    clients = [PolicyClient(r, out.sessions[r], recorder, batcher, params, settings.max_tokens)
+               for r in range(B)]
+    for r, client in enumerate(clients):
+        threading.Thread(target=drive_one, args=(env, client, problems[r]), daemon=True,
+                         name=f"episode-{r}").start()
+    try:
+        batcher.watch()   # (every wait bounded: a hung episode is ended, never waited for)
+    finally:   # (an episode a limit or a stop ended gives back what it holds)
+        for r in range(B):
+            if r not in batcher.outcomes:
+                for hook in clients[r].end_hooks:
+                    hook()
     if batcher.error is not None:   # the engine failed: the step fails, as a built-in's would
         raise batcher.error
-    return DrivenBatch(sessions, results, counts, errors)
+    for r, (res, count, error) in sorted(batcher.outcomes.items()):
+        out.record(r, res, count, error)
+    for r, limit in sorted(batcher.timed_out.items()):
+        out.sessions[r] = Session()   # (its thread may still write to the old one)
+        out.counts.update(env_errors=1, timeouts=1)
+        out.errors.setdefault("environment", f"episode {r} of the step timed out ({limit}): "
+                              "ended, counted and left out of its group's baseline and the loss")
+    out.timed_out = [r in batcher.timed_out for r in range(B)]
+    return out
+
+
+def drive_one(env: Environment, client: PolicyClient, problem: Problem) -> None:
+    """One episode, in its thread: its end (the result, what to count, the error) left with
+    the batcher, unless a time limit ended it first (the batch counts it then, and whatever the
+    thread does later is ignored)."""
+    r, batcher = client.row, client.batcher
+    out, count, error, limit = Driven(), None, None, None
+    try:
+        out = env.drive(client, problem)
+        if out.error is not None:   # (a failure the environment caught: a rubric's error)
+            count, error = "env_errors", out.error
+    except EpisodeTimeout as e:   # (the environment's own limit: counted as the batch's)
+        limit = str(e)
+    except EpisodeOver:   # (the harness let the budget's error through: the episode ends)
+        count = "over_budget"
+    except Exception:  # noqa: BLE001 - an episode's failure ends it, not the run
+        if batcher.error is None:   # (else the engine's, raised for the step below)
+            count, error = "env_errors", traceback.format_exc()
+    finally:
+        batcher.done(r, (out, count, error), limit)

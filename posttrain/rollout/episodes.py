@@ -23,8 +23,10 @@ import torch
 from torch import Tensor
 
 from posttrain.data.tasks import Problem
-from posttrain.envs.base import DescribesTools, DrivesPolicy, Environment, Reply, StartsBatch
+from posttrain.envs.base import (DescribesTools, DrivesPolicy, Environment, EpisodeTimeout, Reply,
+                                 StartsBatch)
 from posttrain.util.health import Tally
+from posttrain.util.usercode import as_reward
 from posttrain.model.prompts import ReplyEncoder, encode_prompts, left_pad
 from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams
 
@@ -36,6 +38,8 @@ class EpisodeSettings:
     template_kwargs: dict[str, Any] | None = None
     max_tokens: int = 256               # the whole episode (policy and environment tokens)
     max_reply_tokens: int = 64          # one environment message
+    turn_timeout_s: float | None = 300.0       # the environment's time per turn (None: no limit)
+    episode_timeout_s: float | None = 1800.0   # a driven episode's wall time (None: no limit)
 
 
 @dataclass
@@ -48,12 +52,22 @@ class Episodes:
     counts: Counter                     # turns, tool_calls, malformed_calls, ... over the batch
     errors: dict[str, str] = field(default_factory=dict)   # 'environment' / 'tools': the first failure
     parts: list[dict[str, float]] | None = None   # a driving environment's reward by source, per episode
+    timed_out: list[bool] | None = None  # ended by a time limit (EpisodeTimeout): left out
+
+    def scored(self, judged_B: Tensor | None, device) -> Tensor | None:
+        """(B,) bool: the responses that count (None: all): the judge could score them and their
+        episode ended within its time limits; the rest leave their group's baseline and the loss."""
+        if not any(self.timed_out or ()):
+            return None if judged_B is None else judged_B.to(device)
+        ok = ~torch.tensor(self.timed_out, dtype=torch.bool, device=device)
+        return ok if judged_B is None else ok & judged_B.to(device)
 
     def tallies(self) -> dict[str, Tally]:
         """Calls and failures of the environment and its tools in this batch (FailureWatch)."""
         c, out = self.counts, {}
-        if c.get("turns"):
-            out["environment"] = Tally(c["turns"], c.get("env_errors", 0), self.errors.get("environment"))
+        calls = c.get("turns", 0) + c.get("timeouts", 0)   # (a turn that timed out never ended)
+        if calls:
+            out["environment"] = Tally(calls, c.get("env_errors", 0), self.errors.get("environment"))
         if c.get("tool_calls"):   # (a tool refusing the model's arguments is not broken)
             out["tools"] = Tally(c["tool_calls"], c.get("tools_broken", 0), self.errors.get("tools"))
         return out
@@ -98,6 +112,17 @@ def run_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems: l
     return book.episodes(rollout, book.last_text, transcripts)
 
 
+def env_reward(value: Any) -> tuple[float, str | None]:
+    """An environment's reward checked as a reward function's is (util/usercode.as_reward): a
+    finite number, else 0 and why (counted as an environment error: FailureWatch stops a run
+    whose environment keeps failing). NaN or Inf would reach every advantage of its group."""
+    reward, status = as_reward(value)
+    if status == "ok":
+        return reward, None
+    what = "not a finite number" if status == "nonfinite" else "not a number"
+    return 0.0, f"the environment's reward {str(value)[:80]!r} is {what}: counted as 0"
+
+
 def _masked_ids(tokenizer, rollout: Rollout) -> Tensor:
     m = rollout.response_mask_B_T.long()
     return rollout.response_ids_B_T * m + (1 - m) * tokenizer.pad_token_id
@@ -116,30 +141,53 @@ class _Book:
         self.env, self.tokenizer, self.settings = env, tokenizer, settings
         if isinstance(env, StartsBatch):
             env.start_batch()
-        self.states = [env.reset(p) for p in problems]
+        self.counts: Counter = Counter()
+        self.errors: dict[str, str] = {}
+        self.timed_out = [False] * len(problems)
+        self.states = [self.reset(r, p) for r, p in enumerate(problems)]
         self.turns = [0] * len(problems)
         self.last_text = [""] * len(problems)
         self.rewards = [0.0] * len(problems)
         self.correct: list[bool | None] = [None] * len(problems)
-        self.counts: Counter = Counter()
-        self.errors: dict[str, str] = {}
         self.encoder = ReplyEncoder(tokenizer, settings.chat_template, settings.template_kwargs)
         self.eos_id = tokenizer.eos_token_id
+
+    def reset(self, r: int, problem: Problem) -> Any:
+        try:
+            return self.env.reset(problem)
+        except EpisodeTimeout as e:
+            self.time_out(r, e)
+            return None
+
+    def time_out(self, r: int, e: EpisodeTimeout) -> None:
+        """The episode passed a time limit: ended, counted, left out of the baseline and loss."""
+        self.counts.update(env_errors=1, timeouts=1)
+        self.errors.setdefault("environment", f"episode {r} of the step timed out: {e}")
+        self.timed_out[r] = True
 
     def turn_ended(self, r: int, text: str) -> Reply | None:
         """Tell the environment; return its reply when the episode goes on."""
         self.turns[r] += 1
         self.last_text[r] = text
         self.counts["turns"] += 1
+        if self.timed_out[r]:   # (its reset timed out: the episode is over)
+            return None
         try:
             reply = self.env.step(self.states[r], text, self.turns[r])
+        except EpisodeTimeout as e:
+            self.time_out(r, e)
+            return None
         except Exception:  # noqa: BLE001 - an environment's bug ends its episode, not the run
             self.counts["env_errors"] += 1
             self.errors.setdefault("environment", traceback.format_exc()[-4000:])
             return None
         if reply.counts.get("tools_broken") and reply.message is not None:
             self.errors.setdefault("tools", str(reply.message.get("content", ""))[:4000])
-        self.rewards[r] += float(reply.reward)
+        reward, error = env_reward(reply.reward)
+        if error is not None:
+            self.counts["env_errors"] += 1
+            self.errors.setdefault("environment", error)
+        self.rewards[r] += reward
         if reply.correct is not None:
             self.correct[r] = bool(reply.correct)
         self.counts.update(reply.counts)
@@ -159,7 +207,7 @@ class _Book:
     def episodes(self, rollout: Rollout, completions: list[str], transcripts: list[str]) -> Episodes:
         return Episodes(rollout, list(completions), list(transcripts),
                         torch.tensor(self.rewards, dtype=torch.float32), list(self.correct),
-                        self.counts, dict(self.errors))
+                        self.counts, dict(self.errors), timed_out=list(self.timed_out))
 
 
 def generate_by_turns(engine: RolloutEngine, prompts: list[list[int]], group_size: int,
@@ -228,15 +276,21 @@ def driven_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems
     rollout = padded_rollout([s[i * G].prompt for i in range(len(problems))], G,
                              [x.ids for x in s], [x.logps for x in s], [x.policy for x in s],
                              [x.truncated for x in s], tokenizer.pad_token_id, _device(engine))
-    counts = Counter(out.counts)
+    counts, errors = Counter(out.counts), dict(out.errors)
     counts.update({"turns": sum(x.turns for x in s), "forks": sum(x.forks for x in s)})
+    rewards = []
     for res in out.results:
         counts.update(res.counts)
+        reward, error = env_reward(res.reward)
+        rewards.append(reward)
+        if error is not None:
+            counts["env_errors"] += 1
+            errors.setdefault("environment", error)
     return Episodes(rollout, [x.last_text for x in s],
                     [tokenizer.decode(x.ids) for x in s],
-                    torch.tensor([float(x.reward) for x in out.results], dtype=torch.float32),
-                    [x.correct for x in out.results], counts, dict(out.errors),
-                    parts=[dict(x.parts) for x in out.results])
+                    torch.tensor(rewards, dtype=torch.float32),
+                    [x.correct for x in out.results], counts, errors,
+                    parts=[dict(x.parts) for x in out.results], timed_out=out.timed_out)
 
 
 def _device(engine) -> torch.device:

@@ -4,20 +4,24 @@ trackers), `run_steps` (the one training loop: time budget, checkpoint cadence, 
 `finish_job` / `stop_job` (summary.json). What a command trains lives in its own parts, which
 extend `Job`.
 
-When a run saves itself and when it stops: a checkpoint every N optimizer steps and every M minutes of wall time, one when SIGINT or
-SIGTERM arrives (the step in flight finishes first, then the run exits cleanly with the command
-that resumes it), one when `max_minutes` ends the run, and `--resume auto` to find the run a
-command would continue.
-
-The signal handler only sets a flag; the loop reads it between steps, so a checkpoint is never
-written from inside a half-done step. Under torchrun every rank agrees on "save now" and "stop
-now" through one all-reduce of two numbers per step.
+Checkpoints: every N optimizer steps, every M minutes of wall time, when `max_minutes` ends the
+run, and when SIGINT or SIGTERM arrives: the first signal sets a flag the loop reads between
+steps (under torchrun, one all-reduce per step makes every rank agree), so the step in flight
+finishes, is saved (before any evaluation) and the run exits with the command that resumes it.
+A step still running `checkpoint.stop_grace_s` after the signal, or at a second signal, is
+abandoned (StepAbandoned, raised in the main thread, whose waits signals interrupt): the run
+exits with its last checkpoint, summary.json naming the abandoned step. Should it still not end
+(a call no signal reaches, a cleanup that hangs), the process ends stop_grace_s later, with
+summary.json written and the logs closed (`arm_hard_exit`). `--resume auto` finds the run a
+command would continue. (The cadence and the signal handlers: run/signals.py.)
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import signal
 import threading
 import time
@@ -30,8 +34,9 @@ from tqdm.auto import tqdm
 
 from posttrain.run.checkpoint import latest_checkpoint, resume_point
 from posttrain.model.distributed import SINGLE, World, barrier, global_max, init_world
-from posttrain.logs.metrics import MetricsLogger, NullLogger, resume_logs
+from posttrain.logs.metrics import MetricsLogger, NullLogger, resume_logs, write_json_atomic
 from posttrain.run.optim import seed_everything
+from posttrain.run.signals import Lifecycle, StepAbandoned
 from posttrain.util.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -59,10 +64,18 @@ class Job:
     steps_done: int = 0                   # the last step taken
     saved_step: int = -1                  # the step of the last checkpoint written
     bar: Any = None                       # the loop's progress bar (a step may set its postfix)
+    abandoned_step: int | None = None     # a stop signal's step that could not finish
+    hard_exit: Any = None                 # the timer that ends a stopped run whose cleanup hangs
+    stop_by: float | None = None          # a stopped run's deadline (time.monotonic()), if any
 
     @property
     def resumed(self) -> bool:
         return self.ckpt is not None
+
+    def cleanup_wait_s(self, default: float = 60.0) -> float:
+        """One wait of a stopped run's cleanup (an engine's close waits twice): half what is left
+        until `stop_by` (the grace's end; after an abandoned step, the hard exit's), else `default`."""
+        return default if self.stop_by is None else max(self.stop_by - time.monotonic(), 0.0) / 2
 
     def parts(self) -> dict[str, Any]:
         """The lifecycle's fields, to build a command's extension of Job from this one."""
@@ -86,9 +99,6 @@ def start_job(command: str, cfg, resume: str | Path | None = None, show_progress
     if not cfg.writes_folder and command not in SAMPLING_COMMANDS:
         raise ConfigError(f"--run_dir none: `posttrain {command}` writes checkpoints and its model "
                           "to a run folder; give it one (or leave --run_dir out)")
-    if not cfg.writes_folder and cfg.report_to:
-        raise ConfigError(f"--report_to {','.join(cfg.report_to)} with --run_dir none: the trackers "
-                          "write beside a run folder; drop one of the two")
     if cfg.threads or threads:   # (the user's --threads wins over the async core split)
         torch.set_num_threads(cfg.threads or threads)
     generator = seed_everything(cfg.seed)
@@ -137,34 +147,92 @@ def run_steps(job: Job, total: int, step_fn: Callable[[int], None], save: Callab
     evaluations), and `save(step)` every `checkpoint.every_steps` steps or `every_minutes`
     minutes (not after the last step unless `save_last`) and when SIGINT / SIGTERM arrives.
     `max_minutes` of training ends the loop early, with a checkpoint a longer budget continues
-    from. Returns the name of the signal that stopped the run, or None (the caller finishes)."""
+    from. Returns the name of the signal that stopped the run, or None (the caller finishes);
+    a step the signal's grace or a second signal abandoned is `job.abandoned_step`."""
     cfg = job.cfg
     bar = tqdm(total=total, initial=job.start_step, desc=desc, dynamic_ncols=True,
                disable=not (job.show_progress and job.world.main))
-    lifecycle = Lifecycle(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes, job.world)
+    grace = getattr(cfg.checkpoint, "stop_grace_s", None)   # (inf: None, no limit: Timer(inf) fails)
+    grace = None if grace is None or math.isinf(grace) else grace
+    lifecycle = Lifecycle(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes, job.world,
+                          grace, lambda signum: arm_hard_exit(job, signum, grace))
     job.steps_done, job.bar = job.start_step, bar
-    with lifecycle, bar:   # SIGINT / SIGTERM: finish the step, save a checkpoint, stop
-        for step in range(job.start_step + 1, total + 1):
-            if out_of_time(job):
-                log.info("max_minutes=%s reached after %d steps", cfg.max_minutes, step - 1)
-                if step - 1 > job.start_step and step - 1 != job.saved_step:
-                    save(step - 1)   # (a longer --max_minutes continues from here)
-                break
-            t0 = _clock()
-            step_fn(step)
-            job.train_seconds += global_max(_clock() - t0, job.world)
-            job.steps_done = step
-            bar.update(1)
-            if after_step is not None:
-                after_step(step)
-            want_save, stop = lifecycle.after_step(step)
-            if (want_save and (save_last or step < total)) or stop:
-                save(step)
-                job.saved_step = step
-                lifecycle.saved()
-            if stop:
-                return lifecycle.stop_signal
+    try:
+        with lifecycle, bar:   # SIGINT / SIGTERM: finish the step, save a checkpoint, stop
+            return _loop(job, lifecycle, total, step_fn, save, after_step, save_last)
+    except StepAbandoned as e:
+        job.abandoned_step = job.steps_done + 1
+        kept = job.saved_step if job.saved_step >= 0 else "none written by this process"
+        log.warning("%s: step %d abandoned; the run exits with its last checkpoint (step %s)", e,
+                    job.abandoned_step, kept)
+        return lifecycle.stop_signal
+    finally:   # (the cleanup of a stopped run waits no longer than its grace: cleanup_wait_s)
+        job.stop_by = job.stop_by or lifecycle.deadline
+
+
+def _loop(job: Job, lifecycle: Lifecycle, total: int, step_fn: Callable[[int], None],
+          save: Callable[[int], None], after_step: Callable[[int], None] | None,
+          save_last: bool) -> str | None:
+    """run_steps' loop, inside the lifecycle's signal handlers. Once a stop signal has come
+    (before `after_step` or during it), the finished step is saved before anything else runs."""
+    cfg = job.cfg
+    for step in range(job.start_step + 1, total + 1):
+        if out_of_time(job):
+            log.info("max_minutes=%s reached after %d steps", cfg.max_minutes, step - 1)
+            if step - 1 > job.start_step and step - 1 != job.saved_step:
+                _save(job, lifecycle, save, step - 1)   # (a longer --max_minutes continues here)
+            return lifecycle.stop_signal
+        t0 = _clock()
+        step_fn(step)
+        job.train_seconds += global_max(_clock() - t0, job.world)
+        job.steps_done = step
+        job.bar.update(1)
+        want_save, stop = lifecycle.after_step(step)
+        if after_step is not None and not stop:   # (a stopped run is saved, not evaluated)
+            after_step(step)
+            stop = lifecycle.stop_agreed()        # (a signal during the evaluation: save now)
+        if (want_save and (save_last or step < total)) or stop:
+            _save(job, lifecycle, save, step)
+        if stop:
+            return lifecycle.stop_signal
     return None
+
+
+def _save(job: Job, lifecycle: Lifecycle, save: Callable[[int], None], step: int) -> None:
+    with lifecycle.saving():   # (the grace running out lets a checkpoint being written finish)
+        save(step)
+    job.saved_step = step
+    lifecycle.saved()
+
+
+def arm_hard_exit(job: Job, signum: int, seconds: float | None) -> None:
+    """The last resort once a step is abandoned: if the run has not finished (finish_job)
+    `seconds` later, summary.json is written here and the process ends (exit 128 + signum).
+    A thread stuck where no signal reaches it cannot be stopped any other way."""
+    if seconds is None or job.hard_exit is not None:
+        return
+    job.stop_by = time.monotonic() + seconds
+
+    def hard_exit() -> None:
+        name = signal.Signals(signum).name
+        log.error("the stopped run did not end within checkpoint.stop_grace_s=%g s after its step "
+                  "was abandoned: the process exits now", seconds)
+        if job.world.main and job.run_dir is not None:
+            try:
+                write_json_atomic(job.run_dir / "summary.json", {
+                    "run_dir": str(job.run_dir), "steps": job.steps_done, "stopped_by": name,
+                    "abandoned_step": job.steps_done + 1, "hard_exit": True,
+                    "resume": resume_command(job.command, job.run_dir)})
+            except OSError:
+                pass
+        closing = threading.Thread(target=job.logger.close, daemon=True)   # (TensorBoard and
+        closing.start()                                         # trackers flushed, if they can
+        closing.join(min(seconds, 10.0))                        # be within 10 s)
+        logging.shutdown()
+        os._exit(128 + signum)
+    job.hard_exit = threading.Timer(seconds, hard_exit)
+    job.hard_exit.daemon = True
+    job.hard_exit.start()
 
 
 def finish_job(job: Job, summary: dict[str, Any]) -> dict[str, Any]:
@@ -175,6 +243,8 @@ def finish_job(job: Job, summary: dict[str, Any]) -> dict[str, Any]:
     job.logger.close()
     job.logger.write_json("summary.json", summary)
     barrier(job.world)
+    if job.hard_exit is not None:   # (the run ended: no last resort needed)
+        job.hard_exit.cancel()
     return summary
 
 
@@ -182,61 +252,14 @@ def stop_job(job: Job, signal_name: str, summary: dict[str, Any]) -> dict[str, A
     """A signal stopped the run after its last step (checkpoint written): summary.json says so
     and how to continue; no final model, no final evaluation (a pre-empted job has little time)."""
     summary.update(stopped_by=signal_name, resume=resume_command(job.command, job.run_dir))
+    if job.abandoned_step is not None:   # (the steps after the last checkpoint are redone)
+        last = latest_checkpoint(job.run_dir) if job.run_dir is not None else None
+        summary.update(abandoned_step=job.abandoned_step, checkpoint=last and str(last))
     finish_job(job, summary)
     if job.world.main:
         log.warning("stopped by %s after step %d; continue with: %s", signal_name,
                     job.steps_done, summary["resume"])
     return summary
-
-
-class Lifecycle:
-    """A run's checkpoint policy and its stop flag. Use as a context manager: inside it, SIGINT
-    and SIGTERM ask the run to stop after the current step (a second SIGINT aborts at once)."""
-
-    def __init__(self, every_steps: int = 0, every_minutes: float | None = None,
-                 world: World = SINGLE) -> None:
-        self.every_steps = every_steps
-        self.every_minutes = every_minutes
-        self.world = world
-        self.stop_signal: str | None = None   # the signal that asked to stop, once one did
-        self._last_save = time.monotonic()
-        self._previous: dict[int, Any] = {}
-
-    # -- signals ---------------------------------------------------------------------------
-    def __enter__(self) -> "Lifecycle":
-        if threading.current_thread() is threading.main_thread():   # (handlers live there only)
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._on_signal)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _on_signal(self, signum: int, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.stop_signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt   # the second Ctrl-C: the user does not want to wait
-        self.stop_signal = name
-        log.warning("%s received: the run finishes this step, saves a checkpoint and exits "
-                    "(Ctrl-C again to abort without saving)", name)
-
-    # -- the policy ------------------------------------------------------------------------
-    def after_step(self, step: int) -> tuple[bool, bool]:
-        """(save a checkpoint now, stop now) after optimizer step `step`, the same on every rank."""
-        by_steps = bool(self.every_steps) and step % self.every_steps == 0
-        by_time = (self.every_minutes is not None
-                   and time.monotonic() - self._last_save >= self.every_minutes * 60)
-        stop = self.stop_signal is not None
-        if self.world.distributed:   # one all-reduce: any rank's signal or clock decides for all
-            flags = global_max(float(by_steps or by_time) + 2.0 * stop, self.world)
-            return flags >= 1, flags >= 2
-        return by_steps or by_time or stop, stop
-
-    def saved(self) -> None:
-        """A checkpoint was written: the minutes count from now."""
-        self._last_save = time.monotonic()
 
 
 def resume_command(command: str, run_dir: Path) -> str:
