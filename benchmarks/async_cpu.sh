@@ -22,7 +22,7 @@ declare -A ARMS=(
   [k2]="--rollout.max_staleness 2 $SHARED"
   [k1-nocorr]="--rollout.max_staleness 1 --rollout.tis_cap null $SHARED"
   [k2-nocorr]="--rollout.max_staleness 2 --rollout.tis_cap null $SHARED"
-  [k2-dppo]="--rollout.max_staleness 2 --algorithm.policy_loss dppo_tv $SHARED"
+  [k2-dppo]="--rollout.max_staleness 2 --algorithm.policy_loss dppo_tv --algorithm.dppo_ratio_cap 2 $SHARED"
   [k1-split]="--rollout.max_staleness 1 --threads 1"
   [k2-split]="--rollout.max_staleness 2 --threads 1"
 )

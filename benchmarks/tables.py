@@ -1018,7 +1018,7 @@ ASYNC_ARMS = {"k0": "K = 0: sample, then update (vLLM in process)",
               "k1": "K = 1", "k2": "K = 2",
               "k1-nocorr": "K = 1, no correction (`--rollout.tis_cap null`)",
               "k2-nocorr": "K = 2, no correction",
-              "k2-dppo": "K = 2, DPPO (`--algorithm.policy_loss dppo_tv`)",
+              "k2-dppo": "K = 2, DPPO (`--algorithm.policy_loss dppo_tv --algorithm.dppo_ratio_cap 2`)",
               "k1-split": "K = 1, engine on core 1, trainer on core 0 (`rollout.async_cpu_split`)",
               "k2-split": "K = 2, engine on core 1, trainer on core 0"}
 

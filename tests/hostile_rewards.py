@@ -5,6 +5,11 @@ import os
 import sys
 import time
 
+try:   # at the module's top, as a reward function's heavy imports belong: the reward host imports
+    import reasoning_gym as rg   # the module once, and every call's process is a fork of it
+except ImportError:              # (an import inside the function would run again in every call)
+    rg = None
+
 
 class Unpicklable(Exception):
     """An exception whose pickle cannot be read back (pebble's pool breaks on such a result)."""
@@ -88,7 +93,6 @@ def gym_unguarded(prompt: str, completion: str, answer: str, reasoning_gym: str,
     """reasoning-gym's own scorer on the answer with posttrain's literal gate left out: what a
     user's reward function that calls `score_answer` itself does. Only the sandbox stands between
     an answer that `parse_expr` or `eval` runs and the machine."""
-    import reasoning_gym as rg
     scorer = rg.create_dataset(reasoning_gym_name(reasoning_gym, entry), seed=0, size=1)
     return float(scorer.score_answer(answer=completion, entry=entry))
 

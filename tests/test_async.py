@@ -293,3 +293,76 @@ def test_on_a_cpu_the_engine_and_the_trainer_sampling_ahead_take_separate_cores(
     assert async_core_split(load_config(None, []).rollout, n_cores=16, has_cuda=False) is None
     assert split_cores(1, 2, first=1) == ["1-1"] and split_cores(2, 16, first=8) == ["8-11", "12-15"]
     assert split_cores(1, 2) == ["0-1"]
+
+
+class _Reached(Exception):
+    """The batch reached the step's first pass over the policy (frozen log-probs)."""
+
+
+def _tensors(batch: ScoredBatch):
+    from dataclasses import fields
+    for f in fields(batch):
+        v = getattr(batch, f.name)
+        if isinstance(v, Rollout):
+            yield from ((f"rollout.{g.name}", getattr(v, g.name)) for g in fields(v)
+                        if isinstance(getattr(v, g.name), torch.Tensor))
+        elif isinstance(v, torch.Tensor):
+            yield f.name, v
+
+
+@pytest.mark.parametrize("kind", ["in turn", "sampled ahead", "restored from in_flight"])
+def test_every_batch_reaches_the_policy_on_its_device(kind, tmp_path, monkeypatch):
+    """vLLM hands its batches over on the CPU, and a checkpoint's in_flight/ is loaded onto it;
+    the policy may sit on a GPU. With no GPU here the policy's device is 'meta' (tensors with no
+    data): a batch the loop did not move reaches the first pass over the policy on the CPU."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+    from posttrain.model.distributed import SINGLE
+    from posttrain.rl import loop
+    reached = []
+
+    def first_pass(run, batch, timings):
+        reached.append(batch)
+        raise _Reached
+    monkeypatch.setattr(loop, "frozen_passes", first_pass)
+    monkeypatch.setattr(loop, "check_health", lambda *a: None)
+    if kind == "in turn":
+        sampler = Sampler(numbered_task(), seed=0)
+        source = InTurn(collector(sampler, ScriptedEngine(), 0.0, []), ScriptedEngine(), 0)
+    else:
+        source, _, _, _ = make(1, gen_s=0.0)
+        if kind == "restored from in_flight":
+            from posttrain.rl.batch_source import Sampled
+            batch, metrics = make(1, gen_s=0.0)[0].collect(Counter(), {})
+            batch = replace(batch, version_B=torch.zeros(len(batch.rewards_B), dtype=torch.long))
+            save_sampled(Sampled(batch, metrics, 0, [(0, 0)]), tmp_path / "in_flight" / "batch_000")
+            (tmp_path / "in_flight" / "count.json").write_text('{"batches": 1}')
+            source.restore(tmp_path / "in_flight")
+            assert len(source.ready) == 1
+    run = SimpleNamespace(cfg=None, algo=None, world=SINGLE, batches=source,
+                          device=torch.device("meta"))
+    try:
+        with pytest.raises(_Reached):
+            loop.train_step(run, 1)
+    finally:
+        source.close()
+    assert [name for name, t in _tensors(reached[0]) if t.device.type != "meta"] == []
+
+
+@pytest.mark.parametrize("extra, said", [
+    (["--rollout.tis_cap", "null"], "and with one update per batch no trust region either"),
+    (["--rollout.tis_cap", "null", "--optim.epochs", "2"], "no importance weight"),
+    ([], None),                                                   # the default correction
+    (["--rollout.tis_cap", "null", "--algorithm.policy_loss", "dppo_tv"], None),   # weighs by mu
+])
+def test_stale_samples_without_a_correction_are_said_on_start(extra, said):
+    """Sampling ahead with no correction trains stale samples as the trainer's own: allowed (the
+    async benchmark measures it), but never silently."""
+    cfg = load_config(None, ["--rollout.backend", "vllm", "--rollout.max_staleness", "1", *extra])
+    warnings = cfg.start_warnings()
+    if said is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and said in warnings[0]
+        assert "rollout.tis_cap" in warnings[0] and warnings[0].startswith("UNCORRECTED")
+    assert load_config(None, extra).start_warnings() == []        # in turn: nothing is stale

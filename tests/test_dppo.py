@@ -66,7 +66,33 @@ def test_the_ratio_cap_bounds_the_weight_and_none_leaves_it():
     free = POLICY_LOSSES["dppo_tv"](x, ObjectiveParams(dppo_delta_high=0.5, dppo_ratio_cap=None))
     assert capped.loss_B_T.item() == pytest.approx(-2.0 * math.log(0.3), abs=1e-6)
     assert free.loss_B_T.item() == pytest.approx(-3.0 * math.log(0.3), abs=1e-6)
-    assert wide.dppo_ratio_cap == 2.0
+    assert wide.dppo_ratio_cap == 10.0
+
+
+def test_the_default_ratio_cap_is_the_reference_implementations():
+    """C = 10, sail-sg/Stable-RL's clip_ratio_c (a cap of 2 truncated the weight of every token
+    whose probability more than doubled: the bias the cap exists to keep small), the same in the
+    objective's parameters, the algorithm's field and docs/algorithms.md."""
+    from pathlib import Path
+    from posttrain.config.presets import AlgorithmConfig
+    assert ObjectiveParams().dppo_ratio_cap == AlgorithmConfig().dppo_ratio_cap == 10.0
+    assert AlgorithmConfig().objective_params().dppo_ratio_cap == 10.0
+    docs = (Path(__file__).parent.parent / "docs" / "algorithms.md").read_text()
+    assert "`C = algorithm.dppo_ratio_cap`\n  (10," in docs
+
+
+def test_the_icepop_help_says_what_its_weight_is():
+    """IcePop keeps the ratio inside the band (masked IS), not 1: the option's description says
+    so, as the code does."""
+    from posttrain.config.options import field_docs
+    from posttrain.config.rollout import RolloutConfig
+    from posttrain.losses.correction import OFF_POLICY_CORRECTIONS
+    text = field_docs(RolloutConfig)["correction"]
+    assert "1 inside" not in text and "icepop (token_mis" in text
+    rho = torch.tensor([[3.0, 1.5, 0.2]])
+    w = OFF_POLICY_CORRECTIONS["icepop"](rho.log(), torch.zeros(1, 3), torch.ones(1, 3), 2.0,
+                                         (0.5, 5.0))
+    assert w[0].tolist() == pytest.approx([3.0, 1.5, 0.0])
 
 
 def test_without_a_separate_sampler_dppo_reads_pi_old():

@@ -488,3 +488,43 @@ def test_every_preset_trains_on_multi_turn_episodes(tmp_path, tokenizer, preset)
     # the environment answered: a random policy's guesses are wrong, so episodes go to turn 2
     assert any(r["env/turns"] > 1.0 for r in rows)
     assert all(math.isfinite(r["policy/grad_norm"]) for r in rows if "policy/grad_norm" in r)
+
+
+@dataclass(frozen=True)
+class BadReward(Echo):
+    """Echo whose every turn's reward is `reward` (NaN, Inf, or not a number at all)."""
+    reward: object = float("nan")
+
+    def step(self, state, text, turn):
+        return Reply({"role": "user", "content": "again"}, reward=self.reward)
+
+
+class DrivenBadReward:
+    """An environment driving its episode (one turn), then reporting `reward`."""
+    name, stop, tool_schemas, max_turns = "driven_bad", (), None, 1
+
+    def __init__(self, reward):
+        self.reward = reward
+
+    def system_prompt(self, base):
+        return base
+
+    def drive(self, policy, problem):
+        from posttrain.envs.base import Driven
+        policy.chat([{"role": "user", "content": problem.prompt}])
+        return Driven(self.reward)
+
+
+@pytest.mark.parametrize("driven, bad", [(False, float("nan")), (False, "lots"),
+                                         (True, float("-inf"))])
+def test_an_environment_reward_that_is_not_a_finite_number_is_its_counted_error(tokenizer, bad,
+                                                                                 driven):
+    """Checked as a reward function's value is: NaN or Inf in one reward would reach every
+    advantage of its group. It counts as 0 and as an environment error (FailureWatch sees it)."""
+    model = make_tiny_model(tokenizer).double()
+    env = DrivenBadReward(bad) if driven else BadReward(max_turns=2, reward=bad)
+    ep = _episodes(tokenizer, model, env)
+    assert torch.isfinite(ep.env_rewards_B).all() and ep.env_rewards_B.abs().sum() == 0
+    tally = ep.tallies()["environment"]
+    assert tally.failures == tally.calls == ep.counts["turns"] > 0
+    assert "not a" in tally.first_error and "number" in tally.first_error

@@ -355,14 +355,15 @@ def test_a_host_that_stops_reading_cannot_hang_the_trainer(monkeypatch):
 
 def test_the_sandbox_memory_in_all_is_bounded(tmp_path):
     """Six processes of 300 MB each stay under the per-process limit; together they pass
-    reward.memory_mb: the sandbox is killed, the batch counted as crashed, the next one fine."""
+    reward.memory_mb: the sandbox is killed, the batch counted as the memory limit, the next one
+    fine."""
     scorer = Scorer(RewardConfig(verifier="none", timeout_s=20.0, workers=1, memory_mb=1024,
                                  functions=("tests.hostile_rewards:hogs_memory_in_processes",)))
     t0 = time.perf_counter()
     result = scorer([Problem("q", "1")] * 2, ["hog", "x"])
     assert time.perf_counter() - t0 < 15
-    assert result.failures == {"crash": 2} and scorer.pool.rebuilds == 1
-    assert "more than 1024 MB in all" in scorer.tallies[
+    assert result.failures == {"memory_limit": 2} and scorer.pool.rebuilds == 1
+    assert "more than 1024 MB in all" in result.tallies[
         "reward function 'tests.hostile_rewards:hogs_memory_in_processes'"].first_error
     assert scorer([Problem("q", "1")], ["x"]).rewards_B.tolist() == [1.0]
     scorer.close()
@@ -637,3 +638,24 @@ def test_a_reused_pid_is_never_taken_for_a_worker():
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_restarted_host_is_warm_before_the_batch_clock_starts(gym):
+    """A batch of right answers after a restart (an answer killed the host) is scored like any
+    other: the new host is started, and has imported what the run's verifier imports on first
+    use (reasoning-gym: one to two seconds), before the batch is sent and its deadline starts.
+    A call's process is a fork of the host, so an import the host did not do runs again in every
+    call, and on a slower machine passes a short reward.timeout_s."""
+    scorer = Scorer(RewardConfig(timeout_s=1.0, workers=1, max_failing_steps=0,
+                                 functions=("tests.toy_rewards:sees_reasoning_gym",)),
+                    "reasoning_gym")
+    problem, seen = gym["countdown"], "tests.toy_rewards:sees_reasoning_gym"
+    try:
+        first = scorer([problem], [problem.answer])
+        assert first.failures == {} and first.parts_B[0][seen] == 1.0
+        scorer.pool._restart()                   # the host killed between two batches
+        again = scorer([problem], [problem.answer])
+        assert again.failures == {} and again.correct_B.tolist() == [True]
+        assert again.parts_B[0][seen] == 1.0 and scorer.pool.rebuilds == 1
+    finally:
+        scorer.close()

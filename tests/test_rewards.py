@@ -178,3 +178,26 @@ def test_scoring_in_the_trainers_process_is_announced(caplog):
         pooled = Scorer(RewardConfig(verifier="none", workers=1))
         pooled.close()
     assert "reward.workers 0" not in caplog.text
+
+
+def test_each_scored_batch_carries_its_own_calls_and_failures():
+    """Sampling ahead scores the next batch in the engine's thread while the trainer checks the
+    health of the one it trains: each result carries its own calls and failures (nothing shared
+    to swap under a writer), so a step counts its own batch's failures, and a batch dropped as too
+    stale takes its failures with it."""
+    scorer = Scorer(RewardConfig(verifier="none", workers=0,
+                                 functions=("tests.toy_rewards:fails_on_bad",)))
+    source = "reward function 'tests.toy_rewards:fails_on_bad'"
+    out: dict[str, object] = {}
+
+    def score(name, answers):
+        out[name] = scorer([Problem("q", "1")] * len(answers), answers)
+    threads = [threading.Thread(target=score, args=("a", ["bad", "bad", "ok"] * 20)),
+               threading.Thread(target=score, args=("b", ["ok"] * 40))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    a, b = out["a"].tallies[source], out["b"].tallies[source]
+    assert (a.calls, a.failures, b.calls, b.failures) == (60, 40, 40, 0)
+    assert "ValueError: bad" in a.first_error and b.first_error is None

@@ -95,3 +95,17 @@ def tool_garbage(x: str) -> object:
 def always_one(prompt: str, completion: str, answer: str) -> float:
     """Every answer scores the same: every group is all-equal."""
     return 1.0
+
+
+def fails_on_bad(prompt: str, completion: str, answer: str) -> float:
+    """Raises on the completion 'bad', 1 otherwise (a batch's failures are its own)."""
+    if completion == "bad":
+        raise ValueError("bad")
+    return 1.0
+
+
+def sees_reasoning_gym(prompt: str, completion: str, answer: str) -> float:
+    """1 when reasoning-gym was imported before this call's process started (the host warmed
+    the verifier that needs it), 0 when this call would have to import it itself."""
+    import sys
+    return float("reasoning_gym" in sys.modules)

@@ -49,6 +49,9 @@ class RunOptions:
             check_range("max_minutes", self.max_minutes, 0.0, lo_open=True)
         if self.threads is not None:
             check_range("threads", self.threads, 1)
+        if not self.writes_folder and self.report_to:   # (before asking whether they are installed)
+            raise ConfigError(f"--report_to {','.join(self.report_to)} with --run_dir none: the "
+                              "trackers write beside a run folder; drop one of the two")
         check_trackers(self.report_to)
 
     def to_dict(self) -> dict[str, Any]:
@@ -154,6 +157,21 @@ class TrainConfig(RunOptions):
                               f"on-policy only: with optim.epochs={o.epochs}, optim.minibatches="
                               f"{o.minibatches} the later updates use stale samples; use 'clipped' "
                               "or a single update")
+
+    def start_warnings(self) -> list[str]:
+        """What a run with this config must say on start: choices that are allowed (ablations
+        measure them) but train something else than the lecture's objective without a word."""
+        r, algo, out = self.rollout, self.algo, []
+        if r.max_staleness and r.tis_cap is None and "behaviour_logp" not in objective_reads(algo.policy_loss):
+            single = self.optim.epochs * self.optim.minibatches == 1
+            out.append(
+                f"UNCORRECTED STALE SAMPLES: rollout.max_staleness={r.max_staleness} with "
+                "rollout.tis_cap null trains batches sampled by weights up to "
+                f"{r.max_staleness} update(s) old as if the trainer had sampled them (no importance "
+                "weight against the sampler" + (", and with one update per batch no trust region "
+                "either" if single else "") + "): set rollout.tis_cap (2), or "
+                "algorithm.policy_loss dppo_tv, unless this is the ablation you mean")
+        return out
 
     def _check_models(self, algo: AlgorithmConfig) -> None:
         """The models the algorithm needs: a teacher to distil from; a critic LoRA can carry."""

@@ -37,7 +37,11 @@ class AlgorithmConfig:
     kl_cov_coef: float = 1.0            # kl_cov: weight of |log pi - log pi_old| on the picked tokens
     dppo_delta_low: float = 0.2         # dppo_tv / dppo_kl: how far a token with A < 0 may fall from mu
     dppo_delta_high: float = 0.2        # dppo_tv / dppo_kl: how far a token with A > 0 may rise from mu
-    dppo_ratio_cap: float | None = 2.0  # dppo_tv / dppo_kl: cap of each token's weight pi / mu (null: none)
+    # dppo_tv / dppo_kl: cap C of each token's weight min(pi / mu, C) (null: none). 10 is the
+    # reference implementation's (sail-sg/Stable-RL, verl/trainer/ppo/core_algos.py, the DPPO loss:
+    # clip_ratio_c 10.0): a cap near 1 truncates most of the weight of the tokens that moved up and
+    # biases the gradient towards the sampler's distribution; the mask bounds the step instead
+    dppo_ratio_cap: float | None = 10.0
     entropy_coef: float = 0.0           # entropy bonus: minus coef x the entropy at each token
     aggregation: str = "seq_mean_token_mean"  # key of losses.aggregation.AGGREGATIONS
     kl_in: Literal["loss", "reward", "none"] = "loss"  # where the KL to pi_ref goes (§5 vs §6)

@@ -19,6 +19,14 @@ AggregationFn = Callable[[Tensor, float], Tensor]
 AGGREGATIONS: Registry[AggregationFn] = Registry("loss aggregation")
 
 
+def responses_in_loss(mask_B_T: Tensor) -> Tensor:
+    """B of the sequence means: the responses with a token in the loss. A response with none (an
+    unscorable one, a truncated one under the overlong filter) is as if it had never been
+    sampled: it leaves the count as it leaves the baseline (losses/advantages.py
+    `excluding_unscored`). Never 0, so an empty batch divides by 1."""
+    return (mask_B_T.sum(-1) > 0).sum().clamp(min=1)
+
+
 @AGGREGATIONS.register("seq_mean_token_mean")
 def seq_mean_token_mean_weights(mask_B_T: Tensor, max_len: float) -> Tensor:
     """GRPO: 1/G sum_i 1/|o_i| sum_t.  §6.  Weight of a token of response i: 1 / (B |o_i|).
@@ -28,8 +36,7 @@ def seq_mean_token_mean_weights(mask_B_T: Tensor, max_len: float) -> Tensor:
     mean is over the responses that have a token), so the weights always sum to 1.
     """
     lengths_B = mask_B_T.sum(-1, keepdim=True)
-    rows = (lengths_B > 0).sum().clamp(min=1)
-    return mask_B_T / lengths_B.clamp(min=1) / rows
+    return mask_B_T / lengths_B.clamp(min=1) / responses_in_loss(mask_B_T)
 
 
 @AGGREGATIONS.register("token_mean")
@@ -40,17 +47,21 @@ def token_mean_weights(mask_B_T: Tensor, max_len: float) -> Tensor:
 
 @AGGREGATIONS.register("seq_mean_token_sum_norm")
 def seq_mean_token_sum_norm_weights(mask_B_T: Tensor, max_len: float) -> Tensor:
-    """Dr. GRPO: 1/G sum_i sum_t (...) / L_max.  §7.  Weight 1 / (B L_max), a constant."""
-    return mask_B_T / (mask_B_T.shape[0] * max_len)
+    """Dr. GRPO: 1/G sum_i sum_t (...) / L_max.  §7.  Weight 1 / (B L_max), a constant.
+
+    B counts the responses in the loss (`responses_in_loss`), not the rows: an unscorable
+    response changes nothing for the others, as if it had never been sampled."""
+    return mask_B_T / (responses_in_loss(mask_B_T) * max_len)
 
 
 @AGGREGATIONS.register("seq_mean_token_sum")
 def seq_mean_token_sum_weights(mask_B_T: Tensor, max_len: float) -> Tensor:
     """REINFORCE: sum_t over the sequence (the gradient of log pi(y|x)), mean over the batch.  §2.
 
-    Weight 1 / B; the scale of the update grows with response length.
+    Weight 1 / B (B: the responses in the loss, `responses_in_loss`); the scale of the update
+    grows with response length.
     """
-    return mask_B_T / mask_B_T.shape[0]
+    return mask_B_T / responses_in_loss(mask_B_T)
 
 
 def aggregate(loss_B_T: Tensor, weights_B_T: Tensor) -> Tensor:

@@ -53,7 +53,7 @@ class ObjectiveParams:
     kl_cov_coef: float = 1.0            # KL-Cov: coefficient of |log pi - log pi_old| on its tokens
     dppo_delta_low: float = 0.2         # DPPO: divergence a token with A < 0 may reach
     dppo_delta_high: float = 0.2        # DPPO: divergence a token with A > 0 may reach
-    dppo_ratio_cap: float | None = 2.0  # DPPO: its importance weight min(pi / mu, cap) (None: uncapped)
+    dppo_ratio_cap: float | None = 10.0  # DPPO: its importance weight min(pi / mu, cap) (None: uncapped)
 
 
 @dataclass(frozen=True)

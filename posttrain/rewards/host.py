@@ -221,15 +221,28 @@ def kill_leftovers() -> int:
 
 # -- the host's loop ----------------------------------------------------------------------------
 
-def warm_up() -> None:
+# what a verifier imports only when first called (posttrain/data/gym.py imports reasoning-gym
+# lazily: it is optional): imported once here, before any fork, or every call's process imports
+# it again (reasoning-gym: one to two seconds, past a short reward.timeout_s on a busy machine)
+_LAZY_IMPORTS = {"reasoning_gym": ("reasoning_gym",)}
+
+
+def warm_up(verifiers: list[str] = ()) -> None:
     """Import and run the verifiers once before any fork: every call's process then starts
-    with math-verify's parsers built (they build lazily, tens of milliseconds each time)."""
+    with math-verify's parsers built (they build lazily, tens of milliseconds each time) and
+    with the modules the run's `verifiers` import on first use already imported."""
+    import importlib
     from posttrain.data.tasks import Problem
     from posttrain.rewards.verifiers import VERIFIERS
     for name in ("math", "countdown"):
         try:
             VERIFIERS[name]("\\boxed{12}", Problem("1 + 11?", "12", {"numbers": [1, 11]}))
         except Exception:  # noqa: BLE001 - a warm-up only
+            pass
+    for module in (m for name in verifiers for m in _LAZY_IMPORTS.get(name, ())):
+        try:
+            importlib.import_module(module)
+        except ImportError:   # (the call then says that the optional package is missing)
             pass
 
 
@@ -272,7 +285,7 @@ def main(config: dict[str, Any]) -> None:
     try:
         for spec in config["specs"]:
             _FUNCTIONS[spec] = load_function(spec, add_cwd=config.get("add_cwd", False))
-        warm_up()
+        warm_up(config.get("verifiers", []))
     except Exception as e:  # noqa: BLE001 - reported to the trainer in one line
         _reply(replies, {"error": cut(f"{type(e).__name__}: {e}", 2000)})
         return

@@ -22,8 +22,10 @@ reward host (rewards/host.py), which this module starts and talks to:
 - a function that cannot be imported inside the sandbox is refused before training starts,
   with the way out (`reward.sandbox off` for functions that need files or the network).
 
-Outcomes: 'ok', 'error' (raised, or returned a non-number), 'nonfinite', 'timeout' or 'crash' (the
-call's process or the host died); all but 'ok' get the fallback reward and are counted.
+Outcomes: 'ok', 'error' (raised, or returned a non-number), 'nonfinite', 'timeout', 'crash' (the
+call's process or the host died) or 'memory_limit' (a crash in a batch in which the sandbox's
+memory in all passed `reward.memory_mb`: the kernel killed in its cgroup, or the check here did);
+all but 'ok' get the fallback reward and are counted.
 """
 
 from __future__ import annotations
@@ -111,10 +113,12 @@ class RewardPool:
     each limited to `timeout_s` seconds, a batch to `deadline(n)` seconds."""
 
     def __init__(self, specs: tuple[str, ...], workers: int, timeout_s: float, mode: Mode,
-                 memory_mb: int = 4096, max_procs: int = 64) -> None:
+                 memory_mb: int = 4096, max_procs: int = 64, verifiers: tuple[str, ...] = ()) -> None:
         self.specs, self.timeout_s, self.mode = specs, timeout_s, mode
+        self.verifiers = verifiers      # the verifiers the host warms before any fork
         self.workers = max(1, workers)
-        self.limits = Limits(timeout_s=None, memory_mb=memory_mb, max_procs=max_procs)
+        self.limits = Limits(timeout_s=None, memory_mb=memory_mb, max_procs=max_procs,
+                             max_files=64 + 2 * self.workers)   # (a pipe per worker)
         self._host: _Host | None = None
         self._stderr: collections.deque[bytes] = collections.deque(maxlen=64)
         self._finalizer = None
@@ -152,7 +156,8 @@ class RewardPool:
         sites = site_dirs()
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
-        config = {"specs": list(self.specs), "workers": self.workers, "timeout_s": self.timeout_s,
+        config = {"specs": list(self.specs), "verifiers": list(self.verifiers),
+                  "workers": self.workers, "timeout_s": self.timeout_s,
                   "sys_path": path, "site_dirs": sites, "add_cwd": self.mode == "off",
                   "request_fd": req_r, "reply_fd": rep_w}
         scratch = tempfile.mkdtemp(prefix="posttrain-rewards-")
@@ -255,14 +260,20 @@ class RewardPool:
             self.start()
             if not self._send(frame, deadline):
                 return self._failed(calls, "crash", "the reward sandbox did not take the batch")
+        kills = self._host.sandbox.oom_kills()
         reply, why = self._read_line(deadline + BACKSTOP_S, len(calls) * (MAX_LINE + 16) + 4096)
         outcomes = parse_reply(reply, len(calls))
+        # (read before a restart removes the cgroup: did the kernel kill in it for memory?)
+        memory = self._host.sandbox.oom_kills() > kills or why.startswith("its processes used")
         if outcomes is None:   # no valid answer: the host and its sandbox are killed
             self._restart()
-            return self._failed(calls, "timeout" if why == "timeout" else "crash",
-                                f"the reward sandbox gave no valid answer ({why or 'malformed reply'}): killed")
-        self.leftovers_killed += reply["leftovers_killed"]
-        return outcomes
+            outcomes = self._failed(calls, "timeout" if why == "timeout" else "crash",
+                                    f"the reward sandbox gave no valid answer ({why or 'malformed reply'}): killed")
+        else:
+            self.leftovers_killed += reply["leftovers_killed"]
+        return [Outcome(None, "memory_limit", f"killed: the reward sandbox's processes passed "
+                        f"reward.memory_mb ({self.limits.memory_mb} MB) in all; {o.error or ''}")
+                if memory and o.status == "crash" else o for o in outcomes]
 
     def _failed(self, calls, status: str, message: str) -> list[Outcome]:
         return [Outcome(None, status, message + self._stderr_tail()) for _ in calls]

@@ -40,6 +40,10 @@ class RewardResult:
     judge_scores_B: Tensor | None = None
     scored_B: Tensor | None = None
     judge_stats: dict[str, float] = field(default_factory=dict)
+    # calls and failures per verifier, function and judge in this call (FailureWatch): the
+    # result's own, so a batch scored in another thread (sampling ahead) never shares them and a
+    # batch that is dropped takes its failures with it
+    tallies: dict[str, Tally] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,26 @@ def reward_kwargs(style: CallStyle, problem: Problem, completion: str) -> dict[s
     return {k: v for k, v in kwargs.items() if k in style.accepts}
 
 
+# verifiers that only parse and compare the answer (posttrain/rewards/verifiers.py): `math`
+# (math-verify: a LaTeX grammar, and sympy's parser only on text a pattern limited to digits and
+# arithmetic signs), `countdown` (an `ast` walk of + - * / on integers), `exact` (string equality)
+PARSE_ONLY_VERIFIERS = frozenset({"math", "countdown", "exact"})
+
+
+def runs_model_text(cfg: RewardConfig, verifier: str | None) -> str | None:
+    """What of the scorers may run the model's answers as code (the sandbox's fallback is then
+    never picked on its own, launch.decide): the user's reward functions (any code), and every
+    verifier not known to only parse and compare (reasoning-gym's scorers: nine hand the answer
+    to `eval` or sympy's `parse_expr`, data/gym.py; and any verifier added later). None: no
+    verifier, or one in PARSE_ONLY_VERIFIERS, and no reward functions."""
+    if cfg.functions:
+        return f"your reward functions {list(cfg.functions)} on the model's answers"
+    if verifier is not None and verifier not in PARSE_ONLY_VERIFIERS:
+        return (f"the verifier {verifier!r} (not one known to only parse and compare the answer: "
+                f"{', '.join(sorted(PARSE_ONLY_VERIFIERS))}) on the model's answers")
+    return None
+
+
 class Scorer:
     """reward = correct_reward * verified + format_weight * well_formatted + sum(user functions)
               + model_weight * reward_model(prompt, completion)."""
@@ -98,14 +122,14 @@ class Scorer:
         self.styles = {spec: call_style(fn) for spec, fn in self.functions}
         self.sandbox = None if not cfg.workers else decide(
             cfg.sandbox, "the reward scorers (verifiers and reward functions reading the model's "
-            "answers)", "reward.sandbox")
+            "answers)", "reward.sandbox", runs=runs_model_text(cfg, self.verifier))
         self.pool = (RewardPool(tuple(cfg.functions), cfg.workers, cfg.timeout_s, self.sandbox,
-                                cfg.memory_mb) if cfg.workers else None)
+                                cfg.memory_mb, verifiers=(self.verifier,) if self.verifier else ())
+                     if cfg.workers else None)
         if self.pool is None:
             log.warning("reward.workers 0: the verifier and reward functions run in the trainer's "
                         "process on answers the model wrote (no crash isolation; a timeout the "
                         "callee can cancel): for debugging only")
-        self.tallies: dict[str, Tally] = {}
         self.system_prompt, self.autocast = system_prompt, autocast
         self._reward_model = None
         # (`judge` False: a command that never scores with it, eval and generate)
@@ -159,7 +183,7 @@ class Scorer:
         keeps the rest of its reward for the logs and is marked out of the baseline and loss."""
         verdicts = self.judge([p.prompt for p in problems], completions,
                               [p.answer for p in problems], group_size)
-        tally = self.tallies.setdefault("reward judge", Tally())
+        tally = result.tallies.setdefault("reward judge", Tally())
         for error in verdicts.errors:
             tally.add(True, error)
         for _ in range(verdicts.calls + verdicts.cache_hits - len(verdicts.errors)):
@@ -187,9 +211,10 @@ class Scorer:
         correct = [False] * len(completions)
         parts: list[dict[str, float]] = [{} for _ in completions]
         failures: Counter = Counter()
+        tallies: dict[str, Tally] = {}
         for (kind, target, _), i, out in zip(calls, owners, outcomes):
             source = f"verifier {target!r}" if kind == "verify" else f"reward function {target!r}"
-            self.tallies.setdefault(source, Tally()).add(out.status != "ok", out.error)
+            tallies.setdefault(source, Tally()).add(out.status != "ok", out.error)
             if out.status != "ok":
                 failures[out.status if kind == "function" else f"verifier_{out.status}"] += 1
             if kind == "verify":
@@ -205,7 +230,8 @@ class Scorer:
             for value in part.values():
                 rewards[i] += value
         return RewardResult(torch.tensor(rewards, dtype=torch.float32),
-                            torch.tensor(correct, dtype=torch.bool), failures, parts_B=parts)
+                            torch.tensor(correct, dtype=torch.bool), failures, parts_B=parts,
+                            tallies=tallies)
 
     def _calls(self, problems: list[Problem], completions: list[str]):
         """(kind, target, kwargs) of every call, and the response each belongs to."""
@@ -229,11 +255,6 @@ class Scorer:
         if kind == "verify" and status == "ok":
             value = float(bool(value))
         return Outcome(value, status, error)
-
-    def take_tallies(self) -> dict[str, Tally]:
-        """Calls and failures per verifier and function since the last take (FailureWatch)."""
-        out, self.tallies = self.tallies, {}
-        return out
 
 
 def make_judge(cfg: RewardConfig, run_dir: str | Path | None):

@@ -82,12 +82,16 @@ def sample_and_score_round(engine: RolloutEngine, tokenizer, sampler: Sampler, s
     per_response = [p for p in problems for _ in range(G)]
     result, rewards, correct, parts = score_round(episodes, per_response, scorer, sampler, cfg,
                                                   algo, world, stats)
+    if tallies is not None:   # the scorers' failures on this batch (FailureWatch)
+        tallies.update(merge_tallies(tallies, result.tallies))
     timings["generate"] += t1 - t0
     timings["reward"] += time.perf_counter() - t1
     multi_turn = env.max_turns > 1
     if multi_turn and first:    # per episode: turns, tool calls, malformed calls
         stats.update(episodes.metrics())
-    scored = None if result.scored_B is None else result.scored_B.to(rewards.device)
+    elif first and episodes.counts.get("timeouts"):   # (a one-turn environment's time limits)
+        stats["env/timeouts"] = episodes.metrics()["env/timeouts"]
+    scored = episodes.scored(result.scored_B, rewards.device)   # (judged, within time limits)
     batch = ScoredBatch(episodes.rollout, per_response, episodes.completions, rewards, correct,
                         loss_mask(episodes.rollout, algo, scored),
                         transcripts=episodes.transcripts if multi_turn else None, reward_parts=parts,

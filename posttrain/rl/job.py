@@ -22,7 +22,7 @@ from posttrain.run.checkpoint import fsync_path, restore_rng, save_checkpoint, s
 from posttrain.config.commands import ConfigError, TrainConfig
 from posttrain.config.presets import AlgorithmConfig
 from posttrain.util.errors import FailingSourceError
-from posttrain.util.health import FailureWatch, Tally, merge_tallies
+from posttrain.util.health import FailureWatch, Tally
 from posttrain.data.source import Sampler
 from posttrain.data.tasks import Problem
 from posttrain.rl.evaluation import eval_settings, evaluate
@@ -98,11 +98,17 @@ class RLJob(Job):
     def lora(self) -> bool:
         return self.cfg.lora.rank > 0
 
+    @property
+    def device(self) -> torch.device:
+        """Where the policy's weights are (FSDP2: this rank's GPU): every batch is moved there."""
+        return next(self.model.parameters()).device
+
 
 def check_health(run: RLJob, step: int, tallies: dict[str, Tally]) -> None:
     """Stop the run (every rank) when a verifier, reward function, tool or environment has failed
-    on most of its calls for `reward.max_failing_steps` steps in a row."""
-    problem = run.watch.check(step, merge_tallies(tallies, run.scorer.take_tallies()))
+    on most of its calls for `reward.max_failing_steps` steps in a row. `tallies` are those of
+    the batch this step trains (rl/collect.py), whichever thread sampled and scored it."""
+    problem = run.watch.check(step, tallies)
     if global_max(float(problem is not None), run.world) > 0:
         run.scorer.close()
         raise FailingSourceError(problem or "a verifier, reward function, tool or environment kept "
@@ -222,8 +228,9 @@ def run_eval(run: RLJob, step: int, label: str) -> dict[str, Any]:
 
 def close_sources(run: RLJob) -> None:
     """The engine (its threads, processes and servers), the reward sandbox and judge, and what
-    the environment started (an endpoint, verifiers' event loop, OpenEnv sessions)."""
-    run.batches.close()
+    the environment started (an endpoint, verifiers' event loop, OpenEnv sessions). A stopped
+    run's engine waits no longer than its grace allows (Job.cleanup_wait_s)."""
+    run.batches.close(run.cleanup_wait_s())
     run.scorer.close(final=True)
     close_env(run.env)
 
@@ -330,6 +337,8 @@ def start_training(cfg: TrainConfig, resume: str | Path | None, model, tokenizer
     # config.json records where the model's text runs (not a config field)
     open_folder(job, {**cfg.to_dict(), "_isolation": isolation(scorer, env)}, cfg.tensorboard)
     log.info("run folder %s; algorithm %s", job.run_dir, cfg.algo)
+    for warning in cfg.start_warnings():
+        log.warning(warning)
     sampler = Sampler(task, cfg.seed, retries=cfg.data.retry_unsolved,
                       max_waiting=cfg.rollout.prompts_per_step)
     run = RLJob(**job.parts(), model=model, tokenizer=tokenizer, engine=engine,

@@ -126,6 +126,9 @@ def train_step(run: RLJob, step: int) -> None:
     #    at most rollout.max_staleness updates older)
     tallies: dict[str, Tally] = {}
     batch, metrics = run.batches.next(step, timings, tallies)
+    # the one place every batch (sampled now, refilled, sampled ahead, restored from a
+    # checkpoint's in_flight/) meets the policy: vLLM and a checkpoint hand it over on the CPU
+    batch = batch.to(run.device)
     version = run.batches.version         # the weights this step trains (a step number)
     check_health(run, step, tallies)      # a source failing step after step stops the run
     if len(batch.rewards_B) > 0:   # (dynamic sampling may find nothing informative)
