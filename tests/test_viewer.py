@@ -97,7 +97,7 @@ def test_a_request_for_another_host_is_refused(tiny_run):
         server.shutdown()
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium (apt-get install chromium; .ci/run does)")
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium (scripts/install-cpu.sh installs it as root or with sudo; else apt-get install chromium)")
 def test_page_in_a_real_browser(tiny_run, tmp_path):
     """Loads the page, switches the per-token quantity, filters, hovers a token, compares two
     evaluations; no error in the browser console."""
