@@ -42,7 +42,8 @@ EXTRA = {1: ["--data.task", "guess_number", "--data.difficulty", "4", "--env.max
          2: ["--algorithm.dynamic_sampling", "true"]}
 
 
-@pytest.mark.parametrize("K", [1, 2])
+# (K = 2 slow: 35 s more of the same machinery; K = 1 keeps it in the quick suite)
+@pytest.mark.parametrize("K", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_sampling_ahead_trains_on_the_real_engine_within_its_bound(tiny_folder, tokenizer, tmp_path, K):
     cfg = toy_config(tmp_path, "--model.path", str(tiny_folder), "--rollout.backend", "vllm",
                      "--rollout.max_staleness", str(K), "--steps", "5", "--rollout.group_size", "2",

@@ -441,6 +441,7 @@ def test_sigterm_ends_a_run_whose_step_cannot_finish_within_the_grace(tmp_path, 
     check_stopped(tmp_path / "r")
 
 
+@pytest.mark.slow   # (14 s: a second run in a process of its own; the grace's end is quick above)
 def test_a_second_signal_ends_a_stuck_run_at_once(tmp_path, tiny_dir):
     proc = run_cli(tmp_path, tiny_dir)   # (the default grace: minutes)
     stopped_after(proc, tmp_path / "r", 2, within=60)

@@ -62,19 +62,27 @@ def gym():
             for name in EVAL_TASKS + SYMPY_TASKS}
 
 
+@pytest.fixture(scope="module")
+def gym_scorer():
+    """One reasoning-gym scorer for the tasks below (its sandbox started once; an answer that
+    took it over would show in the next task's batch too)."""
+    scorer = Scorer(RewardConfig(verifier="math", timeout_s=3.0), "reasoning_gym")
+    scorer.start()
+    yield scorer
+    scorer.close()
+
+
 @pytest.mark.parametrize("name", EVAL_TASKS + SYMPY_TASKS)
-def test_eval_answers_to_reasoning_gym_scorers_run_nothing(gym, name, tmp_path):
+def test_eval_answers_to_reasoning_gym_scorers_run_nothing(gym, gym_scorer, name, tmp_path):
     marker = tmp_path / "PWNED"
     answers = hostile_answers(marker)
-    scorer = Scorer(RewardConfig(verifier="math", timeout_s=3.0), "reasoning_gym")
     t0 = time.perf_counter()
-    result = scorer([gym[name]] * len(answers), answers)
-    scorer.close()
+    result = gym_scorer([gym[name]] * len(answers), answers)
     assert not marker.exists(), f"{name}: an answer's code ran"
     assert result.correct_B.tolist() == [False] * len(answers)
     assert time.perf_counter() - t0 < 20           # 9**9**9**9 never reached eval
     # the true answer still scores: the literal-only check refuses code, not answers
-    assert Scorer(RewardConfig(), "reasoning_gym")([gym[name]], [gym[name].answer]).correct_B.item()
+    assert gym_scorer([gym[name]], [gym[name].answer]).correct_B.item()
 
 
 def test_the_nine_evaluating_tasks_are_exactly_the_gated_ones():

@@ -463,6 +463,7 @@ def hostile_programs(pid: int, run: Path, outside: Path, port: int) -> list[str]
     ]
 
 
+@pytest.mark.slow   # (30 s: each hostile program is also run alone in the quick suite above)
 def test_a_training_run_whose_policy_writes_hostile_python_finishes(bwrap, secret_env, tmp_path,
                                                                     tokenizer, monkeypatch):
     """Every program above runs (and is cut short) while a 2-step run trains; afterwards the

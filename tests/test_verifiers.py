@@ -83,7 +83,8 @@ def test_a_tool_episode_is_recorded_with_the_tool_result_out_of_the_loss(tokeniz
     assert '"name": "multiply"' in prompt and "<tool_call>" in prompt
 
 
-@pytest.mark.parametrize("taskset", ["tests.vf_sum", "tests.vf_calc"])
+# (the tool taskset slow: 19 s; its tool episode is checked in the quick suite below)
+@pytest.mark.parametrize("taskset", ["tests.vf_sum", pytest.param("tests.vf_calc", marks=pytest.mark.slow)])
 def test_a_verifiers_taskset_trains_two_steps(tmp_path, tokenizer, taskset):
     """(The tool taskset starts a toolset process per episode: held out only for the other.)"""
     held_out = "1" if taskset == "tests.vf_sum" else "0"
