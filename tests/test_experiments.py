@@ -130,7 +130,13 @@ SMOKE = ["--rollout.prompts_per_step", "4", "--rollout.group_size", "4",
          "--rollout.max_new_tokens", "6", "--data.eval_size", "4", "--threads", "2"]
 
 
-@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+# (the three slowest, 7-10 s each, in the slow suite: the quick suite keeps the other four, which
+# run the same command path)
+SLOW_EXPERIMENTS = {"clip-higher", "opd-vs-grpo", "length-training"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_EXPERIMENTS
+                                  else n for n in sorted(EXPERIMENTS)])
 def test_each_experiment_writes_its_record_and_figure(name, tiny_dir, tmp_path, capsys):
     out = tmp_path / name
     assert main(["experiment", name, "--out", str(out), "--repeats", "3", "--no-progress",
