@@ -258,12 +258,14 @@ def guess_number_table(root: Path) -> str:
 
 
 ECOSYSTEM = "benchmarks/results/ecosystem-2026-12-05"
+# the judge's arm, agreement and calls, measured with the fenced templates (rewards/judge_format.py)
+JUDGE_RECORDS = "benchmarks/results/ecosystem-2026-12-06"
 HELD_OUT = {"verifiers": "eval/env_reward"}   # a verifiers task's held-out figure is its rubric's
 
 
-def arm_runs(root: Path, arm: str) -> list[tuple[dict, list[dict]]]:
+def arm_runs(root: Path, arm: str, where: str = ECOSYSTEM) -> list[tuple[dict, list[dict]]]:
     """Every seed's (record, metrics rows) of one arm of benchmarks/ecosystem.sh, in seed order."""
-    folders = sorted((root / ECOSYSTEM).glob(f"{arm}-seed*"), key=lambda f: int(f.name.rsplit("seed", 1)[1]))
+    folders = sorted((root / where).glob(f"{arm}-seed*"), key=lambda f: int(f.name.rsplit("seed", 1)[1]))
     return [(json.loads((f / "record.json").read_text()), metrics_of(f)) for f in folders]
 
 
@@ -306,17 +308,19 @@ def ecosystem_judge_table(root: Path) -> str:
              "steps in the budget (mean) | judge agrees with the verifier (training answers) | "
              "unscorable (training) |", "|---" * 7 + "|"]
     lines.append(judge_row("the verifier (the default job)", arm_runs(root, "addition-native")))
-    lines.append(judge_row("an LLM judge alone (correct_reward 0)", arm_runs(root, "addition-judge")))
-    n = len(arm_runs(root, "addition-judge"))
-    a = json.loads((root / ECOSYSTEM / "judge-agreement" / "record.json").read_text())
+    judged = arm_runs(root, "addition-judge", JUDGE_RECORDS)
+    lines.append(judge_row("an LLM judge alone (correct_reward 0)", judged))
+    n = len(judged)
+    a = json.loads((root / JUDGE_RECORDS / "judge-agreement" / "record.json").read_text())
     return "\n".join(lines + [
         "", f"Held-out accuracy is the verifier's in both rows; {n} seed(s) for the judge. On the "
         f"{a['judged']} held-out answers of the verifier-trained seed 0 after training "
         f"({a['verifier_correct']} correct), the judge says Yes {a['judge_yes']} times, No "
         f"{a['judge_no']} times ({a['unscorable']} unscorable): it agrees with the verifier on "
         f"{100 * a['agreement']:.0f}% (`benchmarks/judge_agreement.py`, {a['judge_seconds']:.0f} s). "
-        f"Records: `{ECOSYSTEM}/addition-judge-seedS/record.json`, `{ECOSYSTEM}/judge-agreement/"
-        f"record.json`, the judge's calls in `{ECOSYSTEM}/judge-server/served.jsonl`."]) + "\n"
+        f"Records: `{ECOSYSTEM}/addition-native-seedS/record.json`, "
+        f"`{JUDGE_RECORDS}/addition-judge-seedS/record.json`, `{JUDGE_RECORDS}/judge-agreement/"
+        f"record.json`, the judge's calls in `{JUDGE_RECORDS}/judge-server/served.jsonl`."]) + "\n"
 
 
 def chain_sum_table(root: Path) -> str:
