@@ -52,6 +52,8 @@ _reaper_lock = threading.Lock()
 
 # The reaper: blocks on a pipe only its trainer holds; at EOF (the trainer ended, however: a
 # SIGKILL included) it kills what is left in the trainer's groups and removes them.
+# It repeats Sandbox.remove's kill-and-rmdir loop on purpose: it runs as `python -I -S`, outliving
+# its trainer, and must not import posttrain (or torch) to do it.
 _REAPER = """
 import os, signal, sys, time
 if os.fork():
