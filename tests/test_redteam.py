@@ -648,22 +648,24 @@ def test_a_reused_pid_is_never_taken_for_a_worker():
         other.wait()
 
 
-def test_a_restarted_host_is_warm_before_the_batch_clock_starts(gym):
+def test_a_restarted_host_is_warm_before_the_batch_clock_starts():
     """A batch of right answers after a restart (an answer killed the host) is scored like any
     other: the new host is started, and has imported what the run's verifier imports on first
     use (reasoning-gym: one to two seconds), before the batch is sent and its deadline starts.
     A call's process is a fork of the host, so an import the host did not do runs again in every
-    call, and on a slower machine passes a short reward.timeout_s."""
-    scorer = Scorer(RewardConfig(timeout_s=1.0, workers=1, max_failing_steps=0,
-                                 functions=("tests.toy_rewards:sees_reasoning_gym",)),
-                    "reasoning_gym")
-    problem, seen = gym["countdown"], "tests.toy_rewards:sees_reasoning_gym"
+    call, and on a slower machine passes a short reward.timeout_s. The batch holds only the
+    function (in a scored batch the verifier's call would import reasoning-gym itself first)."""
+    pytest.importorskip("reasoning_gym")
+    from posttrain.rewards.pool import RewardPool
+    from posttrain.sandbox.launch import decide
+    seen = "tests.toy_rewards:sees_reasoning_gym"
+    mode = decide("auto", "the reward host", "reward.sandbox")
+    pool = RewardPool((seen,), 1, 10.0, mode, verifiers=("reasoning_gym",))
+    call = [("function", seen, {"prompt": "q", "completion": "a", "answer": "1"})]
     try:
-        first = scorer([problem], [problem.answer])
-        assert first.failures == {} and first.parts_B[0][seen] == 1.0
-        scorer.pool._restart()                   # the host killed between two batches
-        again = scorer([problem], [problem.answer])
-        assert again.failures == {} and again.correct_B.tolist() == [True]
-        assert again.parts_B[0][seen] == 1.0 and scorer.pool.rebuilds == 1
+        assert [(o.status, o.value) for o in pool.map(call)] == [("ok", 1.0)]
+        pool._restart()                          # the host killed between two batches
+        assert [(o.status, o.value) for o in pool.map(call)] == [("ok", 1.0)]
+        assert pool.rebuilds == 1
     finally:
-        scorer.close()
+        pool.close()
