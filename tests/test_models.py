@@ -1,6 +1,7 @@
 """Loading: the embedded GGUF conversion cache (real code path) and local folders."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,7 +37,78 @@ def test_local_folder_roundtrip_and_clear_errors(tmp_path, tiny_model, tokenizer
     for (k, a), b in zip(tiny_model.state_dict().items(), loaded.state_dict().values()):
         torch.testing.assert_close(a, b)
     with pytest.raises(FileNotFoundError, match="never downloaded"):
-        resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+        resolve_model_path(str(tmp_path / "not-a-model"))
+
+
+def hub_cache(root, tokenizer, repo_id: str, commits: list[str]):
+    """A Hugging Face hub cache as `hf download` leaves it: models--ORG--NAME/snapshots/<commit>/
+    for each commit (a tiny model of seed i), refs/main naming the last."""
+    from tests.conftest import make_tiny_model
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    for seed, commit in enumerate(commits):
+        make_tiny_model(tokenizer, seed=seed).save_pretrained(repo / "snapshots" / commit)
+        tokenizer.save_pretrained(repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commits[-1])
+    return repo
+
+
+def test_a_hub_id_in_the_cache_is_the_snapshot_transformers_reads(tmp_path, tokenizer, monkeypatch):
+    """`--model.path ORG/NAME` offline: the snapshot refs/main names, as transformers resolves
+    the same id from the same cache (two snapshots: the older one is not it)."""
+    from huggingface_hub import constants
+    from transformers.utils import cached_file
+    repo = hub_cache(tmp_path / "hub", tokenizer, "org/tiny", ["a" * 40, "b" * 40])
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    found = resolve_model_path("org/tiny")
+    assert found == repo / "snapshots" / ("b" * 40)
+    theirs = cached_file("org/tiny", "config.json", cache_dir=tmp_path / "hub", local_files_only=True)
+    assert found == type(found)(theirs).parent
+    loaded = AutoModelForCausalLM.from_pretrained(found)
+    assert torch.equal(loaded.lm_head.weight, AutoModelForCausalLM.from_pretrained(
+        "org/tiny", cache_dir=tmp_path / "hub", local_files_only=True).lm_head.weight)
+
+
+def test_a_hub_id_not_in_the_cache_names_the_cache_and_the_command(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as e:
+        resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct", where="teacher.path")
+    text = str(e.value)
+    assert text.startswith("teacher.path='HuggingFaceTB/SmolLM2-135M-Instruct' is not in the "
+                           f"Hugging Face cache {tmp_path / 'hub'}")
+    assert "`hf download HuggingFaceTB/SmolLM2-135M-Instruct`" in text and "\n" not in text
+
+
+def test_a_local_folder_wins_over_a_cached_hub_id_of_the_same_spelling(tmp_path, tokenizer,
+                                                                       monkeypatch):
+    from huggingface_hub import constants
+    hub_cache(tmp_path / "hub", tokenizer, "org/tiny", ["a" * 40])
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    save_model(make_tiny_model_for(tokenizer), tokenizer, tmp_path / "org" / "tiny")
+    assert resolve_model_path("org/tiny") == Path("org/tiny")
+
+
+def make_tiny_model_for(tokenizer):
+    from tests.conftest import make_tiny_model
+    return make_tiny_model(tokenizer, seed=7)
+
+
+def test_sft_trains_a_model_named_by_its_hub_id(tmp_path, tokenizer, monkeypatch):
+    """The whole command from a cached Hub id: the policy it starts from is the cached one."""
+    from huggingface_hub import constants
+    from posttrain.stages.sft import sft
+    from tests.conftest import stage_config
+    hub_cache(tmp_path / "hub", tokenizer, "org/tiny", ["c" * 40])
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    rows = [{"prompt": f"What is {a} + {a}?", "response": f"{2 * a}"} for a in range(10, 14)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = sft(stage_config(model="org/tiny", data=str(tmp_path / "sft.jsonl"), epochs=1,
+                           batch_size=4, run_dir=str(tmp_path / "run")), show_progress=False)
+    assert out["first_loss"] > 0 and (tmp_path / "run" / "final_model" / "config.json").is_file()
 
 
 def test_tiny_models_depend_on_their_seed_alone(tokenizer, monkeypatch):

@@ -96,20 +96,56 @@ def prepare_embedded(cache_dir: str | Path | None = None) -> Path:
 
 
 def check_model_folder(path: str, where: str = "model.path") -> None:
-    """`path` is the embedded name or a local model folder (checked before anything loads)."""
+    """`path` is the embedded name, a local model folder or a Hub id in the local Hugging Face
+    cache (checked before anything loads)."""
     if path == EMBEDDED:
         return
     p = Path(path).expanduser()
-    if not p.is_dir() or not (p / "config.json").is_file():
+    if p.is_dir() and (p / "config.json").is_file():
+        return
+    if p.exists() or not _looks_like_hub_id(path):
         raise FileNotFoundError(
             f"{where}={path!r} is not a local Hugging Face model folder (no config.json); "
-            f"models are never downloaded at run time. Use '{EMBEDDED}' or a saved folder")
+            f"models are never downloaded at run time. Use '{EMBEDDED}', a saved folder or a "
+            "Hub id (ORG/NAME) already in the local Hugging Face cache")
+    if hub_snapshot(path) is None:
+        from huggingface_hub import constants
+        raise FileNotFoundError(
+            f"{where}={path!r} is not in the Hugging Face cache {constants.HF_HUB_CACHE} (looked "
+            f"up offline, as transformers does); models are never downloaded at run time: fetch "
+            f"it once where there is a network with `hf download {path}` (HF_HOME / HF_HUB_CACHE "
+            "pointing at this cache), or give a local folder")
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    """ORG/NAME or NAME as the Hub spells repository ids (never an absolute or ./ path)."""
+    import re
+    return re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path) is not None and ".." not in path
+
+
+def hub_snapshot(repo_id: str) -> Path | None:
+    """The folder of `repo_id`'s cached snapshot (revision 'main'), found as transformers finds
+    it offline (HF_HOME / HF_HUB_CACHE, refs/main -> snapshots/<commit>), with its config.json;
+    None when it is not there. huggingface_hub's lookup, never a request."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    try:
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError):
+        return None
+    return folder if (folder / "config.json").is_file() else None
 
 
 def resolve_model_path(path: str, cache_dir: str | None = None, where: str = "model.path") -> Path:
-    """The embedded name becomes its cached folder; anything else must be a local folder."""
+    """The embedded name becomes its cached folder, a cached Hub id its snapshot folder; a local
+    folder is itself (it wins over a Hub id of the same spelling, as in transformers)."""
     check_model_folder(path, where)
-    return prepare_embedded(cache_dir) if path == EMBEDDED else Path(path).expanduser()
+    if path == EMBEDDED:
+        return prepare_embedded(cache_dir)
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    return hub_snapshot(path)
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
