@@ -109,3 +109,42 @@ def sees_reasoning_gym(prompt: str, completion: str, answer: str) -> float:
     the verifier that needs it), 0 when this call would have to import it itself."""
     import sys
     return float("reasoning_gym" in sys.modules)
+
+
+# TRL-signature functions (one call per batch: lists of every response)
+
+def batch_rank(completions, **kwargs) -> list[float]:
+    """Each completion's rank in the whole batch (a function that looks across the batch: called
+    one response at a time, every rank would be 0)."""
+    order = sorted(completions)
+    return [float(order.index(c)) for c in completions]
+
+
+def ids_and_columns(prompts, completions, completion_ids, level, **kwargs) -> list[float]:
+    """The number of tokens the policy sampled, plus 100 x the row's `level` column."""
+    return [float(len(ids)) + 100.0 * lv for ids, lv in zip(completion_ids, level)]
+
+
+def none_for_odd(completions, **kwargs) -> list[float | None]:
+    """TRL's None ("not this function's to score") for every second response."""
+    return [None if i % 2 else 1.0 for i in range(len(completions))]
+
+
+def odd_only(completions, **kwargs) -> list[float | None]:
+    """Scores exactly the responses none_for_odd leaves (2.0 each)."""
+    return [2.0 if i % 2 else None for i in range(len(completions))]
+
+
+def bad_entries(completions, **kwargs) -> list:
+    """A finite reward, NaN, a string and None, in turn."""
+    return [[1.0, float("nan"), "x", None][i % 4] for i in range(len(completions))]
+
+
+def wrong_length(completions, **kwargs) -> list[float]:
+    return [1.0] * (len(completions) + 1)
+
+
+def batch_sleeps_1s(completions, **kwargs) -> list[float]:
+    """One second for the whole batch: within reward.timeout_s x the batch's size."""
+    time.sleep(1.0)
+    return [1.0] * len(completions)

@@ -41,11 +41,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.sandbox import seccomp
-from posttrain.util.usercode import as_reward, load_function
+from posttrain.util.usercode import as_reward, as_rewards, awaited, load_function
 
 MAX_TRACEBACK = 4000              # bytes of a failure's traceback sent back
-MAX_LINE = MAX_TRACEBACK + 400    # bytes of one call's JSON line
-STATUSES = ("ok", "error", "nonfinite", "timeout", "crash")
+MAX_BATCH = 8192                  # responses in one batch call (TRL's signature)
+MAX_LINE = MAX_TRACEBACK + 400 + 32 * MAX_BATCH   # bytes of one call's JSON line
+STATUSES = ("ok", "unscored", "error", "nonfinite", "timeout", "crash")
+_BAD_VALUES = ("error", "nonfinite")   # a batch call's entry for one response it could not score
 _FUNCTIONS: dict[str, Any] = {}   # spec -> the function it names (imported before any fork)
 
 
@@ -61,13 +63,29 @@ def _run(kind: str, target: str, kwargs: dict[str, Any]) -> Any:
     if kind == "verify":   # a verifier by name: its verdict as 1.0 / 0.0
         from posttrain.rewards.verifiers import VERIFIERS
         return float(bool(VERIFIERS[target](**kwargs)))
-    return _FUNCTIONS[target](**kwargs)
+    return awaited(_FUNCTIONS[target](**kwargs))   # ('function' or 'batch'; async def awaited)
 
 
-def _call(kind: str, target: str, kwargs: dict[str, Any]) -> tuple[float | None, str, str | None]:
-    """The call, every exception caught, the value already a float."""
+def call_weight(call: tuple[str, str, dict[str, Any]]) -> int:
+    """How many responses a call scores: a batch call (TRL's signature) all of its completions,
+    and the time of as many calls; any other call one."""
+    kind, _, kwargs = call
+    return max(1, len(kwargs["completions"])) if kind == "batch" else 1
+
+
+def line_limit(call: tuple[str, str, dict[str, Any]]) -> int:
+    """The most bytes a call's outcome takes in the host's reply (its JSON, a separator)."""
+    return MAX_TRACEBACK + 416 + 32 * (call_weight(call) if call[0] == "batch" else 0)
+
+
+def _call(kind: str, target: str, kwargs: dict[str, Any]) -> tuple[Any, str, str | None]:
+    """The call, every exception caught, the value already a float (a batch call: a list of one
+    float, None or a bad value's status per completion)."""
     try:
-        value, status = as_reward(_run(kind, target, kwargs))
+        value = _run(kind, target, kwargs)
+        if kind == "batch":
+            return as_rewards(value, len(kwargs["completions"])), "ok", None
+        value, status = as_reward(value)
         return value, status, None
     except BaseException:  # noqa: BLE001 - SystemExit and KeyboardInterrupt from user code too
         return None, "error", cut(traceback.format_exc())
@@ -104,16 +122,14 @@ class _Share:
     data: bytearray = field(default_factory=bytearray)
 
 
-def parse_outcome(data: bytes) -> tuple[float | None, str, str | None] | None:
+def parse_outcome(data: bytes) -> tuple[Any, str, str | None] | None:
     """A call's line, checked: (value, status, traceback), or None when it is out of shape."""
     try:
         value, status, error = json.loads(data.decode("utf-8"))
         if status not in STATUSES or not (error is None or isinstance(error, str)):
             return None
         if status == "ok":
-            value = float(value) if type(value) in (int, float) else None
-            if value is None or value != value or abs(value) == float("inf"):
-                return None
+            value = _checked(value)
         elif value is not None:
             return None
         return value, status, error
@@ -121,15 +137,34 @@ def parse_outcome(data: bytes) -> tuple[float | None, str, str | None] | None:
         return None
 
 
+def _checked(value: Any) -> float | list:
+    """An 'ok' call's value: a finite number, or a batch call's list (at most MAX_BATCH) of
+    finite numbers, None (unscored) and bad values' statuses; ValueError for anything else."""
+    if type(value) is list:
+        if len(value) > MAX_BATCH:
+            raise ValueError(f"{len(value)} values in one call")
+        return [v if v is None or (type(v) is str and v in _BAD_VALUES) else _finite(v)
+                for v in value]
+    return _finite(value)
+
+
+def _finite(value: Any) -> float:
+    if type(value) not in (int, float) or value != value or abs(value) == float("inf"):
+        raise ValueError(f"not a finite number: {str(value)[:40]!r}")
+    return float(value)
+
+
 class Batch:
     """Runs the calls in `workers` forks of the host, each taking a share and answering a line
-    per call; each call within `timeout_s`, all within the deadline; outcomes in call order.
+    per call; each call within `timeout_s` (a batch call: times its responses), all within the
+    deadline; outcomes in call order.
     A share whose call times out, crashes or answers out of shape is killed and what it had
     left goes to a new fork."""
 
     def __init__(self, calls: list, workers: int, timeout_s: float, deadline_s: float,
                  private: tuple[int, ...] = ()) -> None:
         self.calls, self.workers, self.timeout_s = calls, max(1, workers), timeout_s
+        self.limits = [timeout_s * call_weight(call) for call in calls]
         self.private = private   # the trainer's pipes: closed in every fork
         self.end = time.monotonic() + deadline_s
         self.outcomes: list[tuple | None] = [None] * len(calls)
@@ -159,14 +194,18 @@ class Batch:
         self.running[r] = _Share(pid, r, due, time.monotonic())
 
     def _wait(self) -> None:
-        soonest = min(min(s.since + self.timeout_s for s in self.running.values()), self.end)
+        soonest = min(min(s.since + self._limit(s) for s in self.running.values()), self.end)
         ready, _, _ = select.select(list(self.running), [], [], max(0.0, soonest - time.monotonic()))
         for fd in ready:
             self._read(self.running[fd])
         now = time.monotonic()
         for share in list(self.running.values()):
-            if now >= share.since + self.timeout_s or now >= self.end:
+            if now >= share.since + self._limit(share) or now >= self.end:
                 self._stop(share, (None, "timeout", None))
+
+    def _limit(self, share: _Share) -> float:
+        """The time limit of the call a share is running (its last answered: the default)."""
+        return self.limits[share.due[0]] if share.due else self.timeout_s
 
     def _read(self, share: _Share) -> None:
         chunk = os.read(share.fd, 65536)

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posttrain.rewards.host import MAX_LINE, parse_outcome
+from posttrain.rewards.host import call_weight, line_limit, parse_outcome
 from posttrain.sandbox.launch import Limits, Mode, Spawned, python_executable, spawn
 from posttrain.sandbox.procs import kill_tree, tree_memory_mb
 
@@ -67,7 +67,7 @@ class Outcome:
     """What one call gave: its reward (None unless status is 'ok'), its status, and the
     traceback of a call that raised (plain text, formatted in the call's process)."""
 
-    value: float | None
+    value: float | list | None          # a batch call: a float, None or a status per response
     status: str
     error: str | None = None
 
@@ -236,22 +236,25 @@ class RewardPool:
 
     # -- batches ----------------------------------------------------------------------------------
 
-    def deadline(self, n_calls: int) -> float:
-        """Seconds a batch of `n_calls` may take: every call at its full timeout, in waves of
+    def deadline(self, weights: list[int]) -> float:
+        """Seconds a batch of calls scoring `weights` responses each may take: every call at its
+        full timeout (a batch call's: one per response, host.call_weight), in waves of
         `workers`, plus time for processes to start."""
-        return self.timeout_s * math.ceil(n_calls / self.workers) + 10.0
+        waves = math.ceil(sum(weights) / self.workers) + max(weights, default=1) - 1
+        return self.timeout_s * waves + 10.0
 
     def map(self, calls: list[tuple[str, str, dict[str, Any]]]) -> list[Outcome]:
         """An Outcome for each (kind, target, kwargs) in order, kind 'verify' (target: a
-        verifier's name) or 'function' (target: a 'module:function' spec); calls run concurrently
-        and the whole batch returns within `deadline(len(calls))` seconds (plus the backstop)."""
+        verifier's name), 'function' (target: a 'module:function' spec) or 'batch' (the same, TRL's
+        signature: lists of every response, one value each back); calls run concurrently and the
+        whole batch returns within `deadline(...)` seconds (plus the backstop)."""
         if not calls:
             return []
         with self._lock:
             return self._map(calls)
 
     def _map(self, calls) -> list[Outcome]:
-        deadline = self.deadline(len(calls))
+        deadline = self.deadline([call_weight(call) for call in calls])
         data = pickle.dumps((calls, deadline), protocol=pickle.HIGHEST_PROTOCOL)
         frame = struct.pack(">Q", len(data)) + data
         self.start()
@@ -261,7 +264,7 @@ class RewardPool:
             if not self._send(frame, deadline):
                 return self._failed(calls, "crash", "the reward sandbox did not take the batch")
         kills = self._host.sandbox.oom_kills()
-        reply, why = self._read_line(deadline + BACKSTOP_S, len(calls) * (MAX_LINE + 16) + 4096)
+        reply, why = self._read_line(deadline + BACKSTOP_S, sum(map(line_limit, calls)) + 4096)
         outcomes = parse_reply(reply, len(calls))
         # (read before a restart removes the cgroup: did the kernel kill in it for memory?)
         memory = self._host.sandbox.oom_kills() > kills or why.startswith("its processes used")

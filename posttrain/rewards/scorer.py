@@ -44,13 +44,16 @@ class RewardResult:
     # result's own, so a batch scored in another thread (sampling ahead) never shares them and a
     # batch that is dropped takes its failures with it
     tallies: dict[str, Tally] = field(default_factory=dict)
+    # responses no reward function scored (each asked returned None): out of the baseline and
+    # the loss, as the judge's unscorable ones (scored_B False)
+    unscored: int = 0
 
 
 @dataclass(frozen=True)
 class CallStyle:
     """How a reward function wants its arguments: one response (`prompt, completion, answer`) or
-    TRL's batch signature (`prompts, completions, **columns`, lists; called with one response);
-    and which of a row's other columns it takes (None: all, it has **kwargs)."""
+    TRL's batch signature (`prompts, completions, completion_ids, **columns`: lists over the
+    whole batch, one call); and which of a row's other columns it takes (None: all, **kwargs)."""
 
     batched: bool
     accepts: frozenset[str] | None
@@ -67,22 +70,36 @@ def call_style(fn) -> CallStyle:
 
 
 def reward_kwargs(style: CallStyle, problem: Problem, completion: str) -> dict[str, Any]:
-    """A reward function's arguments for one response: the prompt (a conversational row's
+    """A per-response reward function's arguments: the prompt (and a conversational row's
     messages), the completion, the answer, and every other column of the problem's row."""
-    columns = {k: v for k, v in problem.meta.items() if k not in ("prompt", "completion", "answer")}
-    if style.batched:   # TRL: lists, conversational completions as assistant messages
-        prompt = list(problem.messages) if problem.messages else problem.prompt
-        done = [{"role": "assistant", "content": completion}] if problem.messages else completion
-        kwargs = {"prompts": [prompt], "completions": [done], "answer": [problem.answer],
-                  **{k: [v] for k, v in columns.items()}}
-    else:
-        kwargs = {"prompt": problem.prompt, "completion": completion, "answer": problem.answer,
-                  **columns}
-        if problem.messages:
-            kwargs["messages"] = list(problem.messages)
-    if style.accepts is None:
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in style.accepts}
+    kwargs = {"prompt": problem.prompt, "completion": completion, "answer": problem.answer,
+              **_columns(problem)}
+    if problem.messages:
+        kwargs["messages"] = list(problem.messages)
+    return _accepted(style, kwargs)
+
+
+def batch_kwargs(style: CallStyle, problems: list[Problem], completions: list[str],
+                 completion_ids: list[list[int]] | None) -> dict[str, Any]:
+    """TRL's arguments for one call over the whole batch, one entry per response: `prompts`
+    (a conversational row's messages), `completions` (as assistant messages where the prompt is
+    conversational, as TRL passes them), `completion_ids` (the tokens the policy sampled), the
+    answer and every column (None where a row lacks it)."""
+    rows = [{"prompts": list(p.messages) if p.messages else p.prompt,
+             "completions": [{"role": "assistant", "content": c}] if p.messages else c,
+             "answer": p.answer, **_columns(p)} for p, c in zip(problems, completions, strict=True)]
+    kwargs = {k: [row.get(k) for row in rows] for k in dict.fromkeys(k for r in rows for k in r)}
+    if completion_ids is not None:
+        kwargs["completion_ids"] = [list(ids) for ids in completion_ids]
+    return _accepted(style, kwargs)
+
+
+def _columns(problem: Problem) -> dict[str, Any]:
+    return {k: v for k, v in problem.meta.items() if k not in ("prompt", "completion", "answer")}
+
+
+def _accepted(style: CallStyle, kwargs: dict[str, Any]) -> dict[str, Any]:
+    return kwargs if style.accepts is None else {k: v for k, v in kwargs.items() if k in style.accepts}
 
 
 # verifiers that only parse and compare the answer (posttrain/rewards/verifiers.py): `math`
@@ -163,10 +180,12 @@ class Scorer:
         return self._reward_model
 
     def __call__(self, problems: list[Problem], completions: list[str],
-                 with_model: bool = True, group_size: int = 1) -> RewardResult:
+                 with_model: bool = True, group_size: int = 1,
+                 completion_ids: list[list[int]] | None = None) -> RewardResult:
         """`with_model`: add the reward model's and the judge's scores (evaluation reads the
-        verifier alone); `group_size`: consecutive responses to one prompt (the judge's groups)."""
-        result = self.verify_and_functions(problems, completions)
+        verifier alone); `group_size`: consecutive responses to one prompt (the judge's groups);
+        `completion_ids`: the tokens the policy sampled (TRL-signature functions read them)."""
+        result = self.verify_and_functions(problems, completions, completion_ids)
         if with_model and self.judge is not None:
             self.add_judge(result, problems, completions, group_size)
         if with_model and self.cfg.model:
@@ -189,7 +208,7 @@ class Scorer:
         for _ in range(verdicts.calls + verdicts.cache_hits - len(verdicts.errors)):
             tally.add(False)
         scores = torch.tensor([float("nan") if s is None else s for s in verdicts.scores])
-        scored = ~scores.isnan()
+        scored = ~scores.isnan() if result.scored_B is None else ~scores.isnan() & result.scored_B
         weighted = self.cfg.judge_weight * scores.nan_to_num(0.0)
         result.rewards_B = result.rewards_B + weighted
         for part, w in zip(result.parts_B, weighted.tolist()):
@@ -198,43 +217,28 @@ class Scorer:
         result.judge_stats = {"calls": verdicts.calls, "cache_hits": verdicts.cache_hits,
                               "unscorable": verdicts.unscorable}
 
-    def verify_and_functions(self, problems: list[Problem], completions: list[str]) -> RewardResult:
+    def verify_and_functions(self, problems: list[Problem], completions: list[str],
+                             completion_ids: list[list[int]] | None = None) -> RewardResult:
         """The verifier's verdict and the user functions' rewards for each response; every call
         runs in the worker pool (reward.workers 0: in this process), where an answer that makes a
         scorer raise, exit or hang is a failed call, not the trainer's problem."""
-        calls, owners = self._calls(problems, completions)
+        calls, owners = self._calls(problems, completions, completion_ids)
         if self.pool is not None:
             outcomes = self.pool.map(calls)
         else:
             outcomes = [self._in_process(kind, target, kw) for kind, target, kw in calls]
-        rewards = [0.0] * len(completions)
-        correct = [False] * len(completions)
-        parts: list[dict[str, float]] = [{} for _ in completions]
-        failures: Counter = Counter()
-        tallies: dict[str, Tally] = {}
-        for (kind, target, _), i, out in zip(calls, owners, outcomes):
-            source = f"verifier {target!r}" if kind == "verify" else f"reward function {target!r}"
-            tallies.setdefault(source, Tally()).add(out.status != "ok", out.error)
-            if out.status != "ok":
-                failures[out.status if kind == "function" else f"verifier_{out.status}"] += 1
-            if kind == "verify":
-                correct[i] = out.status == "ok" and out.value == 1.0
-                parts[i]["verifier"] = self.cfg.correct_reward * correct[i]
-            else:
-                value = out.value if out.status == "ok" else self.cfg.fallback
-                parts[i][target] = parts[i].get(target, 0.0) + value
+        book = _Book(len(completions), self.cfg)
+        for call, rows, out in zip(calls, owners, outcomes):
+            book.add(call, rows, out)
         if self.cfg.format_weight:
             for i, text in enumerate(completions):
-                parts[i]["format"] = self.cfg.format_weight * is_bare_answer(text)
-        for i, part in enumerate(parts):   # (summed in order, as the reward always was)
-            for value in part.values():
-                rewards[i] += value
-        return RewardResult(torch.tensor(rewards, dtype=torch.float32),
-                            torch.tensor(correct, dtype=torch.bool), failures, parts_B=parts,
-                            tallies=tallies)
+                book.parts[i]["format"] = self.cfg.format_weight * is_bare_answer(text)
+        return book.result()
 
-    def _calls(self, problems: list[Problem], completions: list[str]):
-        """(kind, target, kwargs) of every call, and the response each belongs to."""
+    def _calls(self, problems: list[Problem], completions: list[str],
+               completion_ids: list[list[int]] | None = None):
+        """(kind, target, kwargs) of every call, and the responses each scores: one each, but a
+        function with TRL's signature is one call over all of them."""
         calls, owners = [], []
         for i, (problem, text) in enumerate(zip(problems, completions, strict=True)):
             name = self.verifier
@@ -242,19 +246,81 @@ class Scorer:
                 name = problem.meta["verifier"]
             if name is not None:
                 calls.append(("verify", name, {"completion": text, "problem": problem}))
-                owners.append(i)
+                owners.append([i])
             for spec, _ in self.functions:
-                calls.append(("function", spec, reward_kwargs(self.styles[spec], problem, text)))
-                owners.append(i)
+                if not self.styles[spec].batched:
+                    calls.append(("function", spec, reward_kwargs(self.styles[spec], problem, text)))
+                    owners.append([i])
+        for spec, _ in self.functions:
+            if self.styles[spec].batched and problems:
+                calls.append(("batch", spec, batch_kwargs(self.styles[spec], problems, completions,
+                                                          completion_ids)))
+                owners.append(list(range(len(problems))))
         return calls, owners
 
     def _in_process(self, kind: str, target: str, kwargs: dict[str, Any]) -> Outcome:
         """reward.workers 0: the call in this process (a SIGALRM timeout the callee can cancel)."""
         fn = VERIFIERS[target] if kind == "verify" else self._by_spec[target]
-        value, status, error = call_with_limits(fn, kwargs, self.cfg.timeout_s)
+        n = len(kwargs["completions"]) if kind == "batch" else None
+        value, status, error = call_with_limits(fn, kwargs, self.cfg.timeout_s * (n or 1), n)
         if kind == "verify" and status == "ok":
             value = float(bool(value))
         return Outcome(value, status, error)
+
+
+class _Book:
+    """Each response's reward parts by source, verdict, failures and tallies, as the calls'
+    outcomes come in; which responses no reward function scored (each asked returned None)."""
+
+    def __init__(self, n: int, cfg: RewardConfig) -> None:
+        self.cfg, self.parts = cfg, [{} for _ in range(n)]
+        self.correct, self.scored, self.passed = [False] * n, [0] * n, [0] * n
+        self.failures: Counter = Counter()
+        self.tallies: dict[str, Tally] = {}
+
+    def add(self, call: tuple, rows: list[int], out: Outcome) -> None:
+        kind, target, _ = call
+        source = f"verifier {target!r}" if kind == "verify" else f"reward function {target!r}"
+        tally = self.tallies.setdefault(source, Tally())
+        for i, (value, status) in zip(rows, per_response(kind, rows, out)):
+            tally.add(status not in ("ok", "unscored"), out.error)
+            if kind == "verify":
+                if status != "ok":
+                    self.failures[f"verifier_{status}"] += 1
+                self.correct[i] = status == "ok" and value == 1.0
+                self.parts[i]["verifier"] = self.cfg.correct_reward * self.correct[i]
+            elif status == "unscored":   # (TRL: None, not this function's to score)
+                self.passed[i] += 1
+            else:
+                if status != "ok":
+                    self.failures[status] += 1
+                self.scored[i] += 1
+                value = value if status == "ok" else self.cfg.fallback
+                self.parts[i][target] = self.parts[i].get(target, 0.0) + value
+
+    def result(self) -> RewardResult:
+        rewards = [0.0] * len(self.parts)
+        for i, part in enumerate(self.parts):   # (summed in order, as the reward always was)
+            for value in part.values():
+                rewards[i] += value
+        unscored = [p > 0 and s == 0 for p, s in zip(self.passed, self.scored)]
+        return RewardResult(torch.tensor(rewards, dtype=torch.float32),
+                            torch.tensor(self.correct, dtype=torch.bool), self.failures,
+                            parts_B=self.parts, tallies=self.tallies, unscored=sum(unscored),
+                            scored_B=~torch.tensor(unscored) if any(unscored) else None)
+
+
+def per_response(kind: str, rows: list[int], out: Outcome) -> list[tuple[float | None, str]]:
+    """(value, status) of each response a call scored: a batch call's list read entry by entry
+    (a float, None: unscored, or a bad value's status); one of the wrong length is an error."""
+    if kind != "batch":
+        return [(out.value, out.status)]
+    if out.status != "ok":
+        return [(None, out.status)] * len(rows)
+    if not isinstance(out.value, list) or len(out.value) != len(rows):
+        return [(None, "error")] * len(rows)
+    return [(v, "ok") if isinstance(v, float) else (None, "unscored") if v is None else (None, v)
+            for v in out.value]
 
 
 def make_judge(cfg: RewardConfig, run_dir: str | Path | None):

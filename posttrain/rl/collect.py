@@ -137,7 +137,8 @@ def score_round(episodes: Episodes, per_response: list[Problem], scorer: Scorer,
     verdicts and each reward's parts by source; the prompts to ask again go to the sampler,
     failed calls to `stats`."""
     rollout = episodes.rollout
-    result = scorer(per_response, episodes.completions, group_size=cfg.rollout.group_size)
+    result = scorer(per_response, episodes.completions, group_size=cfg.rollout.group_size,
+                    completion_ids=rollout.policy_ids())
     rewards, correct = episode_rewards(result, episodes, rollout.response_mask_B_T.device)
     parts = [dict(p) for p in result.parts_B]
     if episodes.parts is not None and any(episodes.parts):   # a driving environment's sources
@@ -159,6 +160,8 @@ def score_round(episodes: Episodes, per_response: list[Problem], scorer: Scorer,
             part["overlong"] = r
     for k, v in result.failures.items():
         stats[f"reward/failures_{k}"] += v
+    if result.unscored:   # (no reward function scored them: out of the baseline and the loss)
+        stats["reward/unscored"] += result.unscored
     return result, rewards, correct, parts
 
 

@@ -60,7 +60,8 @@ def answer(engine: RolloutEngine, tokenizer, env: Environment, chunk: list[Probl
     added to `into`."""
     episodes = run_episodes(engine, tokenizer, env, chunk, samples, params, settings.episodes,
                             generator)
-    res = scorer([p for p in chunk for _ in range(samples)], episodes.completions, with_model=False)
+    res = scorer([p for p in chunk for _ in range(samples)], episodes.completions, with_model=False,
+                 completion_ids=episodes.rollout.policy_ids())
     into.correct.append(episodes.verdicts(res.correct_B).reshape(len(chunk), samples))
     into.texts.extend(episodes.transcripts[::samples])
     into.lengths.extend(episodes.rollout.lengths_B[::samples].tolist())

@@ -51,6 +51,13 @@ class Rollout:
             return self.response_mask_B_T
         return self.response_mask_B_T * self.policy_mask_B_T
 
+    def policy_ids(self) -> list[list[int]]:
+        """Each response's tokens the policy sampled, in order (TRL's `completion_ids`; an
+        episode's turns joined, the environment's tokens left out)."""
+        keep = self.policy_tokens_B_T.bool().tolist()
+        return [[t for t, k in zip(row, mask) if k]
+                for row, mask in zip(self.response_ids_B_T.tolist(), keep)]
+
     @property
     def lengths_B(self) -> Tensor:
         return self.response_mask_B_T.sum(-1)

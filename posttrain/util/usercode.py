@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import math
 import os
 import signal
@@ -36,11 +38,12 @@ def load_function(spec: str, add_cwd: bool = True) -> Callable[..., Any]:
     return fn
 
 
-def call_with_limits(fn: Callable[..., Any], kwargs: dict[str, Any], timeout_s: float
-                     ) -> tuple[float | None, str, str | None]:
+def call_with_limits(fn: Callable[..., Any], kwargs: dict[str, Any], timeout_s: float,
+                     n: int | None = None) -> tuple[Any, str, str | None]:
     """Run fn(**kwargs) in this process -> (value, status, traceback of a failure); status is
-    'ok', 'error', 'timeout' or 'nonfinite'. Used only with reward.workers 0 (rewards/pool.py
-    is the safe path).
+    'ok', 'unscored', 'error', 'timeout' or 'nonfinite'; `n`: a batch call (TRL's signature) for
+    n responses, whose value is `as_rewards`' list. Used only with reward.workers 0
+    (rewards/pool.py is the safe path).
 
     In the main thread a SIGALRM timer interrupts a hang in Python code (the common case: a loop
     or a regex). Elsewhere, or on platforms without SIGALRM, the call runs in a daemon thread that
@@ -49,6 +52,8 @@ def call_with_limits(fn: Callable[..., Any], kwargs: dict[str, Any], timeout_s: 
     """
     try:
         value = call_with_timeout(fn, kwargs, timeout_s)
+        if n is not None:
+            return as_rewards(value, n), "ok", None
     except RewardTimeout:
         return None, "timeout", None
     except KeyboardInterrupt:
@@ -56,6 +61,16 @@ def call_with_limits(fn: Callable[..., Any], kwargs: dict[str, Any], timeout_s: 
     except BaseException:  # noqa: BLE001 - any failure of user code becomes the fallback reward
         return None, "error", traceback.format_exc()[-4000:]
     return (*as_reward(value), None)
+
+
+def awaited(value: Any) -> Any:
+    """An `async def` reward function's result (TRL awaits them): run on an event loop of its
+    own; anything else as it is."""
+    if inspect.isawaitable(value):
+        async def wait() -> Any:
+            return await value
+        return asyncio.run(wait())
+    return value
 
 
 def call_with_timeout(fn: Callable[..., Any], kwargs: dict[str, Any], timeout_s: float) -> Any:
@@ -67,16 +82,35 @@ def call_with_timeout(fn: Callable[..., Any], kwargs: dict[str, Any], timeout_s:
 
 
 def as_reward(value: Any) -> tuple[float | None, str]:
-    """What a reward function returned, as (float, 'ok'), or (None, 'error') for a non-number,
-    (None, 'nonfinite') for NaN or Inf. A one-element list is its element (a TRL-style function
-    called with one response)."""
+    """What a reward function returned, as (float, 'ok'), (None, 'unscored') for None (TRL: not
+    this function's to score), (None, 'error') for a non-number, (None, 'nonfinite') for NaN or
+    Inf. A one-element list is its element."""
     if isinstance(value, (list, tuple)) and len(value) == 1:
         value = value[0]
+    if value is None:
+        return None, "unscored"
     try:
         value = float(value)
     except (TypeError, ValueError):
         return None, "error"
     return (value, "ok") if math.isfinite(value) else (None, "nonfinite")
+
+
+def as_rewards(values: Any, n: int) -> list[float | None | str]:
+    """What a batch call (TRL's signature) returned for `n` responses: one entry each, a float,
+    None (unscored) or the status of a bad value ('error', 'nonfinite'). Anything but a sequence
+    of `n` raises ValueError (the whole call failed)."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
+        raise ValueError(f"a batch reward function must return a list of {n} rewards, "
+                         f"got {type(values).__name__}")
+    if len(values) != n:
+        raise ValueError(f"a batch reward function returned {len(values)} rewards for "
+                         f"{n} completions")
+    out: list[float | None | str] = []
+    for value in list(values):
+        reward, status = as_reward(value if not isinstance(value, (list, tuple)) else object())
+        out.append(reward if status == "ok" else None if status == "unscored" else status)
+    return out
 
 
 def _call_with_alarm(fn, kwargs, timeout_s):
@@ -85,7 +119,7 @@ def _call_with_alarm(fn, kwargs, timeout_s):
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        return fn(**kwargs)
+        return awaited(fn(**kwargs))
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -96,7 +130,7 @@ def _call_in_thread(fn, kwargs, timeout_s):
 
     def run():
         try:
-            box["value"] = fn(**kwargs)
+            box["value"] = awaited(fn(**kwargs))
         except Exception as e:  # noqa: BLE001
             box["error"] = e
     worker = threading.Thread(target=run, daemon=True)
