@@ -116,7 +116,7 @@ def test_good_fields_reach_the_policy(endpoint):
     body = {"prompt": [0, VOCAB - 1], "temperature": 0, "top_p": 1, "max_tokens": 5, "n": 1,
             "stop": "x", "seed": 3, "stream": False, "presence_penalty": 0.5, "top_k": None}
     status, reply = post_json(endpoint, "/v1/completions", body)
-    assert status == 200 and reply["prompt_token_ids"] == [0, VOCAB - 1]
+    assert status == 200 and reply["choices"][0]["prompt_token_ids"] == [0, VOCAB - 1]
     assert endpoint.default.calls == [{"temperature": 0, "top_p": 1, "stop": "x"}]
 
 

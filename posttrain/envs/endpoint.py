@@ -6,10 +6,16 @@ agent harness can run episodes against it while posttrain records the exact toke
     POST /v1/completions           a prompt (text or token ids) -> the policy's continuation
     (the same under /s/<session>/v1/...: one episode's conversation, kept by the server)
 
-Each reply carries vLLM's field names for the tokens: `prompt_token_ids` beside the choices, and
-in each choice `token_ids` and `logprobs` (chat: `logprobs.content[i].logprob`; completions:
-`logprobs.token_logprobs`). The sampling temperature and top_p are the trainer's (the log-probs
-it trains with are computed at them); a request's `max_tokens` can only lower the rollout's.
+Each reply carries vLLM's fields for the tokens where vLLM puts them: each choice has `token_ids`
+and `logprobs` (chat: `logprobs.content[i].logprob`; completions: `logprobs.token_logprobs`);
+`prompt_token_ids` is beside the choices in a chat reply (vLLM's ChatCompletionResponse) and in
+each choice of a completion (CompletionResponseChoice). `return_tokens_as_token_ids: true` writes
+each log-prob's token as `token_id:N`, as vLLM does. A chat request that offers `tools` gets the
+reply's Hermes-style `<tool_call>{...}</tool_call>` blocks as OpenAI `message.tool_calls`
+(finish_reason `tool_calls`, content the text before the first call or null), parsed by
+envs/tools.py `parse_calls`; a reply with a malformed call stays text, as vLLM's hermes parser
+leaves it. The sampling temperature and top_p are the trainer's (the log-probs it trains with are
+computed at them); a request's `max_tokens` can only lower the rollout's.
 
 It listens on loopback, and a web page open in the user's browser must not be able to drive it:
 a request whose Host header is not its own address (DNS rebinding) or whose Origin, when sent,
@@ -31,6 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
+from posttrain.envs.tools import parse_calls
 from posttrain.util.hosts import host_allowed
 
 MAX_BODY = 16 * 1024 * 1024     # bytes of one request
@@ -53,7 +60,9 @@ class Turn(Protocol):
 
 class PolicyBackend(Protocol):
     """One session's policy: `chat` and `complete` each sample one turn. `sampling`: the
-    request's temperature, top_p and stop (a training session ignores them)."""
+    request's temperature, top_p and stop (a training session ignores them). `shown_as`: the
+    last chat reply's content as the client got it, its tool calls parsed out (a training
+    session checks the next request's history against it; a stateless server ignores it)."""
 
     def chat(self, messages: list[dict[str, Any]], tools: list | None = None,
              max_tokens: int | None = None, **sampling: Any) -> Turn: ...
@@ -61,34 +70,64 @@ class PolicyBackend(Protocol):
     def complete(self, prompt: str | list[int], max_tokens: int | None = None,
                  **sampling: Any) -> Turn: ...
 
+    def shown_as(self, content: str | None) -> None: ...
+
 
 class RequestError(ValueError):
     """A request the endpoint answers with 400 (a malformed body; rollout/driven.py's
     EpisodeOver, an episode whose token budget is spent, is one too)."""
 
 
-def token_texts(turn: Turn) -> list[str]:
+def token_texts(turn: Turn, as_ids: bool = False) -> list[str]:
+    """Each sampled token as text, or as vLLM's `token_id:N` (return_tokens_as_token_ids)."""
+    if as_ids:
+        return [f"token_id:{t}" for t in turn.completion_ids]
     return list(getattr(turn, "tokens", None) or [str(t) for t in turn.completion_ids])
 
 
-def chat_reply(turn: Turn, model: str) -> dict[str, Any]:
-    content = [{"token": tok, "logprob": lp, "bytes": None, "top_logprobs": []}
-               for tok, lp in zip(token_texts(turn), turn.logprobs)]
+def split_tool_calls(text: str, names: list[str]) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool_calls) of a chat reply offered the tools `names`: its
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, parsed by envs/tools.py
+    `parse_calls` (as the verifiers harness reads them), in OpenAI's format, and the text before
+    the first call (None when there is none). No call, or any call malformed or naming a tool
+    not offered: the whole text, no calls (vLLM's hermes parser also keeps a reply it cannot
+    parse as text)."""
+    if not names or "<tool_call>" not in text:
+        return text, []
+    calls, errors = parse_calls(text, dict.fromkeys(names), "json")
+    if errors or not calls:
+        return text, []
+    return text.split("<tool_call>", 1)[0].strip() or None, [
+        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+         "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+        for c in calls]
+
+
+def chat_reply(turn: Turn, model: str, content: str | None, calls: list[dict[str, Any]],
+               as_ids: bool = False) -> dict[str, Any]:
+    """A chat completion as vLLM writes it: `prompt_token_ids` beside the choices; `content`
+    and `calls` the reply's text and tool calls (split_tool_calls)."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    lps = [{"token": tok, "logprob": lp, "bytes": None, "top_logprobs": []}
+           for tok, lp in zip(token_texts(turn, as_ids), turn.logprobs)]
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": model, "prompt_token_ids": turn.prompt_ids,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": turn.text},
-                         "finish_reason": turn.finish_reason, "token_ids": turn.completion_ids,
-                         "logprobs": {"content": content}}],
+            "choices": [{"index": 0, "message": message,
+                         "finish_reason": "tool_calls" if calls else turn.finish_reason,
+                         "token_ids": turn.completion_ids, "logprobs": {"content": lps}}],
             "usage": usage(turn)}
 
 
-def completion_reply(turn: Turn, model: str) -> dict[str, Any]:
-    tokens = token_texts(turn)
+def completion_reply(turn: Turn, model: str, as_ids: bool = False) -> dict[str, Any]:
+    """A completion as vLLM writes it: `prompt_token_ids` in the choice, beside `token_ids`."""
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": model, "prompt_token_ids": turn.prompt_ids,
+            "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "text": turn.text, "finish_reason": turn.finish_reason,
-                         "token_ids": turn.completion_ids,
-                         "logprobs": {"tokens": tokens, "token_logprobs": turn.logprobs}}],
+                         "prompt_token_ids": turn.prompt_ids, "token_ids": turn.completion_ids,
+                         "logprobs": {"tokens": token_texts(turn, as_ids),
+                                      "token_logprobs": turn.logprobs}}],
             "usage": usage(turn)}
 
 
@@ -100,15 +139,21 @@ def usage(turn: Turn) -> dict[str, int]:
 def answer(backend: PolicyBackend, route: str, body: dict[str, Any], model: str) -> dict[str, Any]:
     """One request's reply (RequestError, naming the field: a 400)."""
     max_tokens, sampling = sampling_fields(body)
+    as_ids = body.get("return_tokens_as_token_ids")
+    if as_ids is not None and not isinstance(as_ids, bool):
+        raise RequestError(f"return_tokens_as_token_ids={str(as_ids)[:40]!r}: true or false")
     if route == "chat/completions":
         messages = body.get("messages")
         if not (isinstance(messages, list) and messages
                 and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
             raise RequestError("messages: a non-empty list of chat messages, each with a 'role'")
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise RequestError(f"tools={str(tools)[:80]!r}: a list of tool definitions")
-        return chat_reply(backend.chat(messages, tools, max_tokens, **sampling), model)
+        tools, parse = body.get("tools"), body.get("tool_choice") != "none"
+        names = tool_names(tools)
+        turn = backend.chat(messages, tools, max_tokens, **sampling)
+        content, calls = split_tool_calls(turn.text, names if parse else [])
+        if calls:   # (a training session then expects this content back in the history)
+            backend.shown_as(content)
+        return chat_reply(turn, model, content, calls, bool(as_ids))
     if route == "completions":
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -117,8 +162,24 @@ def answer(backend: PolicyBackend, route: str, body: dict[str, Any], model: str)
             raise RequestError("prompt: a string or a non-empty list of token ids")
         if isinstance(prompt, list):
             check_token_ids(prompt, vocab_size(backend))
-        return completion_reply(backend.complete(prompt, max_tokens, **sampling), model)
+        turn = backend.complete(prompt, max_tokens, **sampling)
+        return completion_reply(turn, model, bool(as_ids))
     raise KeyError(route)
+
+
+def tool_names(tools: Any) -> list[str]:
+    """The names of a request's tools, each checked to be OpenAI's (and vLLM's)
+    `{"type": "function", "function": {"name": ...}}`; none when `tools` is absent."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise RequestError(f"tools={str(tools)[:80]!r}: a list of tool definitions")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]):
+            raise RequestError(f"tools[{i}]={str(t)[:80]!r}: a tool definition "
+                               '{"type": "function", "function": {"name": ..., "parameters": ...}}')
+    return [t["function"]["name"] for t in tools]
 
 
 def sampling_fields(body: dict[str, Any]) -> tuple[int | None, dict[str, Any]]:

@@ -41,6 +41,9 @@ class ServedModel:
             **({"tools": tools} if tools else {}), **self.cfg.data.chat_template_kwargs))
         return self.sample(ids, max_tokens, sampling)
 
+    def shown_as(self, content: str | None) -> None:
+        """Nothing to keep: each request is its own conversation."""
+
     def complete(self, prompt, max_tokens=None, **sampling) -> PolicyTurn:
         ids = (self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
                if isinstance(prompt, str) else list(prompt))
