@@ -9,7 +9,7 @@ import torch
 
 from posttrain.rl.batch import ScoredBatch
 from posttrain.util.errors import ConfigError
-from posttrain.config.sections import EnvConfig
+from posttrain.config.env import EnvConfig
 from posttrain.config.options import load_config
 from posttrain.data.source import build_task
 from posttrain.data.tasks import Problem, make_task

@@ -17,7 +17,8 @@ from posttrain.util.checks import check_choice, check_range, coerce, did_you_mea
 from posttrain.util.errors import ConfigError  # noqa: F401 (re-exported: posttrain.config.commands.ConfigError)
 from posttrain.losses.policy import objective_reads
 from posttrain.config.presets import PRESETS, AlgorithmConfig
-from posttrain.config.sections import (CheckpointConfig, CriticConfig, DataConfig, EnvConfig, LoraConfig,
+from posttrain.config.env import EnvConfig
+from posttrain.config.sections import (CheckpointConfig, CriticConfig, DataConfig, LoraConfig,
                                 ModelConfig, OptimConfig, ParallelConfig, RewardConfig,
                                 StageDataConfig, TeacherConfig, check_trackers)
 from posttrain.config.rollout import RolloutConfig

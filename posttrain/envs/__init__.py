@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from posttrain.util.errors import ConfigError
-from posttrain.config.sections import EnvConfig
+from posttrain.config.env import EnvConfig
 from posttrain.data.tasks import Task
 from posttrain.envs.base import (BindsTokenizer, Demonstrates, DescribesTools, DrivesPolicy, Driven,
                                  Environment, Reply, SingleTurn)
