@@ -113,3 +113,17 @@ def test_a_run_with_a_trl_function_leaves_its_unscored_responses_out(tmp_path, t
     import pyarrow.parquet as pq
     recs = pq.read_table(tmp_path / "run" / "tokens" / "step_000001.parquet").to_pylist()
     assert [any(r["in_loss"]) for r in recs] == [True, False] * 4
+
+
+def test_a_file_rows_answer_column_reaches_trl_functions_under_its_own_name(tmp_path):
+    """TRL hands a reward function every column but the prompt: with --data.answer_field
+    ground_truth, TRL's documented `reward_func(completions, ground_truth, **kwargs)` reads it."""
+    from posttrain.data.files import load_problems
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "ground_truth": gt}) + "\n"
+                            for i, gt in enumerate(["2", "5"])))
+    problems = load_problems(path, "prompt", "ground_truth")
+    assert [p.answer for p in problems] == ["2", "5"] and "prompt" not in problems[0].meta
+    got = score([f"{VENDOR}.grpo_docs_example_3:reward_func"], problems,
+                [r" The solution is \boxed{2}.", r" The solution is \boxed{6}."])
+    assert got.rewards_B.tolist() == [1.0, 0.0] and not got.failures

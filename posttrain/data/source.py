@@ -10,13 +10,15 @@ from posttrain.data.files import load_problems
 from posttrain.data.tasks import MixedTask, Problem, Task, make_task
 
 
-def build_task(d: DataConfig) -> Task:
+def build_task(d: DataConfig, needs_answer: bool = True) -> Task:
     """The task `data` names: a built-in task (or a mixture of them) or a user file, with its
-    held-out set split off."""
+    held-out set split off. `needs_answer` False (no verifier scores against the rows' answers):
+    a file's prompt-only rows are read too."""
     if d.task == "file":
-        pool = load_problems(d.train_path, d.prompt_field, d.answer_field)
+        pool = load_problems(d.train_path, d.prompt_field, d.answer_field, needs_answer=needs_answer)
         if d.eval_path:
-            held_out = load_problems(d.eval_path, d.prompt_field, d.answer_field)
+            held_out = load_problems(d.eval_path, d.prompt_field, d.answer_field,
+                                     needs_answer=needs_answer)
         else:  # split the held-out set off the file with a fixed seed
             order = random.Random(d.eval_seed).sample(range(len(pool)), len(pool))
             n_eval = min(d.eval_size, len(pool) // 5)

@@ -35,7 +35,7 @@ def sampling_inputs(cfg: TrainConfig, check=None, run_dir: Path | None = None,
     with its sandbox started (a function the sandbox cannot import fails here too); where the
     model's text runs is said once. `run_dir`: where the LLM judge keeps its replies; `judge`
     False: no judge (eval and generate score with the verifier alone)."""
-    task = build_task(cfg.data)
+    task = build_task(cfg.data, needs_answer=cfg.reward.verifier != "none")
     env = make_env(cfg.env, task)
     if check is not None:
         check()

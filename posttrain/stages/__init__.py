@@ -1,7 +1,7 @@
 """Layer 8: the commands besides `train`, one module each, on the common lifecycle (run/lifecycle.py;
-the offline stages' shared parts: `common.py`):
+the offline stages' shared parts: `common.py`; TRL-format rows as token ids: `rows.py`):
 
-    sft.py           posttrain sft             SFT on (prompt, response) rows (§8)
+    sft.py           posttrain sft             SFT on prompt-completion, messages or text rows (§8)
     preference.py    posttrain dpo             DPO on preference pairs (§9); the log-ratio reward model
     reward_model.py  posttrain reward-model    a Bradley-Terry reward model with a score head (§1)
     generate.py      posttrain generate        a teacher's answers or an environment's demonstrations

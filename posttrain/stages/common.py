@@ -1,6 +1,6 @@
-"""What the offline stages share: the rows' checks, length buckets, one run's lifecycle (start,
-schedule and resume, the optimizer step, checkpoints and stop signals, the final model), the
-data-parallel shares, and the held-out greedy answers of a synthetic task.
+"""What the offline stages share: responses as token ids, length buckets, one run's lifecycle
+(start, schedule and resume, the optimizer step, checkpoints and stop signals, the final model),
+the data-parallel shares, and the held-out greedy answers of a synthetic task.
 
 Every rank builds the same batches (same seed) and runs its contiguous share of each; a rank's
 loss is weighted by the *global* batch's pair or token count, so the averaged gradient is the
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,7 @@ from torch import Tensor
 
 from posttrain.run.checkpoint import restore_rng, save_checkpoint
 from posttrain.config.commands import StageConfig
-from posttrain.data import read_rows
-from posttrain.data.files import chat_messages
+from posttrain.data.formats import chat_messages
 from posttrain.data.tasks import Problem
 from posttrain.model.distributed import (SINGLE, World, average_gradients, barrier, device_for,
                                    full_state_dict, full_weights_for_generation, gather_objects,
@@ -52,20 +52,6 @@ def response_ids(tokenizer, text: str, max_len: int, ids: list[int] | None = Non
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     ids = list(ids)[:max_len - 1]
     return ids if ids and ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]
-
-
-def check_rows(path: str, rows: list[dict], fields: list[str]) -> None:
-    """Missing, empty and (for pairs) identical fields are reported with file, line and field."""
-    if not rows:
-        raise ValueError(f"{path}: no rows")
-    where = "line" if str(path).endswith((".jsonl", ".json")) else "row"
-    for i, row in enumerate(rows, start=1):
-        for f in fields:
-            v = row.get(f)
-            if v is None or (isinstance(v, str) and not v.strip()):
-                raise ValueError(f"{path}: {where} {i}: field {f!r} is missing or empty")
-        if len(fields) == 3 and row[fields[1]] == row[fields[2]]:
-            raise ValueError(f"{path}: {where} {i}: {fields[1]!r} and {fields[2]!r} are identical")
 
 
 def length_buckets(lengths: list[int], batch_size: int, rng: random.Random) -> list[list[int]]:
@@ -190,16 +176,15 @@ def stage_optimizer(cfg: StageConfig, model, world: World) -> torch.optim.Optimi
                       sharded=world.strategy == "fsdp")
 
 
-def start_offline(command: str, cfg: StageConfig, model, tokenizer, fields: list[str],
-                  rows: list[dict] | None = None, load=None, resume: str | Path | None = None,
-                  show_progress: bool = True) -> OfflineJob:
-    """The common start (threads, seed, world, resume point); the data read and checked before
-    any model loads; the model loaded (`load`), placed and wrapped; the run folder opened."""
+def start_offline(command: str, cfg: StageConfig, model, tokenizer, rows: list[dict],
+                  load=None, resume: str | Path | None = None, show_progress: bool = True,
+                  prompts_of: Callable[[Any], list[list[int]]] | None = None) -> OfflineJob:
+    """The common start (threads, seed, world, resume point) on rows read and checked before any
+    model loads (data/formats.py); the model loaded (`load`), placed and wrapped; the run folder
+    opened; the rows' prompts encoded: `prompts_of(tokenizer)`, by default each row's prompt
+    field as the policy is prompted."""
     cfg.validate()   # (a StageConfig built in code has not been checked yet)
     job = start_job(command, cfg, resume, show_progress)
-    if rows is None:
-        rows = read_rows(cfg.data.train_path)
-        check_rows(cfg.data.train_path, rows, fields)
     if job.world.distributed and cfg.batch_size < job.world.size:
         raise ValueError(f"batch_size={cfg.batch_size} is smaller than the {job.world.size} ranks: "
                          "each rank needs a share of every batch")
@@ -207,7 +192,8 @@ def start_offline(command: str, cfg: StageConfig, model, tokenizer, fields: list
     device = device_for(job.world)
     model = wrap(model.to(device), job.world)      # FSDP2: the decoder layers sharded, in place
     open_folder(job, cfg.to_dict())
-    prompts = encode_prompts_of(tokenizer, cfg, [r[cfg.data.prompt_field] for r in rows])
+    prompts = (prompts_of(tokenizer) if prompts_of is not None else
+               encode_prompts_of(tokenizer, cfg, [r[cfg.data.prompt_field] for r in rows]))
     return OfflineJob(**job.parts(), rows=rows, model=model, tokenizer=tokenizer, prompts=prompts,
                       optimizer=stage_optimizer(cfg, model, job.world),
                       rng=random.Random(cfg.seed), device=device)

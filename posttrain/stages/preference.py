@@ -8,6 +8,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,21 +17,23 @@ from torch import Tensor
 
 from posttrain.config.commands import StageConfig
 from posttrain.data import read_rows
+from posttrain.data.formats import preference_pair, read_each, row_label
 from posttrain.model.distributed import global_sum
 from posttrain.rollout.forward import pack, sequence_logprobs
 from posttrain.losses.common import sequence_logprob
 from posttrain.losses.preference import dpo_loss
 from posttrain.run.lifecycle import finish_job
-from posttrain.stages.common import (OfflineJob, check_rows, encode_prompts_of,
-                                     held_out_behaviour, length_buckets, response_ids,
-                                     save_final_model, share_of_batch, sharded_rows, start_offline,
-                                     synthetic_task, train_batches)
+from posttrain.stages.common import (OfflineJob, encode_prompts_of, held_out_behaviour,
+                                     length_buckets, save_final_model, share_of_batch, sharded_rows,
+                                     start_offline, synthetic_task, train_batches)
+from posttrain.stages.rows import completion_ids
 
 
 def preference_rows(cfg: StageConfig) -> tuple[list[dict], list[dict], str]:
     """(train pairs, held-out pairs, source) from --data.synthetic TASK or --data.train_path
-    [--data.eval_path]; the rows are checked (file, line, field) before any model loads."""
-    fields = [cfg.data.prompt_field, cfg.data.chosen_field, cfg.data.rejected_field]
+    [--data.eval_path]: TRL's preference rows, explicit or implicit prompt, standard or
+    conversational, checked (file, line, field) before any model loads; each row comes back with
+    its prompt, chosen and rejected fields holding the pair's parts (data/formats.py)."""
     cfg.validate()
     if cfg.data.synthetic:   # pairs from ground truth: train on training problems, test on held-out
         from posttrain.data.preferences import synthetic_preferences
@@ -41,11 +44,9 @@ def preference_rows(cfg: StageConfig) -> tuple[list[dict], list[dict], str]:
                 f"synthetic:{cfg.data.synthetic}")
     if not cfg.data.train_path:
         raise ValueError("preference pairs: give --data.train_path FILE or --data.synthetic TASK")
-    train_rows = read_rows(cfg.data.train_path)
-    check_rows(cfg.data.train_path, train_rows, fields)
+    train_rows = _pairs_of(cfg, cfg.data.train_path)
     if cfg.data.eval_path:
-        eval_rows = read_rows(cfg.data.eval_path)
-        check_rows(cfg.data.eval_path, eval_rows, fields)
+        eval_rows = _pairs_of(cfg, cfg.data.eval_path)
     else:
         if len(train_rows) < 5:
             raise ValueError(f"{cfg.data.train_path}: {len(train_rows)} pairs; at least 5 are needed "
@@ -57,10 +58,23 @@ def preference_rows(cfg: StageConfig) -> tuple[list[dict], list[dict], str]:
     return train_rows, eval_rows, cfg.data.train_path
 
 
+def _pairs_of(cfg: StageConfig, path: str) -> list[dict]:
+    """The rows of `path`, each with its pair's parts in the prompt, chosen and rejected fields."""
+    d = cfg.data
+    rows = read_rows(path)
+    pairs = read_each(path, rows, partial(preference_pair, prompt_field=d.prompt_field,
+                                          chosen_field=d.chosen_field,
+                                          rejected_field=d.rejected_field), row_label(path))
+    return [{**row, d.prompt_field: p.prompt, d.chosen_field: p.chosen, d.rejected_field: p.rejected}
+            for row, p in zip(rows, pairs)]
+
+
 def _pair_responses(tok, cfg: StageConfig, rows: list[dict]) -> tuple[list, list]:
-    """Token ids of each pair's chosen and rejected responses (EOS-terminated, max_len)."""
-    return ([response_ids(tok, str(r[cfg.data.chosen_field]), cfg.max_len) for r in rows],
-            [response_ids(tok, str(r[cfg.data.rejected_field]), cfg.max_len) for r in rows])
+    """Token ids of each pair's chosen and rejected responses (EOS-terminated, max_len; a
+    conversational one as the chat template writes it after the prompt)."""
+    d = cfg.data
+    return tuple([completion_ids(tok, d.system_prompt, r[d.prompt_field], r[name], cfg.max_len)
+                  for r in rows] for name in (d.chosen_field, d.rejected_field))
 
 
 def _pair_logp(st: OfflineJob, cfg: StageConfig, data, batch: list[int]) -> tuple[Tensor, Tensor]:
@@ -160,10 +174,9 @@ def train_on_pairs(cfg: StageConfig, reading: PairReading, model=None, tokenizer
                    show_progress: bool = True, resume: str | Path | None = None) -> dict[str, Any]:
     """DPO's loop: the reference's log-probs once, then a DPO step per batch of pairs, read as
     `reading` says before and after."""
-    fields = [cfg.data.prompt_field, cfg.data.chosen_field, cfg.data.rejected_field]
     train_rows, eval_rows, source = preference_rows(cfg)
-    st = start_offline(reading.command, cfg, model, tokenizer, fields, rows=train_rows,
-                       resume=resume, show_progress=show_progress)
+    st = start_offline(reading.command, cfg, model, tokenizer, train_rows, resume=resume,
+                       show_progress=show_progress)
     tok = st.tokenizer
     train_data = (st.prompts, *_pair_responses(tok, cfg, train_rows))
     eval_data = (encode_prompts_of(tok, cfg, [r[cfg.data.prompt_field] for r in eval_rows]),

@@ -21,6 +21,7 @@ from posttrain.stages.common import (OfflineJob, encode_prompts_of, length_bucke
                                      save_final_model, share_of_batch, sharded_rows, start_offline,
                                      train_batches)
 from posttrain.stages.preference import PairReading, public_metrics, preference_rows, train_on_pairs
+from posttrain.stages.rows import scored_ids
 
 
 def load_reward_model_start(path: str | Path, resumed: bool = False):
@@ -99,11 +100,11 @@ class ScoredPairs:
     cfg: StageConfig
 
     def encode(self, rows: list[dict], heads: list[list[int]]) -> tuple[list, list, list]:
-        """(prompt heads, chosen, rejected) token ids of `rows`, whose prompts are `heads`."""
-        from posttrain.rewards.model import encode_responses
+        """(prompt heads, chosen, rejected) token ids of `rows`, whose prompts are `heads` (a
+        conversational response rendered by the chat template: stages/rows.py::scored_ids)."""
         tok, d, eot = self.st.tokenizer, self.cfg.data, self.cfg.end_of_turn
-        return (heads, encode_responses(tok, [str(r[d.chosen_field]) for r in rows], eot),
-                encode_responses(tok, [str(r[d.rejected_field]) for r in rows], eot))
+        return (heads, *([scored_ids(tok, d.system_prompt, r[d.prompt_field], r[name], eot)
+                          for r in rows] for name in (d.chosen_field, d.rejected_field)))
 
     def scores(self, idx: list[int], heads, chosen, rejected, chosen_nll: bool = False):
         """r(x, y_c), r(x, y_r) of the pairs `idx` (and the chosen responses' next-token loss)."""
@@ -133,9 +134,8 @@ def score_head_reward_model(cfg: StageConfig, model=None, tokenizer=None, show_p
                             resume: str | Path | None = None) -> dict[str, Any]:
     """A scalar head on the last token, trained with the Bradley-Terry loss (see reward_model)."""
     from posttrain.rewards.model import STATS_FILE
-    fields = [cfg.data.prompt_field, cfg.data.chosen_field, cfg.data.rejected_field]
     train_rows, eval_rows, source = preference_rows(cfg)
-    st = start_offline("reward-model", cfg, model, tokenizer, fields, rows=train_rows,
+    st = start_offline("reward-model", cfg, model, tokenizer, train_rows,
                        load=load_reward_model_start, resume=resume, show_progress=show_progress)
     st.model.config.pad_token_id = st.tokenizer.pad_token_id
     if cfg.lm_coef > 0:
