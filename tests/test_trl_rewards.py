@@ -127,3 +127,16 @@ def test_a_file_rows_answer_column_reaches_trl_functions_under_its_own_name(tmp_
     got = score([f"{VENDOR}.grpo_docs_example_3:reward_func"], problems,
                 [r" The solution is \boxed{2}.", r" The solution is \boxed{6}."])
     assert got.rewards_B.tolist() == [1.0, 0.0] and not got.failures
+
+
+def test_a_trl_function_is_known_by_any_of_trls_names():
+    """`completion_ids` or `prompts` alone (with **kwargs) is TRL's signature too; `prompt,
+    completion, answer` is one response per call."""
+    from posttrain.rewards.scorer import call_style
+
+    def ids_only(completion_ids, **kwargs): ...
+
+    def prompts_only(prompts, **kwargs): ...
+
+    def per_response(prompt, completion, answer, **kwargs): ...
+    assert [call_style(f).batched for f in (ids_only, prompts_only, per_response)] == [True, True, False]

@@ -7,6 +7,7 @@ in a shell; a ```python block without a file name runs with `load_config` shrink
 and pointing at the tiny model. ```text blocks (the GPU commands) are not run.
 """
 
+import json
 import re
 import shlex
 import subprocess
@@ -82,10 +83,14 @@ def test_every_block_of_the_guide_runs(tokenizer, tmp_path, monkeypatch, capsys)
             ran.append(["python"])
     out = capsys.readouterr().out
     assert ["posttrain", "eval"] in ran and ["posttrain", "plot"] in ran and ["python"] in ran
-    assert sum(r == ["posttrain", "train"] for r in ran) == 5
-    for run in ("runs/mine", "runs/brief", "runs/own-reward", "runs/my-task", "runs/my-task-lr2e-5",
-                "runs/py"):
+    assert sum(r == ["posttrain", "train"] for r in ran) == 6
+    for run in ("runs/mine", "runs/brief", "runs/own-reward", "runs/trl", "runs/my-task",
+                "runs/my-task-lr2e-5", "runs/py"):
         assert (tmp_path / run / "final_model" / "config.json").is_file(), run
+    # the TRL functions ran on every response (a failing call would be counted, never raised)
+    trl = [json.loads(line) for line in open(tmp_path / "runs/trl/metrics.jsonl")]
+    assert [k for r in trl for k in r if k.startswith("reward/failures")] == []
+    assert any("reward/mean" in r for r in trl)
     # the Python block's prints: accuracy before -> after (fractions), then the final model
     assert re.search(r"(?m)^[01](\.\d+)?(e-\d+)? -> [01](\.\d+)?(e-\d+)?$", out), out[-500:]
     assert re.search(r"(?m)^runs/py/final_model$", out), out[-500:]

@@ -59,14 +59,21 @@ class CallStyle:
     accepts: frozenset[str] | None
 
 
+# names only TRL's batch signature takes (a per-response function takes prompt, completion, answer)
+TRL_NAMES = frozenset({"prompts", "completions", "completion_ids"})
+
+
 def call_style(fn) -> CallStyle:
+    """TRL's signature when the function names any of `prompts`, `completions`,
+    `completion_ids`; else one response per call."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):   # a builtin or C function: the plain signature
         return CallStyle(False, frozenset({"prompt", "completion", "answer"}))
+    batched = bool(TRL_NAMES & set(params))
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return CallStyle("completions" in params, None)
-    return CallStyle("completions" in params, frozenset(params))
+        return CallStyle(batched, None)
+    return CallStyle(batched, frozenset(params))
 
 
 def reward_kwargs(style: CallStyle, problem: Problem, completion: str) -> dict[str, Any]:
