@@ -5,7 +5,8 @@
     posttrain train --config posttrain/recipes/guess_number.yaml \
         --env.name openenv --env.openenv examples.openenv_guess_number:GuessNumberEnv
 
-Served (one session per episode: allow prompts_per_step x group_size of them):
+Served (one session per episode; with fewer sessions than prompts_per_step x group_size, the
+episodes queue for one):
 
     python examples/openenv_guess_number.py --port 8001 --sessions 32 &
     posttrain train --config posttrain/recipes/guess_number.yaml \
@@ -36,7 +37,8 @@ class GuessState(State):
 
 class GuessNumberEnv(Environment[GuessAction, GuessObservation, GuessState]):
     """The secret is the problem's answer (posttrain passes it to reset); a wrong guess is
-    answered 'Higher.' or 'Lower.', reward 1 and done when it is found."""
+    answered 'Higher.' or 'Lower.', reward 1 and done when it is found. Its reset shows nothing
+    (the built-in's prompt is the whole task): the episodes are the built-in's, token for token."""
 
     SUPPORTS_CONCURRENT_SESSIONS = True
 
@@ -47,7 +49,7 @@ class GuessNumberEnv(Environment[GuessAction, GuessObservation, GuessState]):
     def reset(self, seed: int | None = None, episode_id: str | None = None,
               answer: str | None = None, **kwargs: Any) -> GuessObservation:
         self._state = GuessState(episode_id=episode_id, step_count=0, secret=int(answer))
-        return GuessObservation(message="Guess the number.")
+        return GuessObservation()   # no text: the problem's prompt alone opens the episode
 
     def step(self, action: GuessAction, timeout_s: float | None = None,
              **kwargs: Any) -> GuessObservation:

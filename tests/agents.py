@@ -106,7 +106,7 @@ def closes_never(cfg):
     return ClosesNever(hangs_after_the_first_step, cfg.max_turns)
 
 
-try:   # (openenv-core is an optional extra)
+try:   # (openenv is an optional extra)
     from examples.openenv_guess_number import GuessAction, GuessNumberEnv
 except ImportError:   # pragma: no cover - the tests that use it skip
     GuessNumberEnv = None

@@ -41,6 +41,14 @@ class EnvConfig:
     # Environment, run in process) or the URL of a served one ('http://127.0.0.1:8001')
     openenv: str | None = None
     openenv_action: str = "message"     # the OpenEnv action's field that receives the policy's turn
+    # the observation field the policy reads (a list of messages: their contents, one a line);
+    # None: the first non-empty of messages, prompt, message, text, question, content, feedback,
+    # else the other fields as JSON. What reset returns opens the episode: after the problem's
+    # prompt, or as the prompt when the row has none
+    openenv_observation: str | None = None
+    # the most OpenEnv sessions (episodes) at once: episodes past it wait for one to end. None:
+    # in process no limit; served, as many as the server accepts (its first refusal sets it)
+    openenv_sessions: int | None = None
     # an external agent harness (env.name agent): 'module:function' called as
     # function(base_url, problem) per episode, against the policy's OpenAI-compatible endpoint
     agent: str | None = None
@@ -64,6 +72,8 @@ class EnvConfig:
             if getattr(self, name) != getattr(self, name):
                 raise ConfigError(f"env.{name}=nan: give a number of seconds > 0 (inf: no limit)")
             check_range(f"env.{name}", getattr(self, name), 0.0, lo_open=True)
+        if self.openenv_sessions is not None:
+            check_range("env.openenv_sessions", self.openenv_sessions, 1)
         if self.name == "agent" and not self.agent:
             raise ConfigError("env.name agent needs env.agent: the 'module:function' that runs "
                               "one episode against the policy's endpoint")

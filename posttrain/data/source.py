@@ -34,7 +34,8 @@ def build_task(d: DataConfig, needs_answer: bool = True) -> Task:
             raise ConfigError(str(e)) from None
     if d.task.startswith("verifiers:"):          # a verifiers taskset (data/verifiers_tasks.py)
         from posttrain.data.verifiers_tasks import verifiers_task
-        return verifiers_task(d.task.partition(":")[2], d.eval_size, d.eval_seed)
+        return verifiers_task(d.task.partition(":")[2], d.eval_size, d.eval_seed,
+                              dict(d.task_options))
     parts = []
     for spec in d.task.split("+"):   # 'addition+arithmetic:1': a mixture, difficulty per task
         name, _, level = spec.partition(":")

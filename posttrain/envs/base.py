@@ -41,7 +41,8 @@ class Reply:
 class Environment(Protocol):
     """What every environment has. Optional hooks, each its own Protocol below and found with
     `isinstance`: `bind(tokenizer)` (BindsTokenizer), `tool_schemas` (DescribesTools),
-    `demonstration(problem)` (Demonstrates), `start_batch()` (StartsBatch)."""
+    `demonstration(problem)` (Demonstrates), `start_batch()` (StartsBatch), `opening(state)`
+    (OpensEpisodes), `end(state)` and `max_episodes` (HoldsSessions)."""
 
     name: str
     max_turns: int                     # the policy speaks at most this many times per episode
@@ -88,6 +89,37 @@ class StartsBatch(Protocol):
 
 
 @runtime_checkable
+class OpensEpisodes(Protocol):
+    """Optional hook: what `reset` showed (the task: a question, a board, a goal) opens the
+    episode: `opening(state)` goes after the problem's prompt, or in its place when the problem
+    has none (rollout/episodes.py). `takes_task` False: reset cannot be handed a problem's task
+    (no seed or other parameter a row fills), so the episodes of one problem could face different
+    tasks; a problem then gets one episode (a group of more is refused)."""
+
+    takes_task: bool
+
+    def opening(self, state: Any) -> str | None: ...
+
+
+class EnvironmentFull(RuntimeError):
+    """An environment cannot start another episode now: its sessions are all taken by episodes
+    of this batch. The episode waits until one of them ends (rollout/queued.py)."""
+
+
+@runtime_checkable
+class HoldsSessions(Protocol):
+    """Optional hook: each episode holds one of a limited number of sessions (a served OpenEnv
+    environment's), from `reset` until `end(state)` gives it back (called once an episode ends,
+    however it ends; again is harmless). At most `max_episodes` run at once (None: no limit
+    known); a reset past the limit raises EnvironmentFull."""
+
+    @property
+    def max_episodes(self) -> int | None: ...
+
+    def end(self, state: Any) -> None: ...
+
+
+@runtime_checkable
 class Demonstrates(Protocol):
     """Optional hook: an expert's episode for a problem, as chat messages (SFT data that teaches
     the environment's format: `posttrain generate --demonstrate`)."""
@@ -104,6 +136,9 @@ class Driven:
     parts: dict[str, float] = field(default_factory=dict)   # the reward by source (logged), in it
     counts: dict[str, int] = field(default_factory=dict)    # summed per step, as Reply.counts
     error: str | None = None                 # the episode failed (counted; most failing stops the run)
+    # a seat whose turns do not train (an untrainable seat, one the episode did not play, Seated):
+    # its row is left out of its group's baseline and the loss
+    left_out: bool = False
 
 
 @runtime_checkable
@@ -114,6 +149,20 @@ class DrivesPolicy(Protocol):
     (rollout/driven.py). `reset` and `step` are not called."""
 
     def drive(self, policy: Any, problem: Problem) -> Driven: ...
+
+
+@runtime_checkable
+class Seated(Protocol):
+    """Optional hook of a DrivesPolicy environment whose episode has several seats the policy
+    plays (a game's two players, a proposer and a solver, an assistant and a simulated user):
+    `seats(problem)` names them (the same for every problem of a run), and
+    `drive_seats(policies, problem)` plays one episode with a policy client per seat and returns
+    each seat's end. Each seat's turns are a row of their own, grouped with the same seat's rows
+    of the problem's other episodes (rollout/seated.py); one seat is plain `drive`."""
+
+    def seats(self, problem: Problem) -> tuple[str, ...]: ...
+
+    def drive_seats(self, policies: dict[str, Any], problem: Problem) -> dict[str, Driven]: ...
 
 
 class DrivingEnvironment:

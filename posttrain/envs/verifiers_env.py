@@ -1,18 +1,27 @@
 """verifiers environments (PyPI `verifiers` 0.4, `import verifiers.v1`) as posttrain environments
 (docs/environments.md): `data.task verifiers:ID` makes the taskset's tasks the problems, and each
-episode is a verifiers rollout of its task, which drives the policy.
+episode is one verifiers episode of its task, run as verifiers runs it.
 
-    posttrain episode thread -> verifiers Agent.run(task) -> harness (envs/verifiers_harness.py)
-    -> verifiers' interception endpoint -> `PolicyClient.get_response` (here) -> posttrain's
-    batched sampler (rollout/driven.py) -> exact token ids and log-probs back to verifiers
+    posttrain episode thread -> verifiers `Env.run_episode(task)` (the package's Env, else
+    SingleAgentEnv; loaded by verifiers.v1.utils.loaders.load_environment) -> each seat's agent
+    and harness -> verifiers' interception server -> `PolicyVFClient` (envs/verifiers_client.py)
+    -> the seat's row in posttrain's batched sampler (rollout/driven.py) -> exact token ids and
+    log-probs back to verifiers
 
-The task's rubric scores the rollout: its weighted sum is the episode's reward and each reward
-function's weighted score is logged as its own source (env/reward_NAME). Tool calls: a chat
-template that renders tools gets them (`tools=`); one that does not (SmolLM2's) gets them in a
-system message, Hermes-style (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), and a
-reply's calls are parsed from its text. Rollouts run on the local subprocess runtime (verifiers'
-default is a remote sandbox) with posttrain's in-process chat harness, so nothing needs the
-network. The verifiers version is pinned by the extra (`posttrain[verifiers]`): its API moves.
+What runs where: the environment's own code (its `run`, scripted users, referees, `finalize`),
+its harnesses, rubrics and judges run in the trainer's process on one event loop; task-scoped
+toolsets are started per rollout and a taskset's shared toolsets once (`Env.serving`), as local
+processes. Every seat runs on verifiers' local subprocess runtime (its default is a remote
+sandbox). A seat that plays verifiers' plain chat loop (`null`), or names no harness where the
+taskset bundles none (verifiers' default would be the `bash` agent), plays through posttrain's
+in-process chat harness (envs/verifiers_harness.py: the same loop, with nothing installed from
+the network); a harness the taskset bundles, or one a seat names, runs as named. Every seat is
+played by the policy (none here pins a client of its own).
+
+Seats: each seat's first trace of an episode is a row of its own (Seated). An untrainable seat
+(`trainable = False`, a user simulator) and a seat the episode did not play are left out of the
+baseline and the loss; a seat that runs more traces in one episode (a proposer's several solvers)
+has them played by the policy but trains its first only (said once in the log).
 """
 
 from __future__ import annotations
@@ -22,198 +31,206 @@ import json
 import logging
 import sys
 import threading
-import time
 import uuid
 from typing import Any
 
 from posttrain.data.tasks import Problem
-from posttrain.data.verifiers_tasks import load_taskset_tasks
+from posttrain.data.verifiers_tasks import task_stream
 from posttrain.envs.base import Driven, DrivingEnvironment, EpisodeTimeout, no_limit_as_none
-from posttrain.envs.tools import parse_calls
+from posttrain.envs.verifiers_client import make_client
 
 # verifiers' loader imports a harness by a top-level module name: the harness module is
-# registered under this one in sys.modules before the first rollout
+# registered under this one in sys.modules before the environment loads
 HARNESS = "posttrain_verifiers_harness"
 log = logging.getLogger("posttrain")
-TOOL_PROMPT = ("You can call functions. To call one, write <tool_call>{{\"name\": NAME, "
-               "\"arguments\": {{...}}}}</tool_call>; its result comes back in the next message. "
-               "When you know the answer, write it without a call.\nFunctions:\n{schemas}")
 
 
-def tool_schemas(tools: list[Any] | None) -> list[dict[str, Any]] | None:
-    """verifiers' tools as OpenAI function schemas (what chat templates take)."""
-    return [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                              "parameters": t.parameters}}
-            for t in tools or []] or None
+def stream_of(problem: Problem):
+    """The TaskStream a problem was drawn from (data/verifiers_tasks.py)."""
+    return task_stream(problem.meta["verifiers"], json.loads(problem.meta.get("verifiers_options", "{}")))
 
 
-def with_tool_prompt(messages: list[dict[str, Any]], schemas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The tools described in the system message (the same text every turn, so the episode's
-    history stays a prefix of the next request)."""
-    text = TOOL_PROMPT.format(schemas="\n".join(json.dumps(s["function"]) for s in schemas))
-    if messages and messages[0].get("role") == "system":
-        return [{"role": "system", "content": f"{messages[0].get('content') or ''}\n\n{text}"},
-                *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
-
-
-def make_client(policy: Any, renders_tools: bool):
-    """A verifiers `Client` over one episode's PolicyClient (built lazily: verifiers imported)."""
+def seats_config(env_config: Any) -> dict[str, Any]:
+    """The environment's seats in declaration order: each AgentConfig field of its config (as
+    verifiers' own `agent_config_fields` reads them)."""
     import verifiers.v1 as vf
-    from verifiers.v1.clients.train import serialize_completion
-    from verifiers.v1.dialects.chat import message_to_wire
-
-    class PolicyVFClient(vf.Client):
-        async def get_response(self, dialect, body, sampling, session_id=None, turn=None,
-                               headers=None):
-            request = turn if turn is not None else dialect.parse_request(body)
-            messages = [message_to_wire(m) for m in (request.prompt if turn is not None
-                                                     else request.messages)]
-            schemas = tool_schemas(request.tools)
-            if schemas and not renders_tools:
-                messages, schemas = with_tool_prompt(messages, schemas), None
-            out = await in_thread(policy.chat, messages, schemas,
-                                  body.get("max_tokens") or sampling.max_tokens)
-            content, calls = split_calls(out.text, request.tools)
-            policy.shown_as(content)
-            response = vf.Response(
-                id=f"posttrain-{uuid.uuid4().hex[:12]}", created=int(time.time()),
-                model=body["model"], message=vf.AssistantMessage(content=content, tool_calls=calls),
-                finish_reason="tool_calls" if calls else out.finish_reason,
-                usage=vf.Usage(prompt_tokens=len(out.prompt_ids),
-                               completion_tokens=len(out.completion_ids)),
-                tokens=vf.TurnTokens(prompt_ids=out.prompt_ids, completion_ids=out.completion_ids,
-                                     completion_logprobs=out.logprobs))
-            response.raw = serialize_completion(response, body["model"])
-            return response
-
-        async def relay(self, *args, **kwargs):   # (streaming is for evaluation clients)
-            raise NotImplementedError("posttrain's client answers whole turns")
-
-        async def relay_aux(self, *args, **kwargs):
-            raise NotImplementedError("posttrain's client answers whole turns")
-    return PolicyVFClient()
+    return {name: value for name, value in env_config if isinstance(value, vf.AgentConfig)}
 
 
-async def in_thread(fn, *args):
-    """fn(*args) in a thread of its own, awaited: the sampler answers once every episode of the
-    step has asked, so their blocking calls must not queue behind an executor's cap."""
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
+def local_config(env_config: Any, max_turns: int) -> Any:
+    """The environment's config as posttrain runs it: each seat on the subprocess runtime, with
+    posttrain's chat harness where it would play the `null` loop or verifiers' default `bash`
+    agent, and `max_turns` where it sets none; one interception server, on loopback."""
+    import verifiers.v1 as vf
+    # verifiers.v1.interception (not exported by verifiers.v1): the config of one interception
+    # server, on loopback (an Env's default is an elastic pool of them)
+    from verifiers.v1.interception import InterceptionServerConfig
+    bundled = vf.default_harness_id(env_config.taskset.id) != "bash"
+    ours = vf.harness_config_type(HARNESS).model_validate({"id": HARNESS})
+    seats = {}
+    for name, spec in seats_config(env_config).items():
+        plain = spec.harness.id == "null" if spec.harness is not None else not bundled
+        seats[name] = spec.model_copy(update={
+            "runtime": vf.SubprocessConfig(), "harness": ours if plain else spec.harness,
+            "max_turns": spec.max_turns if spec.max_turns is not None else max_turns})
+    return env_config.model_copy(update={**seats, "interception": InterceptionServerConfig()})
 
-    def run() -> None:
-        try:
-            result = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(lambda err=e: done.done() or done.set_exception(err))
+
+class Router:
+    """One episode's traces to its seats' policy clients: a seat's first trace answers on the
+    seat's row; a further trace of the same seat on a detached client (sampled on that row,
+    recorded nowhere)."""
+
+    def __init__(self, policies: dict[str, Any], warn) -> None:
+        self.policies, self.warn = policies, warn
+        self.owner: dict[str, str] = {}       # seat -> the trace id that owns its row
+        self.by_trace: dict[str, Any] = {}    # trace id -> the policy client that answers it
+
+    def minted(self, trace) -> None:
+        """(verifiers' on_trace: each trace as it is created, its seat stamped.) A seat given no
+        client of its own (an evaluation records the first seat only) plays on the first
+        seat's row, detached."""
+        seat = trace.agent.name if trace.agent is not None else ""
+        if trace.id in self.by_trace:
+            return
+        if seat not in self.policies:
+            self.by_trace[trace.id] = next(iter(self.policies.values())).detached()
+        elif seat not in self.owner:
+            self.owner[seat], self.by_trace[trace.id] = trace.id, self.policies[seat]
         else:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
-    threading.Thread(target=run, daemon=True, name="vf-turn").start()
-    return await done
+            self.warn(seat)
+            self.by_trace[trace.id] = self.policies[seat].detached()
+
+    def policy_for(self, trace_id: str | None) -> Any:
+        return self.by_trace.get(trace_id) or next(iter(self.policies.values()))
 
 
-def split_calls(text: str, tools: list[Any] | None):
-    """(content, tool calls) of a reply: Hermes-style calls parsed from its text when the
-    request offered tools; a malformed call stays text (the harness ends the rollout on it)."""
-    if not tools or "<tool_call>" not in text:
-        return text, None
-    import verifiers.v1 as vf
-    calls, _ = parse_calls(text, {t.name: None for t in tools}, "json")
-    if not calls:
-        return text, None
-    return text.split("<tool_call>", 1)[0].strip() or None, [
-        vf.ToolCall(id=f"call_{uuid.uuid4().hex[:12]}", name=c.name, arguments=json.dumps(c.arguments))
-        for c in calls]
+def seat_ends(episode, seats: tuple[str, ...], owner: dict[str, str]) -> dict[str, Driven]:
+    """Each seat's end: its row's trace's rubric (weighted sum and parts) and first error (else
+    the episode's: an Env.run or finalize that raised); a seat with no trace, or an untrainable
+    one, left out."""
+    traces = {t.id: t for t in episode.traces}
+    episode_error = (f"{episode.errors[0].type}: {episode.errors[0].message}"
+                     if episode.errors else None)
+    out = {}
+    for seat in seats:
+        trace = traces.get(owner.get(seat, ""))
+        if trace is None:
+            out[seat] = Driven(error=episode_error, left_out=True)
+            continue
+        parts = {name: r.score * r.weight for name, r in trace.rewards.items() if r is not None}
+        error = f"{trace.errors[0].type}: {trace.errors[0].message}" if trace.errors else episode_error
+        out[seat] = Driven(float(trace.reward or 0.0), None, parts, error=error,
+                           left_out=not trace.agent.trainable)
+    return out
 
 
 class VerifiersEnvironment(DrivingEnvironment):
-    """Each episode a verifiers rollout of the problem's task (`data.task verifiers:ID`), run
-    on an event loop of its own (one thread, one interception server for all episodes)."""
+    """Each episode a verifiers episode of the problem's task (`data.task verifiers:ID`), run by
+    the taskset's Env on an event loop of its own (one thread, one `Env.serving()` for all)."""
 
-    def __init__(self, max_turns: int = 4, harness: str = HARNESS, name: str = "verifiers",
+    def __init__(self, max_turns: int = 4, name: str = "verifiers",
                  timeout_s: float | None = None) -> None:
-        # timeout_s: a rollout's limit; None: the episode's (env.episode_timeout_s, the policy
-        # client's `time_left`), so the rollout is cancelled when the batch ends its episode
-        self.max_turns, self.harness, self.name, self.timeout_s = max_turns, harness, name, timeout_s
+        # timeout_s: an episode's limit; None: the episode's (env.episode_timeout_s, the policy
+        # client's `time_left`), so the episode is cancelled when the batch ends it
+        self.max_turns, self.name, self.timeout_s = max_turns, name, timeout_s
         self.renders_tools = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._server = None
+        self._env = None
+        self._serving = None
+        self._stream = None
         self._lock = threading.Lock()
-        self._warned = False
+        self._warned: set[str] = set()
 
     def start_batch(self) -> None:
         """Said once: a verifiers rubric scores the model's text where verifiers runs it, in the
         trainer's process, not in posttrain's reward sandbox (docs/safety.md)."""
-        if not self._warned:
-            self._warned = True
-            log.warning("verifiers: the task's rubric (and any tool without a sandbox of its own) "
-                        "reads the model's text in the trainer's process, outside posttrain's "
-                        "reward sandbox (docs/safety.md)")
+        self._say_once("sandbox", "verifiers: the task's rubric, the environment's own code and "
+                       "any tool without a sandbox of its own read the model's text in the "
+                       "trainer's process, outside posttrain's reward sandbox (docs/safety.md)")
+
+    def _say_once(self, key: str, text: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(text)
+
+    def warn_extra_trace(self, seat: str) -> None:
+        self._say_once(f"seat:{seat}", f"verifiers: seat {seat!r} ran more than one trace in an "
+                       "episode; posttrain trains one row per seat and episode (the seat's first "
+                       "trace): the others were played by the policy but are not trained")
 
     def bind(self, tokenizer) -> "VerifiersEnvironment":
         """Tools go to the chat template when it renders them, else to a system message."""
         self.renders_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
         return self
 
+    def seats(self, problem: Problem) -> tuple[str, ...]:
+        return tuple(seats_config(stream_of(problem).env_config))
+
     def drive(self, policy: Any, problem: Problem) -> Driven:
+        seat = self.seats(problem)[0]
+        return self.drive_seats({seat: policy}, problem)[seat]
+
+    def drive_seats(self, policies: dict[str, Any], problem: Problem) -> dict[str, Driven]:
         import verifiers.v1 as vf
-        task = load_taskset_tasks(problem.meta["verifiers"])[problem.meta["verifiers_index"]]
-        loop, server = self.started()
+        stream = stream_of(problem)
+        task = stream.task(problem.meta["verifiers_index"])
+        loop, env = self.started(stream)
+        router = Router(policies, self.warn_extra_trace)
         key = vf.TrainClientConfig(base_url=f"http://episode-{uuid.uuid4().hex}.invalid/v1",
                                    api_key_var="POSTTRAIN_UNUSED")
-        server.clients[key.model_dump_json()] = make_client(policy, self.renders_tools)
+        # Env._interception (private): verifiers 0.4 gives no public handle on the live server
+        # an Env serves through; its `clients` (one per endpoint config) is where a caller's
+        # Client goes, under the key of the episode's own endpoint config
+        clients = env._interception.clients
+        clients[key.model_dump_json()] = make_client(router.policy_for, self.renders_tools)
+        ctx = vf.ModelContext(model="policy", client=key, sampling=vf.SamplingConfig())
         try:
-            agent = vf.Agent(vf.AgentConfig(
-                model="policy", harness={"id": self.harness}, runtime=vf.SubprocessConfig(),
-                client=key, sampling=vf.SamplingConfig(), max_turns=self.max_turns),
-                interception=server)
-            future = asyncio.run_coroutine_threadsafe(agent.run(task), loop)
+            future = asyncio.run_coroutine_threadsafe(
+                env.run_episode(task, ctx, on_trace=router.minted), loop)
             try:
-                trace = future.result(self.time_limit(policy))
+                episode = future.result(self.time_limit(next(iter(policies.values()))))
             except TimeoutError:
                 future.cancel()
-                raise EpisodeTimeout("the verifiers rollout passed its time limit (timeout_s, "
+                raise EpisodeTimeout("the verifiers episode passed its time limit (timeout_s, "
                                      "else env.episode_timeout_s)") from None
         finally:
-            server.clients.pop(key.model_dump_json(), None)
-        return driven(trace)
+            clients.pop(key.model_dump_json(), None)
+        return seat_ends(episode, tuple(policies), router.owner)
 
     def time_limit(self, policy: Any) -> float | None:
-        """Seconds a rollout may still take: timeout_s, else what the episode has left (None:
+        """Seconds an episode may still take: timeout_s, else what the episode has left (None:
         no limit; inf is None here, as Future.result cannot wait for inf)."""
         if self.timeout_s is not None:
             return no_limit_as_none(self.timeout_s)
         left = getattr(policy, "time_left", None)
         return no_limit_as_none(left()) if callable(left) else None
 
-    def started(self):
-        """The event loop thread and the interception server, started on the first episode."""
+    def started(self, stream):
+        """The event loop thread and the serving Env, started on the first episode."""
         with self._lock:
             if self._loop is None:
-                from verifiers.v1.interception import InterceptionServer
+                import verifiers.v1 as vf
 
                 from posttrain.envs import verifiers_harness
                 sys.modules.setdefault(HARNESS, verifiers_harness)
+                env = vf.load_environment(local_config(stream.env_config, self.max_turns))
                 loop = asyncio.new_event_loop()
                 threading.Thread(target=loop.run_forever, daemon=True, name="verifiers").start()
-                server = InterceptionServer()
-                asyncio.run_coroutine_threadsafe(server.__aenter__(), loop).result(60)
-                self._loop, self._server = loop, server
-            return self._loop, self._server
+                serving = env.serving()
+                asyncio.run_coroutine_threadsafe(serving.__aenter__(), loop).result(120)
+                self._loop, self._env, self._serving = loop, env, serving
+                self._stream = stream
+            if stream is not self._stream:
+                raise ValueError(f"one verifiers environment runs one taskset: it serves "
+                                 f"verifiers:{self._stream.taskset_id}, and a problem of "
+                                 f"verifiers:{stream.taskset_id} came")
+            return self._loop, self._env
 
     def close(self) -> None:
         with self._lock:
             if self._loop is not None:
-                asyncio.run_coroutine_threadsafe(self._server.__aexit__(None, None, None),
+                asyncio.run_coroutine_threadsafe(self._serving.__aexit__(None, None, None),
                                                  self._loop).result(60)
                 self._loop.call_soon_threadsafe(self._loop.stop)
-                self._loop, self._server = None, None
-
-
-def driven(trace) -> Driven:
-    """A rollout's trace as the episode's end: the rubric's weighted sum and its parts, and its
-    first error (a rubric or tool that failed: env_errors, and a run whose episodes mostly fail
-    for reward.max_failing_steps steps stops with it)."""
-    parts = {name: r.score * r.weight for name, r in trace.rewards.items() if r is not None}
-    error = f"{trace.errors[0].type}: {trace.errors[0].message}" if trace.errors else None
-    return Driven(float(trace.reward or 0.0), None, parts, error=error)
+                self._loop, self._env, self._serving, self._stream = None, None, None, None

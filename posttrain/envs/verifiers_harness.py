@@ -1,11 +1,15 @@
-"""The harness posttrain runs verifiers tasks with (envs/verifiers_env.py): verifiers' plain chat
-loop, in process. The policy is asked through the rollout's interception endpoint (so verifiers
-records the turn), a reply with tool calls gets the tools' results (the task's MCP toolsets) and
-asks again, a reply without one ends the rollout. verifiers' own `null` harness runs the same
-loop as a program it first installs with `uv` from the network; this one needs nothing.
+"""The harness posttrain plays a verifiers seat with where the seat would play verifiers' plain
+chat loop (`null`) or names no harness (envs/verifiers_env.py): the same loop, in process. The
+policy is asked through the rollout's interception endpoint (so verifiers records the turn), a
+reply with tool calls gets the tools' results (the task's and the taskset's MCP toolsets) and
+asks again, a reply without one ends the segment. A task without a prompt gets no user message:
+its environment opens the exchange (an interaction's first turn, relaunched here on the
+conversation). verifiers' own `null` harness runs the same loop as a program it first installs
+with `uv` from the network; this one needs nothing.
 
-Its plugin id is this module's name, `posttrain.envs.verifiers_harness` (verifiers finds the one
-Harness a module exports in `__all__`). Imports verifiers: loaded by verifiers only.
+Its plugin id is `posttrain_verifiers_harness`, the name this module is registered under in
+sys.modules before the environment loads (verifiers finds the one Harness a module exports in
+`__all__`). Imports verifiers: loaded by verifiers only.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from contextlib import AsyncExitStack
 
 import verifiers.v1 as vf
 from openai import AsyncOpenAI, BadRequestError
+# verifiers.v1.dialects.chat (not exported by verifiers.v1): `message_to_wire`, a typed message as
+# OpenAI JSON; verifiers.v1.harnesses.utils.mcp (not exported): the MCP client verifiers' own
+# harnesses connect to a rollout's tool servers with
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.harnesses.utils.mcp import call_mcp, connect_mcp
 

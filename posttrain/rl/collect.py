@@ -21,6 +21,7 @@ from posttrain.rewards.verifiers import overlong_penalty
 from posttrain.envs import Environment, SingleTurn
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams, episode_settings
 from posttrain.rollout.episodes import Episodes, run_episodes
+from posttrain.rollout.seated import seat_problems, seated_episodes, seats_of
 from posttrain.rollout.hf import row_seeds
 from posttrain.model.distributed import SINGLE, World, full_weights_for_generation, gather_objects
 from posttrain.rl.batch import ScoredBatch, merge
@@ -32,12 +33,13 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
                        timings: Counter, world: World = SINGLE, env: Environment | None = None,
                        tallies: dict[str, Tally] | None = None) -> tuple[ScoredBatch, dict[str, float]]:
     """Sample a group of episodes per prompt and score them; with dynamic sampling, refill until
-    P informative groups. A single-turn task's episode is one answer (envs/base.py).
+    P informative groups (P x seats where each seat of an episode is a row: rollout/seated.py).
+    A single-turn task's episode is one answer (envs/base.py).
 
     Every rank draws the same P prompts and keeps its share; each response is sampled from noise
     keyed by (seed, draw number, g), so the batch does not depend on the number of ranks."""
     env = env or SingleTurn()
-    G, P_global = cfg.rollout.group_size, cfg.rollout.prompts_per_step
+    G = cfg.rollout.group_size
     kept: list[tuple[int, ScoredBatch]] = []
     n_kept, rounds, stats = 0, 0, Counter()
     while True:
@@ -47,7 +49,8 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
         if rounds == 0:
             first = batch
         rounds += 1
-        stats["rollout/generated_responses"] += P_global * G
+        groups = len(batch.rewards_B) // G * world.size   # (P_global; x seats where each is a row)
+        stats["rollout/generated_responses"] += groups * G
         if not algo.dynamic_sampling:
             return batch, dict(stats)
         keep_groups = (~equal).nonzero().squeeze(-1)
@@ -56,7 +59,7 @@ def generate_and_score(engine: RolloutEngine, tokenizer, sampler: Sampler, score
             kept.append((rounds, batch.select(rows)))
         # informative groups over all ranks: every rank counts the same, so they stop together
         n_kept += sum(gather_objects(keep_groups.numel(), world))
-        if n_kept >= P_global or rounds > algo.max_refill_rounds:
+        if n_kept >= groups or rounds > algo.max_refill_rounds:
             break
     stats["rollout/dynamic_rounds"] = rounds
     return informative_groups(kept, n_kept, first, cfg, tokenizer, world, stats), dict(stats)
@@ -73,15 +76,17 @@ def sample_and_score_round(engine: RolloutEngine, tokenizer, sampler: Sampler, s
     t0 = time.perf_counter()
     drawn, keys = sampler.draw(r.prompts_per_step)     # (prompts that failed before come first)
     problems, keys = drawn[world.share(r.prompts_per_step)], keys[world.share(r.prompts_per_step)]
+    seats = seats_of(env, problems)   # (several seats a row each: P*S groups of G, Seated)
     with full_weights_for_generation(getattr(engine, "model", None), world):
-        episodes = run_episodes(engine, tokenizer, env, problems, G, params,
-                                episode_settings(cfg), generator, seeds=row_seeds(cfg.seed, keys, G))
+        episodes = (seated_episodes if seats else run_episodes)(
+            engine, tokenizer, env, problems, G, params, episode_settings(cfg), generator,
+            seeds=row_seeds(cfg.seed, keys, G))
     t1 = time.perf_counter()
     if tallies is not None:   # the environment's and its tools' failures (FailureWatch)
         tallies.update(merge_tallies(tallies, episodes.tallies()))
-    per_response = [p for p in problems for _ in range(G)]
+    per_response = [p for p in seat_problems(problems, seats) for _ in range(G)]
     result, rewards, correct, parts = score_round(episodes, per_response, scorer, sampler, cfg,
-                                                  algo, world, stats)
+                                                  algo, world, stats, max(len(seats), 1))
     if tallies is not None:   # the scorers' failures on this batch (FailureWatch)
         tallies.update(merge_tallies(tallies, result.tallies))
     timings["generate"] += t1 - t0
@@ -115,7 +120,7 @@ def informative_groups(kept: list[tuple[int, ScoredBatch]], n_kept: int, first: 
     process keeps them; if the refills ran out, a multiple of the world size of them, so that
     every rank gets as many. None at all: an empty batch (train on nothing rather than noise)."""
     G = cfg.rollout.group_size
-    n_use = min(n_kept, cfg.rollout.prompts_per_step) // world.size * world.size
+    n_use = min(n_kept, len(first.rewards_B) // G * world.size) // world.size * world.size
     stats["rollout/kept_groups"] = n_use
     if n_use == 0:
         return first.select(torch.arange(0))
@@ -132,10 +137,11 @@ def informative_groups(kept: list[tuple[int, ScoredBatch]], n_kept: int, first: 
 
 
 def score_round(episodes: Episodes, per_response: list[Problem], scorer: Scorer, sampler: Sampler,
-                cfg: TrainConfig, algo: AlgorithmConfig, world: World, stats: Counter):
+                cfg: TrainConfig, algo: AlgorithmConfig, world: World, stats: Counter,
+                seats: int = 1):
     """A round's rewards (verifier, reward functions, the environment's, DAPO's overlong shaping),
-    verdicts and each reward's parts by source; the prompts to ask again go to the sampler,
-    failed calls to `stats`."""
+    verdicts and each reward's parts by source; the prompts to ask again go to the sampler (a
+    prompt's `seats` groups judged together), failed calls to `stats`."""
     rollout = episodes.rollout
     result = scorer(per_response, episodes.completions, group_size=cfg.rollout.group_size,
                     completion_ids=rollout.policy_ids())
@@ -150,7 +156,7 @@ def score_round(episodes: Episodes, per_response: list[Problem], scorer: Scorer,
     elif episodes.env_rewards_B.abs().sum() > 0:
         for part, r in zip(parts, episodes.env_rewards_B.tolist()):
             part["environment"] = r
-    report_solved(sampler, correct, cfg.rollout.group_size, cfg.data.retry_if, world, stats)
+    report_solved(sampler, correct, cfg.rollout.group_size * seats, cfg.data.retry_if, world, stats)
     if algo.overlong == "shape":
         # (an episode: its longest turn, the part max_new_tokens cuts; never the environment's tokens)
         penalty = overlong_penalty(rollout.longest_turn_B, cfg.rollout.max_new_tokens,

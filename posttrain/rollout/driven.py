@@ -204,6 +204,12 @@ class PolicyClient:
                    if isinstance(prompt, str) else list(prompt))
             return self._turn(self.recorder.context_ids(self.session, ids, self.budget), max_tokens)
 
+    def detached(self) -> "PolicyClient":
+        """A client on the same row whose turns are recorded nowhere (a seat's further trace in
+        one episode, Seated): sampled from the row's seed, its turns counted on the row."""
+        return PolicyClient(self.row, Session(), self.recorder, self.batcher, self.params,
+                            self.budget)
+
     def time_left(self) -> float | None:
         """Seconds until the episode passes its time limit (env.episode_timeout_s; None: none):
         an environment that waits on its own rollout waits no longer than this."""
@@ -237,24 +243,33 @@ class DrivenBatch:
 
 def drive_batch(engine: RolloutEngine, tokenizer, env: Environment, problems: list[Problem],
                 params: SamplingParams, settings, generator: torch.Generator | None = None,
-                seeds: Tensor | None = None) -> DrivenBatch:
+                seeds: Tensor | None = None, units: list[dict[str, int]] | None = None) -> DrivenBatch:
     """Every row's episode (`problems`: one per row) driven by the environment in a daemon
     thread of its own; a failed episode gets reward 0 and is counted (env_errors), as a
-    built-in's; one past a time limit is ended, counted (timeouts) and marked `timed_out`."""
+    built-in's; one past a time limit is ended, counted (timeouts) and marked `timed_out`.
+    `units`: episodes of several seats (Seated), each its seats' rows: one thread per episode,
+    `drive_seats` with a client per seat."""
     B = len(problems)
+    units = units or [{"": r} for r in range(B)]
     params = replace(params, max_episode_tokens=None)
+    unit_of = [0] * B
+    for u, rows in enumerate(units):
+        for r in rows.values():
+            unit_of[r] = u
     batcher = TurnBatcher(engine, params, B, generator, seeds,
                           getattr(settings, "turn_timeout_s", None),
-                          getattr(settings, "episode_timeout_s", None))
+                          getattr(settings, "episode_timeout_s", None), unit_of)
     recorder = Recorder(tokenizer, ReplyEncoder(tokenizer, settings.chat_template,
                                                 settings.template_kwargs),
                         dict(settings.template_kwargs or {}))
     out = DrivenBatch([Session() for _ in range(B)], [Driven()] * B)
     clients = [PolicyClient(r, out.sessions[r], recorder, batcher, params, settings.max_tokens)
                for r in range(B)]
-    for r, client in enumerate(clients):
-        threading.Thread(target=drive_one, args=(env, client, problems[r]), daemon=True,
-                         name=f"episode-{r}").start()
+    for u, rows in enumerate(units):
+        seated = {seat: clients[r] for seat, r in rows.items()}
+        target, first = (drive_one, seated[""]) if "" in seated else (drive_seated, seated)
+        threading.Thread(target=target, args=(env, first, problems[min(rows.values())]),
+                         daemon=True, name=f"episode-{u}").start()
     try:
         batcher.watch()   # (every wait bounded: a hung episode is ended, never waited for)
     finally:   # (an episode a limit or a stop ended gives back what it holds)
@@ -294,3 +309,25 @@ def drive_one(env: Environment, client: PolicyClient, problem: Problem) -> None:
             count, error = "env_errors", traceback.format_exc()
     finally:
         batcher.done(r, (out, count, error), limit)
+
+
+def drive_seated(env: Environment, clients: dict[str, PolicyClient], problem: Problem) -> None:
+    """One episode of several seats (Seated), in its thread: each seat's end left with the
+    batcher for the seat's row, as `drive_one` leaves one."""
+    batcher = next(iter(clients.values())).batcher
+    ends, count, error, limit = {}, None, None, None
+    try:
+        ends = env.drive_seats(clients, problem)
+    except EpisodeTimeout as e:
+        limit = str(e)
+    except EpisodeOver:
+        count = "over_budget"
+    except Exception:  # noqa: BLE001 - an episode's failure ends it, not the run
+        if batcher.error is None:
+            count, error = "env_errors", traceback.format_exc()
+    finally:
+        for seat, client in clients.items():
+            out = ends.get(seat, Driven())
+            seat_count, seat_error = (("env_errors", out.error) if out.error is not None
+                                      else (count, error))
+            batcher.done(client.row, (out, seat_count, seat_error), limit)

@@ -23,12 +23,13 @@ import torch
 from torch import Tensor
 
 from posttrain.data.tasks import Problem
-from posttrain.envs.base import (DescribesTools, DrivesPolicy, Environment, EpisodeTimeout, Reply,
-                                 StartsBatch)
+from posttrain.envs.base import (DescribesTools, DrivesPolicy, Environment, EnvironmentFull,
+                                 EpisodeTimeout, HoldsSessions, OpensEpisodes, Reply, StartsBatch)
 from posttrain.util.health import Tally
 from posttrain.util.usercode import as_reward
 from posttrain.model.prompts import ReplyEncoder, encode_prompts, left_pad
 from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams
+from posttrain.rollout.sessions import generate_queued, opened, refuse_untaskable_groups
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,17 @@ class Episodes:
     errors: dict[str, str] = field(default_factory=dict)   # 'environment' / 'tools': the first failure
     parts: list[dict[str, float]] | None = None   # a driving environment's reward by source, per episode
     timed_out: list[bool] | None = None  # ended by a time limit (EpisodeTimeout): left out
+    left_out: list[bool] | None = None   # a seat's row that does not train (Driven.left_out)
 
     def scored(self, judged_B: Tensor | None, device) -> Tensor | None:
-        """(B,) bool: the responses that count (None: all): the judge could score them and their
-        episode ended within its time limits; the rest leave their group's baseline and the loss."""
-        if not any(self.timed_out or ()):
+        """(B,) bool: the responses that count (None: all): the judge could score them, their
+        episode ended within its time limits and their seat trains; the rest leave their group's
+        baseline and the loss."""
+        out = [a or b for a, b in zip(self.timed_out or [False] * len(self.completions),
+                                      self.left_out or [False] * len(self.completions))]
+        if not any(out):
             return None if judged_B is None else judged_B.to(device)
-        ok = ~torch.tensor(self.timed_out, dtype=torch.bool, device=device)
+        ok = ~torch.tensor(out, dtype=torch.bool, device=device)
         return ok if judged_B is None else ok & judged_B.to(device)
 
     def tallies(self) -> dict[str, Tally]:
@@ -86,30 +91,54 @@ class Episodes:
 def run_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems: list[Problem],
                  group_size: int, params: SamplingParams, settings: EpisodeSettings,
                  generator: torch.Generator | None = None, seeds: Tensor | None = None) -> Episodes:
-    """`group_size` episodes from each problem; `seeds` as for `RolloutEngine.generate`."""
+    """`group_size` episodes from each problem; `seeds` as for `RolloutEngine.generate`. Every
+    episode is reset before its first turn, so that what reset showed opens its prompt
+    (OpensEpisodes); episodes that do not all fit in the environment's sessions (HoldsSessions)
+    queue for one (rollout/sessions.py). Each episode's session is given back once the batch ends."""
     G = group_size
     if isinstance(env, DrivesPolicy):
         return driven_episodes(engine, tokenizer, env, problems, G, params, settings, generator, seeds)
-    prompts = encode_prompts(tokenizer, problems, env.system_prompt(settings.system_prompt),
-                             settings.chat_template, settings.template_kwargs,
-                             env.tool_schemas if isinstance(env, DescribesTools) else None)
-    book = _Book(env, [p for p in problems for _ in range(G)], tokenizer, settings)
+    book = _Book(env, problems, G, tokenizer, settings)
+    try:
+        return _episodes(engine, tokenizer, book, params, settings, generator, seeds)
+    finally:
+        book.end_all()
+
+
+def _episodes(engine: RolloutEngine, tokenizer, book: _Book, params: SamplingParams,
+              settings: EpisodeSettings, generator: torch.Generator | None,
+              seeds: Tensor | None) -> Episodes:
+    env, G = book.env, book.G
+    if env.max_turns > 1:
+        params = replace(params, stop=tuple(dict.fromkeys(params.stop + env.stop)),
+                         max_episode_tokens=settings.max_tokens)
+    encode = lambda problems: encode_prompts(   # noqa: E731 - the prompts of (opened) problems
+        tokenizer, problems, env.system_prompt(settings.system_prompt), settings.chat_template,
+        settings.template_kwargs, env.tool_schemas if isinstance(env, DescribesTools) else None)
+    if not book.start_all():   # (the environment's sessions are fewer than the episodes)
+        q = generate_queued(engine, book, encode, params, generator, seeds)
+        rollout = padded_rollout(q.prompts, G, q.ids, q.logps, q.policy, q.truncated,
+                                 tokenizer.pad_token_id, _device(engine))
+        texts = book.last_text if env.max_turns == 1 else _transcripts(tokenizer, rollout)
+        return book.episodes(rollout, book.last_text, texts)
+    prompts = encode([book.problem(i) for i in range(len(book.rows) // G)])
     if env.max_turns == 1:
         rollout = engine.generate(prompts, G, params, generator, seeds=seeds)
         texts = _decode(tokenizer, rollout)
         for r, text in enumerate(texts):
             book.turn_ended(r, text)
         return book.episodes(rollout, texts, texts)
-    params = replace(params, stop=tuple(dict.fromkeys(params.stop + env.stop)),
-                     max_episode_tokens=settings.max_tokens)
     if "respond" in inspect.signature(engine.generate).parameters:
         rollout = engine.generate(prompts, G, params, generator, seeds=seeds, respond=book.respond)
     else:
         rollout = generate_by_turns(engine, prompts, G, params, book.respond, tokenizer.pad_token_id,
                                     generator, seeds)
+    return book.episodes(rollout, book.last_text, _transcripts(tokenizer, rollout))
+
+
+def _transcripts(tokenizer, rollout: Rollout) -> list[str]:
     lengths = rollout.lengths_B.long().tolist()
-    transcripts = [tokenizer.decode(row[:n]) for row, n in zip(rollout.response_ids_B_T.tolist(), lengths)]
-    return book.episodes(rollout, book.last_text, transcripts)
+    return [tokenizer.decode(row[:n]) for row, n in zip(rollout.response_ids_B_T.tolist(), lengths)]
 
 
 def env_reward(value: Any) -> tuple[float, str | None]:
@@ -136,28 +165,74 @@ class _Book:
     """Each episode's environment state, turn count, rewards and last turn's text; `respond` is
     what the engine calls when a policy turn ends."""
 
-    def __init__(self, env: Environment, problems: list[Problem], tokenizer,
+    def __init__(self, env: Environment, problems: list[Problem], G: int, tokenizer,
                  settings: EpisodeSettings) -> None:
-        self.env, self.tokenizer, self.settings = env, tokenizer, settings
+        refuse_untaskable_groups(env, G)
+        self.env, self.G, self.tokenizer, self.settings = env, G, tokenizer, settings
         if isinstance(env, StartsBatch):
             env.start_batch()
+        self.rows = [p for p in problems for _ in range(G)]
+        n = len(self.rows)
         self.counts: Counter = Counter()
         self.errors: dict[str, str] = {}
-        self.timed_out = [False] * len(problems)
-        self.states = [self.reset(r, p) for r, p in enumerate(problems)]
-        self.turns = [0] * len(problems)
-        self.last_text = [""] * len(problems)
-        self.rewards = [0.0] * len(problems)
-        self.correct: list[bool | None] = [None] * len(problems)
+        self.timed_out = [False] * n
+        self.states: list[Any] = [None] * n
+        self.started, self.ended = [False] * n, [False] * n
+        self.openings: dict[int, str] = {}   # problem index -> what its episodes' reset showed
+        self.turns = [0] * n
+        self.last_text = [""] * n
+        self.rewards = [0.0] * n
+        self.correct: list[bool | None] = [None] * n
         self.encoder = ReplyEncoder(tokenizer, settings.chat_template, settings.template_kwargs)
         self.eos_id = tokenizer.eos_token_id
 
-    def reset(self, r: int, problem: Problem) -> Any:
+    def start(self, r: int) -> bool:
+        """Reset episode r; False when the environment has no room for it yet (EnvironmentFull)."""
         try:
-            return self.env.reset(problem)
+            self.states[r] = self.env.reset(self.rows[r])
+        except EnvironmentFull:
+            return False
         except EpisodeTimeout as e:
             self.time_out(r, e)
-            return None
+        self.started[r] = True
+        if not self.timed_out[r] and isinstance(self.env, OpensEpisodes):
+            self.opens(r, self.env.opening(self.states[r]) or "")
+        return True
+
+    def start_all(self) -> bool:
+        """Start every episode, in order, while the environment has room (HoldsSessions);
+        False when some must wait for a session."""
+        for r in range(len(self.rows)):
+            limit = self.env.max_episodes if isinstance(self.env, HoldsSessions) else None
+            if (limit is not None and r >= limit) or not self.start(r):
+                return False
+        return True
+
+    def opens(self, r: int, text: str) -> None:
+        """Record what episode r's reset showed: the same for every episode of its problem."""
+        i = r // self.G
+        seen = self.openings.setdefault(i, text)
+        if text != seen:
+            raise ValueError(
+                f"the episodes of problem {i} of the batch opened differently ({seen[:60]!r} vs "
+                f"{text[:60]!r}): a group's episodes must face the same task; hand reset the "
+                "problem's task (its seed or a row's fields: docs/environments.md), or sample one "
+                "episode per problem (rollout.group_size 1)")
+
+    def problem(self, i: int) -> Problem:
+        """Problem i as its episodes open (`opened`): the prompt they all see."""
+        return opened(self.rows[i * self.G], self.openings.get(i))
+
+    def end(self, r: int) -> None:
+        """Episode r is over: its session goes back to the environment (HoldsSessions)."""
+        if self.started[r] and not self.ended[r]:
+            self.ended[r] = True
+            if isinstance(self.env, HoldsSessions) and self.states[r] is not None:
+                self.env.end(self.states[r])
+
+    def end_all(self) -> None:
+        for r in range(len(self.rows)):
+            self.end(r)
 
     def time_out(self, r: int, e: EpisodeTimeout) -> None:
         """The episode passed a time limit: ended, counted, left out of the baseline and loss."""

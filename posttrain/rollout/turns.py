@@ -34,12 +34,18 @@ class EpisodeOver(RequestError):
 class TurnBatcher:
     """Waits until every live episode has asked for its next turn (or ended), then samples all
     of them in one engine call; `ask` blocks its episode's thread until its turn is sampled.
-    `watch` (the thread that drives the batch) ends each episode that passes a time limit."""
+    `watch` (the thread that drives the batch) ends each episode that passes a time limit.
+
+    `units`: the episode of each row, where an episode has several rows (its seats, Seated): an
+    episode waits when one of its rows has asked (its other seats wait on that turn), its rows
+    share the time limits, and a limit ends all of them. None: each row its own episode."""
 
     def __init__(self, engine: RolloutEngine, params: SamplingParams, n: int,
                  generator: torch.Generator | None, seeds: Tensor | None,
-                 turn_timeout_s: float | None = None, episode_timeout_s: float | None = None) -> None:
+                 turn_timeout_s: float | None = None, episode_timeout_s: float | None = None,
+                 units: list[int] | None = None) -> None:
         self.engine, self.params, self.generator, self.seeds = engine, params, generator, seeds
+        self.unit = list(units) if units is not None else list(range(n))
         self.cond = threading.Condition()
         self.live = set(range(n))
         self.pending: dict[int, tuple[list[int], int]] = {}
@@ -145,7 +151,8 @@ class TurnBatcher:
         """The limit the row has passed, as its option and value, or None."""
         if self.episode_s is not None and now - self.started >= self.episode_s:
             return f"env.episode_timeout_s={self.episode_s:g}"
-        if self.turn_s is not None and row not in self.pending and now - self.since[row] >= self.turn_s:
+        if (self.turn_s is not None and not self._asking(row)
+                and now - self.since[row] >= self.turn_s):
             return f"env.turn_timeout_s={self.turn_s:g}"
         return None
 
@@ -155,12 +162,17 @@ class TurnBatcher:
         if self.episode_s is not None:
             times.append(self.started + self.episode_s)
         if self.turn_s is not None:
-            times += [self.since[r] + self.turn_s for r in self.live if r not in self.pending]
+            times += [self.since[r] + self.turn_s for r in self.live if not self._asking(r)]
         return max(min(times), now + 0.01)
+
+    def _asking(self, row: int) -> bool:
+        """(Under the lock.) Whether the row's episode waits on a turn (one of its rows asked)."""
+        return any(self.unit[r] == self.unit[row] for r in self.pending)
 
     def _run_if_ready(self) -> None:
         """(Under the lock.) Sample every pending turn once all live episodes wait."""
-        if not self.pending or set(self.pending) != self.live:
+        waiting = {self.unit[r] for r in self.pending}
+        if not self.pending or waiting != {self.unit[r] for r in self.live}:
             return
         rows = sorted(self.pending)
         try:
@@ -172,7 +184,10 @@ class TurnBatcher:
         for r, out in zip(rows, outs):
             self.results[r] = out
             self.turn[r] += 1
-            self.since[r] = now   # (the sampling's time is not the environment's turn)
+        sampled = {self.unit[r] for r in rows}
+        for r in range(len(self.since)):   # (the sampling's time is not the environment's turn)
+            if self.unit[r] in sampled:
+                self.since[r] = now
         self.pending.clear()
         self.cond.notify_all()
 

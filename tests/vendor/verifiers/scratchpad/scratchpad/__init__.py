@@ -1,0 +1,3 @@
+from scratchpad.taskset import ScratchpadTaskset
+
+__all__ = ["ScratchpadTaskset"]
