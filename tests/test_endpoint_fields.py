@@ -14,7 +14,8 @@ from posttrain.envs.agent import AgentEnvironment
 from posttrain.envs.endpoint import Endpoint
 from posttrain.rollout import SamplingParams
 from posttrain.rollout.driven import PolicyTurn
-from posttrain.rollout.episodes import EpisodeSettings, padded_rollout, run_episodes
+from posttrain.rollout.episodes import EpisodeSettings, run_episodes
+from tests.test_verifiers import Scripted   # (the engine that calls `multiply`, then answers)
 
 USER = [{"role": "user", "content": "What is 12 * 34?"}]
 TOOLS = [{"type": "function", "function": {
@@ -149,30 +150,6 @@ def test_a_tool_definition_without_a_function_name_is_a_400(served, tools):
         client.chat.completions.create(model="policy", messages=USER, tools=tools)
 
 
-class Multiplies:
-    """An engine that calls `multiply` on the question, then answers with the tool's result."""
-
-    model = None
-
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
-
-    def reply(self, prompt_ids):
-        text = self.tok.decode(prompt_ids)
-        last = text.rsplit("<|im_start|>", 2)[-2]
-        if last.startswith("tool"):
-            return f"The answer is {last.split(chr(10), 1)[1].split('<|im_end|>')[0].strip()}."
-        a, b = text.rsplit("What is ", 1)[1].split("?")[0].split(" * ")
-        return f'<tool_call>{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
-
-    def generate(self, prompts, G, params, generator=None, seeds=None):
-        eos = [self.tok.eos_token_id]
-        ids = [self.tok(self.reply(p), add_special_tokens=False)["input_ids"] + eos for p in prompts]
-        return padded_rollout(prompts, G, ids, [[-0.5] * len(x) for x in ids],
-                              [[1.0] * len(x) for x in ids], [False] * len(ids),
-                              self.tok.pad_token_id, torch.device("cpu"))
-
-
 REPLIES: dict[str, list[dict]] = {}   # each episode's replies, by its session URL
 
 
@@ -199,7 +176,7 @@ def test_a_tool_call_round_trip_trains_on_the_tokens_the_client_was_given(tokeni
     problems = [Problem("What is 12 * 34?", "408"), Problem("What is 23 * 45?", "1035")]
     env = AgentEnvironment(multiply_over_http, 3)
     REPLIES.clear()
-    out = run_episodes(Multiplies(tokenizer), tokenizer, env, problems, 2, SamplingParams(64, 1.0),
+    out = run_episodes(Scripted(tokenizer), tokenizer, env, problems, 2, SamplingParams(64, 1.0),
                        EpisodeSettings(None, True, None, 400, 64), seeds=torch.arange(4))
     env.close()
     assert out.env_rewards_B.tolist() == [1.0] * 4

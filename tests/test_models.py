@@ -65,9 +65,6 @@ def test_a_hub_id_in_the_cache_is_the_snapshot_transformers_reads(tmp_path, toke
     assert found == repo / "snapshots" / ("b" * 40)
     theirs = cached_file("org/tiny", "config.json", cache_dir=tmp_path / "hub", local_files_only=True)
     assert found == type(found)(theirs).parent
-    loaded = AutoModelForCausalLM.from_pretrained(found)
-    assert torch.equal(loaded.lm_head.weight, AutoModelForCausalLM.from_pretrained(
-        "org/tiny", cache_dir=tmp_path / "hub", local_files_only=True).lm_head.weight)
 
 
 def test_a_hub_id_not_in_the_cache_names_the_cache_and_the_command(tmp_path, monkeypatch):

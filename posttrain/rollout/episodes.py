@@ -351,8 +351,19 @@ def driven_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems
     rollout = padded_rollout([s[i * G].prompt for i in range(len(problems))], G,
                              [x.ids for x in s], [x.logps for x in s], [x.policy for x in s],
                              [x.truncated for x in s], tokenizer.pad_token_id, _device(engine))
+    rewards, counts, errors = driven_rewards(out)
+    return Episodes(rollout, [x.last_text for x in s],
+                    [tokenizer.decode(x.ids) for x in s], rewards,
+                    [x.correct for x in out.results], counts, errors,
+                    parts=[dict(x.parts) for x in out.results], timed_out=out.timed_out)
+
+
+def driven_rewards(out) -> tuple[Tensor, Counter, dict[str, str]]:
+    """Each driven row's reward (checked: a finite number, else 0 and an environment error), the
+    batch's counts (turns, forks, the environment's own) and first errors (`out`: a DrivenBatch)."""
     counts, errors = Counter(out.counts), dict(out.errors)
-    counts.update({"turns": sum(x.turns for x in s), "forks": sum(x.forks for x in s)})
+    counts.update({"turns": sum(x.turns for x in out.sessions),
+                   "forks": sum(x.forks for x in out.sessions)})
     rewards = []
     for res in out.results:
         counts.update(res.counts)
@@ -361,11 +372,7 @@ def driven_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems
         if error is not None:
             counts["env_errors"] += 1
             errors.setdefault("environment", error)
-    return Episodes(rollout, [x.last_text for x in s],
-                    [tokenizer.decode(x.ids) for x in s],
-                    torch.tensor(rewards, dtype=torch.float32),
-                    [x.correct for x in out.results], counts, errors,
-                    parts=[dict(x.parts) for x in out.results], timed_out=out.timed_out)
+    return torch.tensor(rewards, dtype=torch.float32), counts, errors
 
 
 def _device(engine) -> torch.device:

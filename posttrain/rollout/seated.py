@@ -17,7 +17,6 @@ message an environment writes). A seat that never asked the policy gets one end-
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import replace
 
 import torch
@@ -27,7 +26,7 @@ from posttrain.data.tasks import Problem
 from posttrain.envs.base import Environment, Seated, StartsBatch
 from posttrain.rollout.base import RolloutEngine, SamplingParams
 from posttrain.rollout.driven import DrivenBatch, Session, drive_batch
-from posttrain.rollout.episodes import Episodes, EpisodeSettings, _device, env_reward, padded_rollout
+from posttrain.rollout.episodes import Episodes, EpisodeSettings, _device, driven_rewards, padded_rollout
 
 
 def seats_of(env: Environment, problems: list[Problem]) -> tuple[str, ...]:
@@ -98,25 +97,8 @@ def seated_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems
     rollout = padded_rollout(prompts, G, [x.ids for x in s], [x.logps for x in s],
                              [x.policy for x in s], [x.truncated for x in s],
                              tokenizer.pad_token_id, _device(engine))
-    rewards, counts, errors = seat_rewards(out)
+    rewards, counts, errors = driven_rewards(out)
     return Episodes(rollout, [x.last_text for x in s], [tokenizer.decode(x.ids) for x in s],
                     rewards, [x.correct for x in out.results], counts, errors,
                     parts=[dict(x.parts) for x in out.results], timed_out=out.timed_out,
                     left_out=[x.left_out for x in out.results])
-
-
-def seat_rewards(out: DrivenBatch) -> tuple[Tensor, Counter, dict[str, str]]:
-    """Each row's reward (checked: a finite number, else 0 and an environment error), the
-    batch's counts (turns, forks, the environment's own) and first errors."""
-    counts, errors = Counter(out.counts), dict(out.errors)
-    counts.update({"turns": sum(x.turns for x in out.sessions),
-                   "forks": sum(x.forks for x in out.sessions)})
-    rewards = []
-    for res in out.results:
-        counts.update(res.counts)
-        reward, error = env_reward(res.reward)
-        rewards.append(reward)
-        if error is not None:
-            counts["env_errors"] += 1
-            errors.setdefault("environment", error)
-    return torch.tensor(rewards, dtype=torch.float32), counts, errors
