@@ -207,3 +207,24 @@ def test_a_served_mcp_environment_with_2_sessions_serves_8_episodes_by_queueing(
         train(cfg, model=make_tiny_model(tokenizer, seed=3), tokenizer=tokenizer,
               show_progress=False)
     check_echo_steps(batches, tokenizer, calls=16, limit=2)
+
+
+@pytest.mark.parametrize("success,solved", [(1.0, [False, True]), (0.2, [True, True])])
+def test_a_partial_credit_is_no_solve_unless_the_threshold_says_so(success, solved):
+    """reasoning-gym's chain_sum gives the right number with the wrong sign 0.5 (partial credit)
+    and the right one 1: the episode is solved at env.openenv_success (1 by default), so
+    eval/accuracy counts right answers only."""
+    import reasoning_gym
+    from posttrain.config.env import EnvConfig
+    from posttrain.envs.openenv import from_config
+    env = from_config(EnvConfig(name="openenv", openenv=RGYM, openenv_action="answer", max_turns=1,
+                                openenv_success=success))
+    options = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+    row = {"dataset_name": "chain_sum", "size": 1, "seed": 1, "dataset_config": options}
+    answer = reasoning_gym.create_dataset("chain_sum", size=1, seed=1, **options)[0]["answer"]
+    got = []
+    for text in ("-" + answer, answer):
+        state = env.reset(Problem(TASK, "", dict(row)))
+        reply = env.step(state, text, 1)
+        got.append((reply.reward, reply.correct))
+    assert got == [(0.5, solved[0]), (1.0, solved[1])]

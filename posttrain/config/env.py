@@ -49,6 +49,9 @@ class EnvConfig:
     # the most OpenEnv sessions (episodes) at once: episodes past it wait for one to end. None:
     # in process no limit; served, as many as the server accepts (its first refusal sets it)
     openenv_sessions: int | None = None
+    # an OpenEnv episode is solved (eval/accuracy, data.retry_if) when it ends with a reward of at
+    # least this (a partial credit below it, reasoning-gym's 0.25 for a wrong number, is not)
+    openenv_success: float = 1.0
     # an external agent harness (env.name agent): 'module:function' called as
     # function(base_url, problem) per episode, against the policy's OpenAI-compatible endpoint
     agent: str | None = None
@@ -72,6 +75,8 @@ class EnvConfig:
             if getattr(self, name) != getattr(self, name):
                 raise ConfigError(f"env.{name}=nan: give a number of seconds > 0 (inf: no limit)")
             check_range(f"env.{name}", getattr(self, name), 0.0, lo_open=True)
+        if self.openenv_success != self.openenv_success:   # (nan would pass as never solved)
+            raise ConfigError("env.openenv_success=nan: give the reward that counts as solved")
         if self.openenv_sessions is not None:
             check_range("env.openenv_sessions", self.openenv_sessions, 1)
         if self.name == "agent" and not self.agent:

@@ -103,15 +103,16 @@ class OpenEnvEnvironment:
     process, or `url` (a served one). `action(text)` makes the action from the policy's turn
     (default: the dict {'message': text}); `observation`: the field the policy reads (None: the
     rule of envs/openenv_io.py); `sessions`: the most episodes at once (None: no limit in
-    process; served, as many as the server accepts). Correct: the episode ended (`done`) with a
-    positive reward."""
+    process; served, as many as the server accepts). Solved (`correct`: eval/accuracy,
+    data.retry_if): the episode ended (`done`) with a reward of at least `success` (1: a partial
+    credit, reasoning-gym's 0.25 for a wrong number, is not a solve)."""
 
     def __init__(self, factory: Callable[[], Any] | None = None, url: str | None = None,
                  action: Callable[[str], Any] | None = None, *, max_turns: int = 4,
                  name: str = "openenv", turn_timeout_s: float | None = 300.0,
                  episode_timeout_s: float | None = 1800.0, observation: str | None = None,
                  sessions: int | None = None, tool_format: str = "auto",
-                 calls_per_turn: int = 4) -> None:
+                 calls_per_turn: int = 4, success: float = 1.0) -> None:
         if (factory is None) == (url is None):
             raise ConfigError("OpenEnvEnvironment: give an environment factory (in process) or "
                               "a url (served), not both")
@@ -119,7 +120,7 @@ class OpenEnvEnvironment:
         self.factory, self.url, self.observation = factory, url, observation
         self.action = action or (lambda t: {"message": t})
         self.max_turns, self.name, self.limit = max_turns, name, sessions
-        self.format, self.calls_per_turn = tool_format, calls_per_turn
+        self.format, self.calls_per_turn, self.success = tool_format, calls_per_turn, success
         self.open: list[Any] = []   # served sessions now open
         # (None or inf: no limit)
         self.turn_timeout_s = no_limit_as_none(turn_timeout_s)
@@ -237,7 +238,7 @@ class OpenEnvEnvironment:
         fields, reward, done = self.act(state, self.action(text))
         if done or turn >= self.max_turns:
             self.end(state)
-            return Reply(None, reward=reward, correct=bool(done and reward > 0))
+            return Reply(None, reward=reward, correct=bool(done and reward >= self.success))
         return Reply({"role": "user", "content": self.text(fields)}, reward=reward)
 
     def act(self, state: Episode, action: Any) -> tuple[dict[str, Any], float, bool]:
@@ -274,7 +275,8 @@ class OpenEnvEnvironment:
                     "run"] * counts["capped_calls"]
         if done or turn >= self.max_turns or not (calls or errors):
             self.end(state)
-            return Reply(None, reward=reward, correct=(reward > 0) if done else None, counts=counts)
+            return Reply(None, reward=reward, correct=(reward >= self.success) if done else None,
+                         counts=counts)
         content = "\n".join(results + [f"error: {e}" for e in errors])
         return Reply({"role": "tool", "content": content}, reward=reward, counts=counts)
 
@@ -322,7 +324,7 @@ def from_config(cfg) -> OpenEnvEnvironment:
     options = dict(max_turns=cfg.max_turns, turn_timeout_s=cfg.turn_timeout_s,
                    episode_timeout_s=cfg.episode_timeout_s, observation=cfg.openenv_observation,
                    sessions=cfg.openenv_sessions, tool_format=cfg.tool_format,
-                   calls_per_turn=cfg.max_tool_calls_per_turn)
+                   calls_per_turn=cfg.max_tool_calls_per_turn, success=cfg.openenv_success)
     if cfg.openenv.startswith(("http://", "https://")):
         return OpenEnvEnvironment(url=cfg.openenv, action=lambda t: {field: t}, **options)
     from posttrain.util.usercode import load_function
