@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Environments as their authors publish them, trained on the reference machine (2 CPU cores,
+# SmolLM2-135M-Instruct, the default recipe), held-out before -> after over seeds, beside
+# posttrain's own equivalent task where one exists. Run from a clean checkout:
+#   bash benchmarks/artifacts.sh [OUT] [SEEDS]
+#   chain-sum: OpenEnv's reasoning_gym_env (tests/vendor/openenv, in process: the question comes
+#              from its reset, its own score is the reward, solved at 1) vs posttrain's
+#              reasoning_gym:chain_sum task (the same generator and scorer, native)
+#   kuhn-poker: verifiers' kuhn_poker (tests/vendor/verifiers: its Env referees two seats of
+#              self-play; held out: the first seat's payoff); no native equivalent
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-benchmarks/results/artifacts-$(date +%F)}
+SEEDS=${2:-"0 1 2"}
+MINUTES=${MINUTES:-2}
+R=(.venv/bin/python benchmarks/record.py)
+OPTIONS='{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}'
+mkdir -p "$OUT"
+# rows that are the environment's reset parameters: a seed each (held-out seeds apart)
+.venv/bin/python - "$OUT" "$OPTIONS" <<'PY'
+import json, sys
+out, options = sys.argv[1], json.loads(sys.argv[2])
+for name, seeds in (("train", range(0, 2000)), ("heldout", range(900000, 900050))):
+    with open(f"{out}/chain_sum_{name}.jsonl", "w") as f:
+        for s in seeds:
+            f.write(json.dumps({"prompt": "Answer with a number.", "dataset_name": "chain_sum",
+                                "dataset_config": options, "seed": s, "size": 1}) + "\n")
+PY
+TRAIN=(posttrain train --max_minutes "$MINUTES" --eval_every 0)
+OPENENV=(--data.task file --data.train_path "$OUT/chain_sum_train.jsonl"
+         --data.eval_path "$OUT/chain_sum_heldout.jsonl" --data.eval_size 50
+         --reward.verifier none --env.name openenv --env.max_turns 1 --env.openenv_action answer
+         --env.openenv tests.vendor.openenv.reasoning_gym_env.server.reasoning_gym_environment:ReasoningGymEnvironment)
+NATIVE=(--data.task reasoning_gym:chain_sum --data.task_options "$OPTIONS" --data.eval_size 50)
+for s in $SEEDS; do
+  "${R[@]}" "$OUT/chain-sum-openenv-seed$s" -- "${TRAIN[@]}" --seed "$s" "${OPENENV[@]}"
+  "${R[@]}" "$OUT/chain-sum-native-seed$s" -- "${TRAIN[@]}" --seed "$s" "${NATIVE[@]}"
+  PYTHONPATH=tests/vendor/verifiers/kuhn_poker "${R[@]}" "$OUT/kuhn-poker-verifiers-seed$s" -- \
+      "${TRAIN[@]}" --seed "$s" --data.task verifiers:kuhn-poker --data.eval_size 8 --env.max_tokens 256
+done
