@@ -2,7 +2,7 @@
 # Environments as their authors publish them, trained on the reference machine (2 CPU cores,
 # SmolLM2-135M-Instruct, the default recipe), held-out before -> after over seeds, beside
 # posttrain's own equivalent task where one exists. Run from a clean checkout:
-#   bash benchmarks/artifacts.sh [OUT] [SEEDS]
+#   bash benchmarks/artifacts.sh [OUT] [SEEDS]       (ARMS="chain-sum kuhn-poker" by default)
 #   chain-sum: OpenEnv's reasoning_gym_env (tests/vendor/openenv, in process: the question comes
 #              from its reset, its own score is the reward, solved at 1) vs posttrain's
 #              reasoning_gym:chain_sum task (the same generator and scorer, native)
@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-benchmarks/results/artifacts-$(date +%F)}
 SEEDS=${2:-"0 1 2"}
 MINUTES=${MINUTES:-2}
+ARMS=${ARMS:-"chain-sum kuhn-poker"}
 R=(.venv/bin/python benchmarks/record.py)
 OPTIONS='{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}'
 mkdir -p "$OUT"
@@ -33,8 +34,12 @@ OPENENV=(--data.task file --data.train_path "$OUT/chain_sum_train.jsonl"
          --env.openenv tests.vendor.openenv.reasoning_gym_env.server.reasoning_gym_environment:ReasoningGymEnvironment)
 NATIVE=(--data.task reasoning_gym:chain_sum --data.task_options "$OPTIONS" --data.eval_size 50)
 for s in $SEEDS; do
-  "${R[@]}" "$OUT/chain-sum-openenv-seed$s" -- "${TRAIN[@]}" --seed "$s" "${OPENENV[@]}"
-  "${R[@]}" "$OUT/chain-sum-native-seed$s" -- "${TRAIN[@]}" --seed "$s" "${NATIVE[@]}"
-  PYTHONPATH=tests/vendor/verifiers/kuhn_poker "${R[@]}" "$OUT/kuhn-poker-verifiers-seed$s" -- \
-      "${TRAIN[@]}" --seed "$s" --data.task verifiers:kuhn-poker --data.eval_size 8 --env.max_tokens 256
+  if [[ " $ARMS " == *" chain-sum "* ]]; then
+    "${R[@]}" "$OUT/chain-sum-openenv-seed$s" -- "${TRAIN[@]}" --seed "$s" "${OPENENV[@]}"
+    "${R[@]}" "$OUT/chain-sum-native-seed$s" -- "${TRAIN[@]}" --seed "$s" "${NATIVE[@]}"
+  fi
+  if [[ " $ARMS " == *" kuhn-poker "* ]]; then   # (the default recipe's 16 x 8 episodes, 2 seats)
+    PYTHONPATH=tests/vendor/verifiers/kuhn_poker "${R[@]}" "$OUT/kuhn-poker-verifiers-seed$s" -- \
+        "${TRAIN[@]}" --seed "$s" --data.task verifiers:kuhn-poker --data.eval_size 8 --env.max_tokens 256
+  fi
 done
