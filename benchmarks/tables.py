@@ -293,6 +293,23 @@ def ecosystem_envs_table(root: Path) -> str:
                               f"{minutes:.1f} training minutes each. Records: `{ECOSYSTEM}/ARM-seedS/record.json`."]) + "\n"
 
 
+ARTIFACTS = "benchmarks/results/artifacts-2026-12-06"
+
+
+def artifacts_table(root: Path) -> str:
+    """An environment as its authors publish it (benchmarks/artifacts.sh): OpenEnv's
+    reasoning_gym_env beside posttrain's native chain_sum task, same seeds and minutes."""
+    lines = ["| arm | held-out before (%, mean ± sd) | held-out after (%) | after, per seed | "
+             "steps in the budget (mean) |", "|---" * 5 + "|"]
+    for arm, label in (("chain-sum-native", "chain_sum, posttrain's reasoning-gym task"),
+                       ("chain-sum-openenv", "chain_sum, OpenEnv's reasoning_gym_env in process")):
+        lines.append(arm_row(label, arm_runs(root, arm, ARTIFACTS), "eval/accuracy"))
+    runs = arm_runs(root, "chain-sum-native", ARTIFACTS)
+    minutes = statistics.mean(rec["summary"]["train_minutes"] for rec, _ in runs)
+    return "\n".join(lines + ["", f"{len(runs)} seeds per arm, {minutes:.1f} training minutes "
+                              f"each. Records: `{ARTIFACTS}/ARM-seedS/record.json`."]) + "\n"
+
+
 def judge_row(label: str, runs: list[tuple[dict, list[dict]]]) -> str:
     train = [[r for r in rows if "reward/mean" in r] for _, rows in runs]
     agree = [r["reward/judge_agreement"] for t in train for r in t if "reward/judge_agreement" in r]
@@ -1149,6 +1166,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "objectives": objectives_table, "perstep": perstep_table, "viewer": viewer_table,
     "vllm-cpu": vllm_cpu_table, "vllm-mismatch": vllm_mismatch_table,
     "async-cpu": async_cpu_table, "ecosystem-envs": ecosystem_envs_table,
+    "artifacts": artifacts_table,
     "ecosystem-judge": ecosystem_judge_table,
 }
 
