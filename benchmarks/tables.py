@@ -282,15 +282,17 @@ def ecosystem_envs_table(root: Path) -> str:
     """Each adapter beside the native run it re-expresses, same seeds, same training minutes."""
     lines = ["| arm | held-out before (%, mean ± sd) | held-out after (%) | after, per seed | "
              "steps in the budget (mean) |", "|---" * 5 + "|"]
+    minutes = {}
     for arm, label in (("guess-native", "guess the number, native"),
                        ("guess-openenv", "guess the number, OpenEnv in process"),
                        ("addition-native", "addition (the default job), native"),
                        ("addition-verifiers", "addition, verifiers taskset")):
         runs = arm_runs(root, arm)
         lines.append(arm_row(label, runs, HELD_OUT.get(arm.split("-")[1], "eval/accuracy")))
-    minutes = statistics.mean(rec["summary"]["train_minutes"] for rec, _ in arm_runs(root, "guess-native"))
-    return "\n".join(lines + ["", f"{len(arm_runs(root, 'guess-native'))} seeds per arm, "
-                              f"{minutes:.1f} training minutes each. Records: `{ECOSYSTEM}/ARM-seedS/record.json`."]) + "\n"
+        minutes[arm] = statistics.mean(rec["summary"]["train_minutes"] for rec, _ in runs)
+    each = ", ".join(f"{arm} {m:.1f}" for arm, m in minutes.items())
+    return "\n".join(lines + ["", f"{len(arm_runs(root, 'guess-native'))} seeds per arm; training "
+                              f"minutes a seed (mean): {each}. Records: `{ECOSYSTEM}/ARM-seedS/record.json`."]) + "\n"
 
 
 ARTIFACTS = "benchmarks/results/artifacts-2026-12-06"

@@ -160,10 +160,11 @@ class RewardConfig:
     model_weight: float = 1.0           # weight of the reward model's score in the reward
     model_normalize: bool = True        # (score - mean) / std with the stats saved at RM training
     model_batch_size: int = 32          # responses per reward-model forward
-    # LLM as judge (docs/rewards.md): the OpenAI-compatible endpoint whose model scores each
-    # response, added with weight judge_weight ('http://host:port/v1'; `posttrain serve` makes
-    # one of a local model). A response the judge cannot score after its retries is left out of
-    # its group's baseline and out of the loss, and counted (reward/judge_unscorable), never 0.
+    # LLM as judge (docs/environments.md, 'An LLM judge as a reward'): the OpenAI-compatible
+    # endpoint whose model scores each response, added with weight judge_weight
+    # ('http://host:port/v1'; `posttrain serve` makes one of a local model). A response the
+    # judge cannot score after its retries is left out of its group's baseline and out of the
+    # loss, and counted (reward/judge_unscorable), never 0.
     judge: str | None = None
     judge_model: str = "default"        # the model name sent to the judge's endpoint
     # the judge's prompt: 'correctness' (against the reference answer), 'rubric' (no reference),

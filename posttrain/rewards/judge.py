@@ -1,7 +1,7 @@
-"""An LLM judge as a reward (docs/rewards.md): a prompt template filled with the problem, the
-response and the reference answer, sent to a model behind any OpenAI-compatible endpoint (vLLM,
-SGLang, a hosted API, or `posttrain serve` over a local model), and its reply parsed into a score
-in [0, 1].
+"""An LLM judge as a reward (docs/environments.md, 'An LLM judge as a reward'): a prompt
+template filled with the problem, the response and the reference answer, sent to a model behind
+any OpenAI-compatible endpoint (vLLM, SGLang, a hosted API, or `posttrain serve` over a local
+model), and its reply parsed into a score in [0, 1].
 
 A call that still fails after its retries (the endpoint down, a timeout, a reply with no score)
 leaves the response *unscorable*: `None`, never 0.0. A wrong answer and a judge outage are
