@@ -147,6 +147,13 @@ def test_memory_estimate_counts_what_the_run_holds(tmp_path):
     assert copy.parts["KV cache (generation)"] * 2 == base.parts["KV cache (generation)"]
     assert {k: v for k, v in copy.parts.items() if k not in ("bf16 sampler copy", "KV cache (generation)")} \
         == {k: v for k, v in base.parts.items() if k != "KV cache (generation)"}
+    # episodes: a response is up to env.max_tokens long, and the micro-batch is cut to
+    # optim.micro_batch_tokens decoder positions, in whole groups: one group of 8, its 64-token
+    # prompt once and 8 episodes of 256 (2112 positions; two would pass 4096)
+    cfg = load_config(None, ["--algorithm.kl_coef", "0", "--env.max_tokens", "256",
+                             "--rollout.group_size", "8"])
+    ep = estimate(cfg, mc, n, episodes=True)
+    assert ep.parts["activations (1 micro-batch)"] == (64 + 8 * 256) * 2 * 8 * 34 * 4 + 8 * 256 * 100 * 16
 
 
 def test_sampling_that_is_not_the_trainers_float32_policy_is_off_the_trainer():

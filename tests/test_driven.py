@@ -183,6 +183,8 @@ def test_a_request_that_outlives_its_episode_is_refused_and_never_stalls_the_bat
             got[row] = batcher.ask(row, [1, 2], 2)
         except EpisodeOver as e:
             got[row] = e
+    watcher = threading.Thread(target=batcher.watch, daemon=True)   # (drive_batch's own thread)
+    watcher.start()
     waiting = threading.Thread(target=ask, args=(0,))
     waiting.start()            # row 0 waits for row 1 to ask ...
     batcher.done(0)            # ... but its episode ends first (a harness that timed out)
@@ -191,6 +193,30 @@ def test_a_request_that_outlives_its_episode_is_refused_and_never_stalls_the_bat
     assert batcher.ask(1, [1, 2], 2) == ([5, 6], [-1.0, -1.0], False)   # row 1 alone is sampled
     with pytest.raises(EpisodeOver):   # a late request of the ended row
         batcher.ask(0, [1, 2], 2)
+    batcher.done(1)
+    watcher.join(timeout=10)
+    assert not watcher.is_alive()
+
+
+class ThreadOfEachCall(Fixed):
+    def __init__(self):
+        super().__init__()
+        import threading
+        self.threads, self.current = [], threading.current_thread
+
+    def generate(self, prompts, G, params, generator=None, seeds=None):
+        self.threads.append(self.current().name)
+        return super().generate(prompts, G, params, generator, seeds)
+
+
+def test_every_turn_is_sampled_by_the_thread_that_drives_the_batch(tokenizer):
+    """The episodes' threads only ask: each turn's engine call runs in drive_batch's thread (a
+    call from whichever episode asked last spread a step's tensors over a malloc arena per
+    thread, each keeping its peak: 13 GB for one step of a two-seat game)."""
+    import threading
+    engine = ThreadOfEachCall()
+    run_episodes(engine, tokenizer, DrivenGuess(3), PROBLEMS, 2, PARAMS, SETTINGS, seeds=SEEDS)
+    assert len(engine.threads) > 1 and set(engine.threads) == {threading.current_thread().name}
 
 
 def test_an_engine_failure_fails_the_step_instead_of_every_episode(tokenizer):

@@ -196,3 +196,42 @@ def test_dr_grpo_normaliser_is_an_episodes_budget_not_one_turns():
     small = load_config(None, ["--rollout.max_new_tokens", "32", "--env.max_turns", "3",
                                "--env.max_tokens", "64"])
     assert response_budget(small, batch(episode)) == 64.0
+
+
+def test_a_token_budget_cuts_micro_batches_to_whole_groups_and_leaves_the_update_as_it_was(
+        tmp_path, tokenizer, monkeypatch):
+    """optim.micro_batch_tokens: a micro-batch runs at most that many positions through the
+    decoder (each group's prompt once, every response), in whole groups; the minibatch's loss
+    weights do not depend on the cut, so the weights after the update equal those of the uncut
+    update (to float rounding)."""
+    import posttrain.rl.update as update
+    from posttrain.config.sections import OptimConfig
+    # (prompt, response, group): the default job's 40 + 8 x 24 a group fits 17 groups, capped at
+    # 32 rows; a two-seat game's 224 + 4 x 83 fits 7 groups of 4; a group past the budget runs alone
+    assert [OptimConfig(micro_batch_tokens=t).micro_rows(*shape) for t, shape in
+            ((0, (40, 300, 8)), (4096, (40, 24, 8)), (4096, (224, 83, 4)), (4096, (100, 5000, 8)))
+            ] == [32, 32, 28, 8]
+    cfg = load_config(None, [*TOY, "--run_dir", str(tmp_path / "run"), "--algorithm.kl_coef", "0.0",
+                             "--rollout.prompts_per_step", "4", "--rollout.group_size", "4"])
+    model = make_tiny_model(tokenizer, seed=1)
+    batch, _ = generate_and_score(make_engine("hf", model, tokenizer), tokenizer,
+                                  Sampler(build_task(cfg.data), 0), Scorer(cfg.reward), cfg, cfg.algo,
+                                  torch.Generator().manual_seed(0), Counter())
+    batch = replace(batch, adv_B_T=torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T)
+    per_group = batch.rollout.prompt_ids_B_L.shape[1] + 4 * batch.rollout.response_ids_B_T.shape[1]
+    sizes, original = [], update.micro_batch_loss
+    monkeypatch.setattr(update, "micro_batch_loss",
+                        lambda m, b, rows, *a, **k: sizes.append(len(rows)) or original(m, b, rows, *a, **k))
+    after = {}
+    for tokens in (0, per_group + 3, 1):    # no budget; one group of 4 a micro-batch; below a group
+        cut = replace(cfg, optim=replace(cfg.optim, micro_batch_tokens=tokens))
+        trained = make_tiny_model(tokenizer, seed=1)
+        opt = torch.optim.AdamW(trained.parameters(), lr=1e-3)
+        update_policy(trained, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0), batch,
+                      cut, cut.algo, torch.Generator().manual_seed(0))
+        after[tokens] = torch.cat([p.detach().flatten() for p in trained.parameters()])
+    assert sizes == [16, 4, 4, 4, 4, 4, 4, 4, 4]
+    assert torch.allclose(after[0], after[per_group + 3], atol=1e-6)
+    assert torch.allclose(after[0], after[1], atol=1e-6)
+    before = torch.cat([p.detach().flatten() for p in make_tiny_model(tokenizer, seed=1).parameters()])
+    assert (after[0] - before).abs().max() > 1e-4   # (the update moved the weights)

@@ -186,7 +186,7 @@ class TrainConfig(RunOptions):
 
 # what `posttrain train` uses of ModelConfig / OptimConfig and the stages do not (refused if set)
 _TRAIN_ONLY = {"model": ("dtype", "device", "gradient_checkpointing"),
-               "optim": ("minibatches", "micro_batch_size")}
+               "optim": ("minibatches", "micro_batch_size", "micro_batch_tokens")}
 
 
 @dataclass(frozen=True)

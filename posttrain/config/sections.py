@@ -214,6 +214,20 @@ class OptimConfig:
     epochs: int = 1                     # passes over each generated batch (>1 reuses samples, §3)
     minibatches: int = 1                # optimizer steps per pass
     micro_batch_size: int = 32          # responses per forward/backward (gradient accumulation)
+    # at most this many positions through the decoder a micro-batch: each group's prompt once,
+    # every response (activations grow with them: SmolLM2-135M keeps ~1.6 MB a position for
+    # backward, so 32 rows of a two-seat game, 8 prompts of 224 and 32 replies of 83 tokens,
+    # took 7 GB); whole groups, so a group past it runs alone; 0: micro_batch_size decides
+    micro_batch_tokens: int = 4096
+
+    def micro_rows(self, prompt_width: int, response_width: int, group_size: int) -> int:
+        """Rows per micro-batch for groups of `group_size` responses `response_width` long to a
+        prompt `prompt_width` long (group_chunks rounds it to whole groups, at least one)."""
+        if self.micro_batch_tokens <= 0:
+            return self.micro_batch_size
+        per_group = prompt_width + group_size * response_width
+        groups = max(1, self.micro_batch_tokens // max(per_group, 1))
+        return min(self.micro_batch_size, groups * group_size)
 
     @property
     def single_update(self) -> bool:
@@ -233,6 +247,7 @@ class OptimConfig:
         check_range("optim.epochs", self.epochs, 1)
         check_range("optim.minibatches", self.minibatches, 1)
         check_range("optim.micro_batch_size", self.micro_batch_size, 1)
+        check_range("optim.micro_batch_tokens", self.micro_batch_tokens, 0)
 
 
 @dataclass(frozen=True)

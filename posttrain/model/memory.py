@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from posttrain.config.commands import TrainConfig
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PROMPT = 64   # tokens of a chat prompt (the estimate's guess; a prompt is run once per group)
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,9 @@ class MemoryEstimate:
 
 
 def estimate(cfg: TrainConfig, model_config, n_params: int, world_size: int = 1,
-             lora_params: int | None = None) -> MemoryEstimate:
+             lora_params: int | None = None, *, episodes: bool = False) -> MemoryEstimate:
+    """`episodes`: the environment speaks between turns, so a response is a whole episode of
+    up to env.max_tokens tokens."""
     algo = cfg.algo
     w = _BYTES[cfg.model.dtype]
     hidden = model_config.hidden_size
@@ -65,11 +68,16 @@ def estimate(cfg: TrainConfig, model_config, n_params: int, world_size: int = 1,
     head_dim = hidden // heads
     r = cfg.rollout
     batch = r.prompts_per_step * r.group_size // world_size
-    tokens = 64 + r.max_new_tokens                       # a chat prompt of ~64 tokens
+    width = max(r.max_new_tokens, cfg.env.max_tokens) if episodes else r.max_new_tokens
+    tokens = PROMPT + width
     kv = 2 if r.weights == "bfloat16" else w             # the bf16 copy's cache is bf16 too
     parts["KV cache (generation)"] = batch * tokens * layers * 2 * kv_heads * head_dim * kv
-    micro = min(cfg.optim.micro_batch_size, batch)
+    G = r.group_size                                     # (micro-batches of whole groups)
+    groups = max(1, min(cfg.optim.micro_rows(PROMPT, width, G), batch) // G)
+    micro, positions = groups * G, groups * (PROMPT + G * width)
     act = 2 if cfg.model.autocast == "bfloat16" else w
-    parts["activations (1 micro-batch)"] = (micro * tokens * layers * hidden * 34 * act
-                                            + micro * r.max_new_tokens * vocab * 4 * 2)
+    # float32 logits, their log-softmax and their gradient, and the entropy's softmax
+    parts["activations (1 micro-batch)"] = (positions * layers * hidden * 34 * act
+                                            + micro * width * vocab * 4 * 4)
     return MemoryEstimate(parts)
+

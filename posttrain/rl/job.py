@@ -265,11 +265,12 @@ def save_final(run: RLJob, summary: dict[str, Any]) -> dict[str, Any]:
     return finish_job(run, summary)
 
 
-def log_memory_estimate(cfg: TrainConfig, model, world: World) -> None:
+def log_memory_estimate(cfg: TrainConfig, model, world: World, env) -> None:
     """The memory this run needs per rank (model/memory.py), before anything big is allocated."""
     n_params = sum(p.numel() for p in model.parameters())
     n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad) if cfg.lora.rank else None
-    log.info("%s", estimate_memory(cfg, model.config, n_params, world.size, n_lora).table())
+    log.info("%s", estimate_memory(cfg, model.config, n_params, world.size, n_lora,
+                                   episodes=env.max_turns > 1).table())
 
 
 def optimizer_and_schedule(cfg: TrainConfig, model, world: World):
@@ -295,7 +296,7 @@ def check_inputs(job: Job, teacher):
     return sampling_inputs(cfg, teachers_exist, job.run_dir)
 
 
-def place_models(job: Job, model, tokenizer, teachers, scorer: Scorer):
+def place_models(job: Job, model, tokenizer, teachers, scorer: Scorer, env):
     """The policy on its device (gradient checkpointing on request), the memory estimate, the
     teachers bound to it, pi_ref when a KL term reads it, PPO's value model, the reward model
     beside the policy. Returns (pi_ref, critic)."""
@@ -305,7 +306,7 @@ def place_models(job: Job, model, tokenizer, teachers, scorer: Scorer):
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if world.main:
-        log_memory_estimate(cfg, model, world)
+        log_memory_estimate(cfg, model, world, env)
     if teachers is not None:
         teachers.bind_student(model)
     uses_ref = "ref_logp" in frozen_inputs(cfg, cfg.algo, teachers is not None)   # a KL term reads pi_ref
@@ -330,7 +331,7 @@ def start_training(cfg: TrainConfig, resume: str | Path | None, model, tokenizer
     model, tokenizer, teachers, path = load_models(cfg, job.ckpt, model, tokenizer, teacher)
     env = for_tokenizer(env, tokenizer)               # e.g. the template's tool-call format
     make_folder(job)
-    ref_model, critic = place_models(job, model, tokenizer, teachers, scorer)
+    ref_model, critic = place_models(job, model, tokenizer, teachers, scorer, env)
     model = wrap(model, job.world)                    # FSDP2: shard the layers, in place
     engine = sampling_engine(cfg, path, model, tokenizer, job.world)
     optimizer, scheduler = optimizer_and_schedule(cfg, model, job.world)

@@ -42,7 +42,7 @@ from posttrain.losses.kl import KL_ESTIMATORS, kl_penalized_rewards
 from posttrain.model.prompts import encode_prompts, left_pad
 from posttrain.rollout import Rollout
 from posttrain.model.distributed import global_max, global_sum, mean_metrics
-from posttrain.rollout.forward import frozen_logprobs
+from posttrain.rollout.forward import frozen_logprobs, micro_rows
 from posttrain.run.lifecycle import run_steps, stop_job
 from posttrain.rl.batch import ScoredBatch
 from posttrain.rl.update import check_nonfinite_streak, update_policy
@@ -171,7 +171,8 @@ def frozen_passes(run: RLJob, batch: ScoredBatch,
     the batch with them and the stage's metrics (the teacher's sampled reverse KL)."""
     metrics: dict[str, float] = {}
     cfg, algo, model = run.cfg, run.algo, run.model
-    temperature, micro, autocast = cfg.rollout.temperature, cfg.optim.micro_batch_size, cfg.model.autocast
+    temperature, autocast = cfg.rollout.temperature, cfg.model.autocast
+    micro = micro_rows(cfg.optim, batch.rollout)
     t0 = time.perf_counter()
     needs = frozen_inputs(cfg, algo, run.teachers is not None)   # what the step's terms read
     # the sampler's log-probs are not the trainer's when another engine sampled, or when the
@@ -217,7 +218,7 @@ def compute_advantages(run: RLJob, batch: ScoredBatch) -> tuple[ScoredBatch, dic
     token_rewards = old_values = None
     metrics: dict[str, float] = {}
     if critic is not None:
-        old_values = critic.predict(batch.rollout, cfg.optim.micro_batch_size,
+        old_values = critic.predict(batch.rollout, micro_rows(cfg.optim, batch.rollout),
                                     cfg.model.autocast, run.model, cfg.rollout.temperature)
         token_rewards = ppo_token_rewards(batch, algo)
     adv_out = ADVANTAGES[algo.advantage](

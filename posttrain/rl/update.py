@@ -27,7 +27,7 @@ from posttrain.rl.critic import Critic
 from posttrain.model.distributed import (SINGLE, World, average_gradients, clip_grad_norm,
                                    global_aggregation_weights, global_max)
 from posttrain.util.errors import NonFiniteError
-from posttrain.rollout.forward import group_chunks, sequence_logprobs
+from posttrain.rollout.forward import group_chunks, micro_rows, sequence_logprobs
 from posttrain.losses.aggregation import AGGREGATIONS
 from posttrain.rl.teachers import Teachers
 from posttrain.rl.token_records import TokenTrace
@@ -211,7 +211,7 @@ def minibatch_plan(batch: ScoredBatch, rows_mb: Tensor, signal: Tensor, cfg: Tra
     value_weights = (global_aggregation_weights(AGGREGATIONS["token_mean"], mask, 1.0, world)
                      if with_critic else None)
     kept = signal[rows_mb].nonzero().squeeze(-1)
-    micros: list[Tensor | None] = list(group_chunks(len(kept), G, cfg.optim.micro_batch_size))
+    micros: list[Tensor | None] = list(group_chunks(len(kept), G, micro_rows(cfg.optim, batch.rollout)))
     if world.strategy == "fsdp" and world.distributed and len(batch.rewards_B) // G:
         # ranks may hold different shares of a minibatch, but FSDP's forward and backward
         # are collectives: pad with zero-weight passes over this rank's first group

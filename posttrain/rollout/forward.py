@@ -50,6 +50,13 @@ def group_chunks(n_rows: int, group_size: int, max_rows: int) -> list[Tensor]:
     return list(torch.arange(n_rows).split(per_chunk)) if n_rows else []
 
 
+def micro_rows(optim, rollout: Rollout) -> int:
+    """Rows per micro-batch of this rollout's forward passes (OptimConfig.micro_rows: at most
+    optim.micro_batch_size rows and optim.micro_batch_tokens decoder positions)."""
+    return optim.micro_rows(rollout.prompt_ids_B_L.shape[1], rollout.response_ids_B_T.shape[1],
+                            rollout.group_size)
+
+
 def _autocast(device_type: str, mode: str):
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=mode == "bfloat16")
 
