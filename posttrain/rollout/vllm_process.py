@@ -20,14 +20,18 @@ import os
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
-from posttrain.rollout.vllm_worker import TRAINER_PID, detach_from_trainer  # noqa: F401
+from posttrain.rollout.vllm_worker import (TRAINER_PID, detach_from_trainer,  # noqa: F401
+                                           quiet_shared_memory_readers)
 
 
 class DetachedMultiprocExecutor(MultiprocExecutor):
-    """vLLM's executor of worker processes (CPU), the core detached first."""
+    """vLLM's executor of worker processes (CPU), the core detached first; its readers of the
+    worker's messages, and the worker's of the core's, sleep instead of spinning between
+    messages (the trainer updates on the same cores: vllm_worker.quiet_shared_memory_readers)."""
 
     def _init_executor(self) -> None:
         detach_from_trainer()
+        quiet_shared_memory_readers()
         super()._init_executor()
 
 
