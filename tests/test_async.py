@@ -1,7 +1,9 @@
 """Sampling ahead (batch_source.Ahead) with a scripted engine: the staleness bound, the trainer's
 and the engine's waits, stale batches dropped and their prompts drawn again, evaluation and
-checkpoints between two batches, and in-flight batches saved and restored. The same machinery with
-the real vLLM engine: tests/test_async_vllm.py."""
+checkpoints between two batches, and in-flight batches saved and restored. On the real collect
+(sampler, HF engine on its own copy of a tiny model, verifier) with max_staleness 1 and 0: which
+weights sampled each trained batch. The same machinery with the real vLLM engine:
+tests/test_async_vllm.py."""
 
 import threading
 import time
@@ -222,16 +224,140 @@ def test_in_flight_batches_round_trip_through_a_checkpoint_folder(tmp_path):
     assert load_sampled(tmp_path / "one").metrics == one.metrics
 
 
-def test_in_turn_is_the_synchronous_loop():
-    calls = []
-    engine = ScriptedEngine()
-    engine.sync_weights = lambda: calls.append("sync")
-    source = make_batch_source(load_config(None, []).rollout, lambda t, _: calls.append("collect")
-                               or (None, {}), engine, None, 0)
-    assert isinstance(source, InTurn)
-    source.next(1, Counter(), {})
-    source.after_update(1)
-    assert calls == ["collect", "sync"] and source.version == 1
+class CopyEngine:
+    """vLLM's contract, in this process: the engine samples (HFRolloutEngine) from its own copy
+    of the weights; `publish` writes the trainer's weights as a version, `load` makes the copy
+    hold one, and `sync_weights` (sampling in turn) is both at once, as the shm push is."""
+
+    def __init__(self, trainer_model, tokenizer) -> None:
+        import copy
+        from posttrain.rollout.hf import HFRolloutEngine
+        self.trainer = trainer_model
+        self.sampler = HFRolloutEngine(copy.deepcopy(trainer_model), tokenizer)
+        self.model = self.sampler.model
+
+    def generate(self, *args, **kwargs):
+        return self.sampler.generate(*args, **kwargs)
+
+    def publish(self) -> dict:
+        return {k: v.detach().clone() for k, v in self.trainer.state_dict().items()}
+
+    def load(self, written: dict) -> None:
+        self.model.load_state_dict(written)
+
+    def discard(self, written) -> None:
+        pass
+
+    def sync_weights(self) -> None:
+        self.load(self.publish())
+
+    def close(self) -> None:
+        pass
+
+
+def real_pipeline(tokenizer, engine_of):
+    """The real collect (sampler, HF engine, verifier scorer: rl/collect.generate_and_score) of 2
+    prompts x 2 answers of 4 tokens, on a tiny model the 'trainer' moves by seeded noise each
+    step; `snapshots[v]`: the weights of version v (0: the start)."""
+    from posttrain.rl.collect import generate_and_score
+    from posttrain.rl.sampling import sampling_inputs
+    from tests.conftest import make_tiny_model
+    cfg = load_config(None, ["--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
+                             "--rollout.max_new_tokens", "4", "--data.eval_size", "4",
+                             "--reward.workers", "0"])
+    task, env, scorer = sampling_inputs(cfg)
+    model = make_tiny_model(tokenizer)
+    engine, sampler = engine_of(model), Sampler(task, cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.seed)
+
+    def collect(timings, tallies):
+        return generate_and_score(engine, tokenizer, sampler, scorer, cfg, cfg.algo, generator,
+                                  timings, env=env, tallies=tallies)
+    snapshots = [{k: v.clone() for k, v in model.state_dict().items()}]
+
+    def update(step: int) -> None:
+        gen = torch.Generator().manual_seed(step)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.5 * p.std())
+        snapshots.append({k: v.clone() for k, v in model.state_dict().items()})
+    return cfg, model, engine, sampler, collect, update, snapshots, scorer
+
+
+def logp_under(model, weights: dict, batch: ScoredBatch) -> torch.Tensor:
+    """The batch's response log-probs recomputed by the trainer's forward under `weights`."""
+    import copy
+    from posttrain.rollout.forward import frozen_logprobs
+    scorer = copy.deepcopy(model)
+    scorer.load_state_dict(weights)
+    return frozen_logprobs(scorer, batch.rollout, 1.0, 8)
+
+
+def run_source(source, update, steps: int, update_s: float) -> list[ScoredBatch]:
+    """The trainer's side of rl/loop.py: take the step's batch, update, publish (or push)."""
+    batches = []
+    try:
+        for step in range(1, steps + 1):
+            batch, _ = source.next(step, Counter(), {})
+            batches.append(batch)
+            update(step)
+            time.sleep(update_s)    # a slow update: the engine samples the next batch meanwhile
+            source.after_update(step)
+    finally:
+        source.close()
+    return batches
+
+
+def test_sampling_ahead_trains_each_batch_with_the_weights_its_version_names(tokenizer):
+    """rollout.max_staleness 1 through make_batch_source: at step t the trainer holds version
+    t - 1 and trains a batch the engine sampled with version t - 2 (one update stale: the engine
+    started it as the trainer took the previous one), as the batch's version_B says; its
+    recorded log-probs are those of that version's weights, not of the trainer's."""
+    from dataclasses import replace as swap
+    cfg, model, engine, sampler, collect, update, snapshots, scorer = real_pipeline(
+        tokenizer, lambda m: CopyEngine(m, tokenizer))
+    rollout = swap(cfg.rollout, backend="vllm", max_staleness=1)
+    source = make_batch_source(rollout, collect, engine, sampler, 0)
+    assert isinstance(source, Ahead) and source.K == 1
+    batches = run_source(source, update, 4, update_s=0.3)
+    scorer.close()
+    versions = [int(b.version_B[0]) for b in batches]
+    assert all(bool((b.version_B == v).all()) for b, v in zip(batches, versions))
+    assert versions == [0, 0, 1, 2]
+    for step, (batch, v) in enumerate(zip(batches, versions), start=1):
+        mask = batch.rollout.response_mask_B_T
+        sampled = batch.rollout.logp_B_T * mask
+        torch.testing.assert_close(logp_under(model, snapshots[v], batch), sampled, atol=1e-4, rtol=0)
+        if v != step - 1:   # the trainer's own weights would have given other log-probs
+            assert (logp_under(model, snapshots[step - 1], batch) - sampled).abs().max() > 1e-2
+
+
+def test_max_staleness_0_samples_every_batch_with_the_trainers_current_weights(tokenizer):
+    """rollout.max_staleness 0 (InTurn) with an engine holding its own copy that is pushed the
+    weights after each update samples exactly what the synchronous loop samples from the
+    trainer's very weights (HFRolloutEngine, weights shared): the same tokens and log-probs,
+    and those are the log-probs of version t - 1 at step t."""
+    from posttrain.rl.batch_source import InTurn
+    from posttrain.rollout.hf import HFRolloutEngine
+    runs = {}
+    for name, engine_of in (("copy pushed", lambda m: CopyEngine(m, tokenizer)),
+                            ("shared", lambda m: HFRolloutEngine(m, tokenizer))):
+        cfg, model, engine, sampler, collect, update, snapshots, scorer = real_pipeline(tokenizer, engine_of)
+        source = make_batch_source(cfg.rollout, collect, engine, sampler, 0)
+        assert isinstance(source, InTurn)
+        runs[name] = run_source(source, update, 3, update_s=0.0)
+        scorer.close()
+        for step, batch in enumerate(runs[name], start=1):
+            assert batch.version_B is None     # (in turn: the weights being trained)
+            torch.testing.assert_close(logp_under(model, snapshots[step - 1], batch),
+                                       batch.rollout.logp_B_T, atol=1e-4, rtol=0)
+            if step > 1:   # the weights one update older give other log-probs
+                stale = logp_under(model, snapshots[step - 2], batch)
+                assert (stale - batch.rollout.logp_B_T).abs().max() > 1e-2
+    for a, b in zip(runs["copy pushed"], runs["shared"], strict=True):
+        assert torch.equal(a.rollout.response_ids_B_T, b.rollout.response_ids_B_T)
+        assert [p.prompt for p in a.problems] == [p.prompt for p in b.problems]
+        torch.testing.assert_close(a.rollout.logp_B_T, b.rollout.logp_B_T, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("args, message", [

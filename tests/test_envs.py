@@ -455,7 +455,7 @@ def test_generate_records_whole_episodes_with_their_masks(tmp_path, tokenizer):
 # ---------------------------------------------------------------------------------------------
 
 def test_reasoning_gym_tasks_are_disjoint_and_scored_by_their_own_scorer():
-    pytest.importorskip("reasoning_gym")
+    import reasoning_gym  # noqa: F401  (installed by scripts/install-cpu.sh)
     cfg = load_config(None, ["--data.task", "reasoning_gym:chain_sum", "--data.eval_size", "50",
                              "--data.train_size", "400", "--data.task_options",
                              "{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 2}"])

@@ -128,19 +128,156 @@ def test_drift_at_the_start_is_none_and_counts_tokens_outside_the_band():
 
 SMOKE = ["--rollout.prompts_per_step", "4", "--rollout.group_size", "4",
          "--rollout.max_new_tokens", "6", "--data.eval_size", "4", "--threads", "2"]
+# the quick suite's runs: 2 prompts x 4 answers, the fewest repeats each experiment takes, and
+# rewards a random tiny model earns on some answers and not others (the verifier's: on none), so
+# that groups differ and every arm has something to weigh
+QUICK = ["--rollout.prompts_per_step", "2", "--rollout.group_size", "4",
+         "--rollout.max_new_tokens", "6", "--data.eval_size", "4", "--threads", "2", "--reward.workers", "0"]
+SIGNAL = ["--reward.functions", "tests.toy_rewards:first_letter_a_to_e"]
+QUICK_ARGS = {"baselines": SIGNAL, "importance-sampling": SIGNAL, "kl-estimators": [],
+              # (a stop string a random model's tokens often complete: answers of 1 to 6 tokens)
+              "length-bias": [*SIGNAL, "--rollout.stop", "e"],
+              # (odd first operands score 0 on every answer: groups dynamic sampling refills)
+              "dynamic-sampling": ["--reward.functions", "tests.toy_rewards:even_prompts_only"],
+              "reward-hacking": []}
 
 
-# (the three slowest, 7-10 s each, in the slow suite: the quick suite keeps the other four, which
-# run the same command path)
+# (the three slowest, 7-10 s each, in the slow suite, on SMOKE with 3 repeats: the quick suite
+# keeps the other six, which run the same command path)
 SLOW_EXPERIMENTS = {"clip-higher", "opd-vs-grpo", "length-training"}
+
+
+def check_baselines(n: dict, out, repeats: int) -> None:
+    arms = n["arms"]
+    assert {a: v["expected_scale"] for a, v in arms.items()} == {
+        "none": 1.0, "none_reward_plus_1": 1.0, "batch_mean": 1 - 1 / 8, "group_mean": 0.75,
+        "leave_one_out": 1.0, "grpo_std": None}                      # B = 8 answers, G = 4
+    # the group mean's advantage is (G-1)/G times leave-one-out's, answer by answer: so are
+    # the sketched gradients, and their variance by (3/4)^2
+    assert arms["group_mean"]["variance"] == pytest.approx(0.75 ** 2 * arms["leave_one_out"]["variance"],
+                                                           rel=1e-3)
+    # a reward every answer earns (+1) adds variance; there is signal to measure
+    assert arms["none_reward_plus_1"]["variance"] > arms["none"]["variance"] > 0
+    assert (n["answers_per_batch"], n["group_size"]) == (8, 4)
+
+
+def check_importance_sampling(n: dict, out, repeats: int) -> None:
+    arms = n["arms"]
+    for rows in arms.values():
+        assert len(rows) == repeats + 1                                # before each epoch, after the last
+        start, after = rows[0], rows[-1]
+        # pi_old is recomputed by the same forward: the first ratio is exactly 1
+        assert (start["ratio_mean"], start["ratio_sd"], start["approx_kl_old"], start["ess_share"]) == (
+            1.0, 0.0, 0.0, 1.0)
+        assert after["approx_kl_old"] > 0 and after["ratio_sd"] > 0    # the step moved pi
+        assert after["outside_band"] == 0.0
+    # no ratio left the clip band: PPO's clipped objective took the very step the plain one took
+    assert arms["clipped"] == arms["importance_sampled"]
+    assert n["answers"] == 8 and 0 < n["answers_with_signal"] <= 8 and n["answers_with_signal"] % 4 == 0
+
+
+def check_kl_estimators(n: dict, out, repeats: int) -> None:
+    rows = n["drifts"]
+    assert list(rows) == ["0.005", "0.01", "0.02", "0.04", "0.08"]
+    kl = [r["exact_reverse_kl"] for r in rows.values()]
+    assert 0 < kl[0] and kl == sorted(kl)                               # a larger drift: a larger KL
+    assert len({r["tokens"] for r in rows.values()}) == 1               # the same tokens at every drift
+    for r in rows.values():
+        e = r["estimators"]
+        # k3_st: k3's value ...
+        assert [e["k3_st"][k] for k in ("bias", "bias_se", "sd_per_token")] == [
+            e["k3"][k] for k in ("bias", "bias_se", "sd_per_token")]
+        # ... with k2's gradient
+        for k in ("coef_reverse", "coef_forward", "cos_grad_reverse", "cos_grad_forward"):
+            assert e["k3_st"][k] == pytest.approx(e["k2"][k], rel=1e-9, abs=1e-12), k
+
+
+def check_length_bias(n: dict, out, repeats: int) -> None:
+    arms = n["arms"]
+    # at pi_theta = pi_old GSPO and GMPO take GRPO's step, CISPO and SAPO token-mean's
+    assert {a: v["same_step_as"] for a, v in arms.items()} == {
+        "grpo": None, "grpo_token_mean": None, "dr_grpo": None, "gspo": "grpo", "gmpo": "grpo",
+        "cispo": "grpo_token_mean", "sapo": "grpo_token_mean"}
+    lengths = n["wrong_answer_weights"]["dr_grpo"]["log_length"]
+    assert len(set(lengths)) > 1                                        # wrong answers of several lengths
+    # Dr. GRPO weighs every token A / (B L_max): no slope in length; GRPO's 1/|o| slopes down
+    assert arms["dr_grpo"]["weight_length_slope"] == pytest.approx(0.0, abs=1e-9)
+    assert arms["grpo"]["weight_length_slope"] < -0.5
+    assert arms["gspo"]["weight_length_slope"] == arms["grpo"]["weight_length_slope"]
+    assert len({v["wrong_answers_weighed"] for v in arms.values()}) == 1 and n["pairs"] == repeats
+
+
+def check_dynamic_sampling(n: dict, out, repeats: int) -> None:
+    off, on, B = n["arms"]["off"], n["arms"]["on"], n["answers_per_step"]
+    assert off["generated"] == [B] * repeats                           # one round a step
+    # on: another round of B answers whenever the first round had an all-equal group
+    assert [g % B for g in on["generated"]] == [0] * repeats
+    assert [g > B for g in on["generated"]] == [e > 0 for e in on["equal_groups"]]
+    assert any(e > 0 for e in on["equal_groups"])
+    # step 1's first round: the same weights, seed and prompts in both arms
+    assert (on["equal_groups"][0], on["generated_reward"][0]) == (off["equal_groups"][0],
+                                                                  off["generated_reward"][0])
+
+
+def check_reward_hacking(n: dict, out, repeats: int) -> None:
+    # the policy trained on the reward model's score, not the verifier's
+    policy = json.loads((out / "run" / "policy" / "config.json").read_text())["reward"]
+    assert policy["correct_reward"] == 0.0 and policy["model"].startswith(str(out / "run" / "reward_model"))
+    p = n["arms"]["policy"]
+    assert None not in p["model_score"] and p["reward"] == pytest.approx(p["model_score"])
+    assert n["reward_model"]["pairs"] == 20 * repeats and n["reward_model"]["eval_pairs"] == 4
+    assert p["eval_steps"] == [0, 1, 2] and [c["step"] for c in p["collapse"]] == p["eval_steps"]
+
+
+def check_clip_higher(n: dict, out, repeats: int) -> None:
+    arms = n["arms"]   # each arm trained: its metrics and records kept, its weights not
+    assert list(arms) == ["symmetric", "clip_higher", "gspo", "cispo", "sapo", "gmpo"]
+    assert arms["cispo"]["bound"] == "weight capped at 5, no gradient clipped"
+    for arm in arms:   # each arm trained with its own objective and bounds
+        trained = json.loads((out / "run" / arm / "config.json").read_text())["algorithm"]
+        assert {k: trained[k] for k in arms[arm]["algorithm"]} == arms[arm]["algorithm"]
+        assert (out / "run" / arm / "metrics.jsonl").exists()
+        assert not (out / "run" / arm / "final_model").exists()
+        assert arms[arm]["step"] == [1, 2, 3]
+
+
+def check_opd_vs_grpo(n: dict, out, repeats: int) -> None:
+    arms = n["arms"]   # the teacher is GRPO's own final model, dropped once OPD is done
+    assert not (out / "run" / "grpo" / "final_model").exists()
+    assert arms["grpo"]["eval_steps"] == [0, 2, 3] and arms["opd"]["eval_steps"] == [0, 2, 3]
+    assert json.loads((out / "run" / "opd" / "config.json").read_text())["teacher"]["path"] == str(
+        out / "run" / "grpo" / "final_model")
+
+
+def check_length_training(n: dict, out, repeats: int) -> None:
+    arms = n["arms"]   # each arm trained with its aggregation and advantage
+    assert list(arms) == ["grpo", "grpo_token_mean", "dr_grpo"]
+    expected = {"grpo": ("seq_mean_token_mean", True), "grpo_token_mean": ("token_mean", True),
+                "dr_grpo": ("seq_mean_token_sum_norm", False)}
+    for arm, (aggregation, by_std) in expected.items():
+        trained = json.loads((out / "run" / arm / "config.json").read_text())["algorithm"]
+        assert (trained["aggregation"], trained["scale_by_std"]) == (aggregation, by_std)
+        assert len(arms[arm]["length_wrong"]) == 3 and "length_wrong_last_quarter" in arms[arm]
+
+
+CHECKS = {"baselines": check_baselines, "importance-sampling": check_importance_sampling,
+          "kl-estimators": check_kl_estimators, "length-bias": check_length_bias,
+          "dynamic-sampling": check_dynamic_sampling, "reward-hacking": check_reward_hacking,
+          "clip-higher": check_clip_higher, "opd-vs-grpo": check_opd_vs_grpo,
+          "length-training": check_length_training}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_EXPERIMENTS
                                   else n for n in sorted(EXPERIMENTS)])
-def test_each_experiment_writes_its_record_and_figure(name, tiny_dir, tmp_path, capsys):
+def test_each_experiment_measures_what_its_claim_names(name, tiny_dir, tmp_path, capsys):
+    """Each experiment end to end on a tiny model, then figures its numbers must hold exactly
+    whatever the model: identities between its arms, the sizes it ran at (CHECKS: one a name)."""
     out = tmp_path / name
-    assert main(["experiment", name, "--out", str(out), "--repeats", "3", "--no-progress",
-                 "--model.path", str(tiny_dir), *SMOKE]) == 0
+    slow = name in SLOW_EXPERIMENTS
+    repeats = 3 if slow else experiment_module(name).MIN_REPEATS
+    args = SMOKE if slow else [*QUICK, *QUICK_ARGS[name]]
+    assert main(["experiment", name, "--out", str(out), "--repeats", str(repeats), "--no-progress",
+                 "--model.path", str(tiny_dir), *args]) == 0
     printed = json.loads(capsys.readouterr().out)
     record = json.loads((out / f"{name}.json").read_text())
     assert printed["record"] == str(out / f"{name}.json") and (out / f"{name}.png").stat().st_size > 10_000
@@ -148,35 +285,8 @@ def test_each_experiment_writes_its_record_and_figure(name, tiny_dir, tmp_path, 
     assert record["experiment"] == name and record["provenance"]["command"].startswith(
         f"posttrain experiment {name}")
     assert record["numbers"] and "max_minutes_cut" not in record["numbers"]   # (no budget given)
-    assert record["numbers"].get("batches", 3) == 3   # --repeats 3: three batches measured
-    if name == "clip-higher":   # each arm trained: its metrics and records kept, its weights not
-        arms = record["numbers"]["arms"]
-        assert list(arms) == ["symmetric", "clip_higher", "gspo", "cispo", "sapo", "gmpo"]
-        assert arms["cispo"]["bound"] == "weight capped at 5, no gradient clipped"
-        for arm in arms:   # each arm trained with its own objective and bounds
-            trained = json.loads((out / "run" / arm / "config.json").read_text())["algorithm"]
-            assert {k: trained[k] for k in arms[arm]["algorithm"]} == arms[arm]["algorithm"]
-            assert (out / "run" / arm / "metrics.jsonl").exists()
-            assert not (out / "run" / arm / "final_model").exists()
-            assert record["numbers"]["arms"][arm]["step"] == [1, 2, 3]
-    if name == "opd-vs-grpo":   # the teacher is GRPO's own final model, dropped once OPD is done
-        arms = record["numbers"]["arms"]
-        assert not (out / "run" / "grpo" / "final_model").exists()
-        assert arms["grpo"]["eval_steps"] == [0, 2, 3] and arms["opd"]["eval_steps"] == [0, 2, 3]
-        assert json.loads((out / "run" / "opd" / "config.json").read_text())["teacher"]["path"] == str(
-            out / "run" / "grpo" / "final_model")
-    if name == "length-training":   # each arm trained with its aggregation and advantage
-        arms = record["numbers"]["arms"]
-        assert list(arms) == ["grpo", "grpo_token_mean", "dr_grpo"]
-        expected = {"grpo": ("seq_mean_token_mean", True), "grpo_token_mean": ("token_mean", True),
-                    "dr_grpo": ("seq_mean_token_sum_norm", False)}
-        for arm, (aggregation, by_std) in expected.items():
-            trained = json.loads((out / "run" / arm / "config.json").read_text())["algorithm"]
-            assert (trained["aggregation"], trained["scale_by_std"]) == (aggregation, by_std)
-            assert len(arms[arm]["length_wrong"]) == 3 and "length_wrong_last_quarter" in arms[arm]
-    if name == "reward-hacking":   # the policy trained on the reward model's score, not the verifier's
-        policy = json.loads((out / "run" / "policy" / "config.json").read_text())["reward"]
-        assert policy["correct_reward"] == 0.0 and policy["model"].startswith(str(out / "run" / "reward_model"))
+    assert record["numbers"].get("batches", repeats) == repeats   # --repeats N: N batches measured
+    CHECKS[name](record["numbers"], out, repeats)
 
 
 def test_quarters_average_the_first_and_last_quarter_of_the_steps_with_a_value():

@@ -7,11 +7,10 @@ import functools
 import importlib
 import json
 
+import openenv.core  # noqa: F401  (both installed by scripts/install-cpu.sh)
 import pytest
+import reasoning_gym  # noqa: F401
 import torch
-
-pytest.importorskip("openenv.core")
-pytest.importorskip("reasoning_gym")
 
 import posttrain.rl.collect as collect
 import posttrain.rollout.hf as hf

