@@ -151,9 +151,9 @@ def test_memory_estimate_counts_what_the_run_holds(tmp_path):
     # optim.micro_batch_tokens decoder positions, in whole groups: one group of 8, its 64-token
     # prompt once and 8 episodes of 256 (2112 positions; two would pass 4096)
     cfg = load_config(None, ["--algorithm.kl_coef", "0", "--env.max_tokens", "256",
-                             "--rollout.group_size", "8"])
+                             "--rollout.group_size", "8", "--optim.micro_batch_tokens", "4096"])
     ep = estimate(cfg, mc, n, episodes=True)
-    assert ep.parts["activations (1 micro-batch)"] == (64 + 8 * 256) * 2 * 8 * 34 * 4 + 8 * 256 * 100 * 16
+    assert ep.parts["activations (1 micro-batch)"] == (64 + 8 * 256) * 2 * 8 * 17 * 4 + 8 * 256 * 100 * 16
 
 
 def test_sampling_that_is_not_the_trainers_float32_policy_is_off_the_trainer():

@@ -118,6 +118,8 @@ def test_a_seat_waiting_for_another_seats_move_holds_no_turn(tokenizer):
     engine = Scripted(tokenizer, lambda text, seed: "ok")
     batcher = TurnBatcher(engine, SamplingParams(4, 1.0), 3, None, None, units=[0, 0, 1])
     got = {}
+    watcher = threading.Thread(target=batcher.watch, daemon=True)   # (drive_batch's own thread)
+    watcher.start()
     asks = [threading.Thread(target=lambda r=r: got.update({r: batcher.ask(r, [1, 2], 4)}),
                              daemon=True) for r in (0, 2)]
     for t in asks:
@@ -125,6 +127,10 @@ def test_a_seat_waiting_for_another_seats_move_holds_no_turn(tokenizer):
     for t in asks:
         t.join(10)
     assert engine.calls == 2 and sorted(got) == [0, 2]
+    for r in range(3):
+        batcher.done(r)
+    watcher.join(10)
+    assert not watcher.is_alive()
 
 
 def kuhn_move(text, seed):
@@ -205,6 +211,7 @@ def test_a_shared_toolset_keeps_each_episode_its_own_state(tokenizer):
                        seeds=torch.arange(2))
     env.close()
     assert out.parts == [{"isolated": 1.0}] * 2
+    assert out.env_correct == [True, True]   # (no answer field: solved at the rubric's full marks)
     for r, expected in enumerate(("alpha", "bravo")):
         assert rows_text(tokenizer, out.rollout, r)[2] == (
             f"\n<|im_start|>tool\n{expected}<|im_end|>\n<|im_start|>assistant\n")

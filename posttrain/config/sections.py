@@ -217,8 +217,9 @@ class OptimConfig:
     # at most this many positions through the decoder a micro-batch: each group's prompt once,
     # every response (activations grow with them: SmolLM2-135M keeps ~1.6 MB a position for
     # backward, so 32 rows of a two-seat game, 8 prompts of 224 and 32 replies of 83 tokens,
-    # took 7 GB); whole groups, so a group past it runs alone; 0: micro_batch_size decides
-    micro_batch_tokens: int = 4096
+    # took 7 GB); whole groups, so a group past it runs alone; 0 (the default): only
+    # micro_batch_size decides (a budget right for a CPU would slow a GPU's long replies)
+    micro_batch_tokens: int = 0
 
     def micro_rows(self, prompt_width: int, response_width: int, group_size: int) -> int:
         """Rows per micro-batch for groups of `group_size` responses `response_width` long to a

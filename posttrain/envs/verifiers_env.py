@@ -105,10 +105,13 @@ class Router:
         return self.by_trace.get(trace_id) or next(iter(self.policies.values()))
 
 
-def seat_ends(episode, seats: tuple[str, ...], owner: dict[str, str]) -> dict[str, Driven]:
+def seat_ends(episode, seats: tuple[str, ...], owner: dict[str, str],
+              answered: bool = True) -> dict[str, Driven]:
     """Each seat's end: its row's trace's rubric (weighted sum and parts) and first error (else
     the episode's: an Env.run or finalize that raised); a seat with no trace, or an untrainable
-    one, left out."""
+    one, left out. Solved (eval/accuracy): the task's verifier on its `answer` when the task has
+    one (`answered`), else the rubric's full marks (a reward of at least 1, as OpenEnv's
+    env.openenv_success)."""
     traces = {t.id: t for t in episode.traces}
     episode_error = (f"{episode.errors[0].type}: {episode.errors[0].message}"
                      if episode.errors else None)
@@ -120,7 +123,8 @@ def seat_ends(episode, seats: tuple[str, ...], owner: dict[str, str]) -> dict[st
             continue
         parts = {name: r.score * r.weight for name, r in trace.rewards.items() if r is not None}
         error = f"{trace.errors[0].type}: {trace.errors[0].message}" if trace.errors else episode_error
-        out[seat] = Driven(float(trace.reward or 0.0), None, parts, error=error,
+        reward = float(trace.reward or 0.0)
+        out[seat] = Driven(reward, None if answered else reward >= 1.0, parts, error=error,
                            left_out=not trace.agent.trainable)
     return out
 
@@ -196,7 +200,7 @@ class VerifiersEnvironment(DrivingEnvironment):
                                      "else env.episode_timeout_s)") from None
         finally:
             clients.pop(key.model_dump_json(), None)
-        return seat_ends(episode, tuple(policies), router.owner)
+        return seat_ends(episode, tuple(policies), router.owner, answered=bool(problem.answer))
 
     def time_limit(self, policy: Any) -> float | None:
         """Seconds an episode may still take: timeout_s, else what the episode has left (None:
