@@ -299,17 +299,21 @@ ARTIFACTS = "benchmarks/results/artifacts-2026-12-06"
 
 
 def artifacts_table(root: Path) -> str:
-    """An environment as its authors publish it (benchmarks/artifacts.sh): OpenEnv's
-    reasoning_gym_env beside posttrain's native chain_sum task, same seeds and minutes."""
+    """Environments as their authors publish them (benchmarks/artifacts.sh): OpenEnv's
+    reasoning_gym_env beside posttrain's native chain_sum task (same seeds and minutes), and
+    verifiers' scratchpad (no native equivalent)."""
     lines = ["| arm | held-out before (%, mean ± sd) | held-out after (%) | after, per seed | "
              "steps in the budget (mean) |", "|---" * 5 + "|"]
+    minutes = {}
     for arm, label in (("chain-sum-native", "chain_sum, posttrain's reasoning-gym task"),
-                       ("chain-sum-openenv", "chain_sum, OpenEnv's reasoning_gym_env in process")):
-        lines.append(arm_row(label, arm_runs(root, arm, ARTIFACTS), "eval/accuracy"))
-    runs = arm_runs(root, "chain-sum-native", ARTIFACTS)
-    minutes = statistics.mean(rec["summary"]["train_minutes"] for rec, _ in runs)
-    return "\n".join(lines + ["", f"{len(runs)} seeds per arm, {minutes:.1f} training minutes "
-                              f"each. Records: `{ARTIFACTS}/ARM-seedS/record.json`."]) + "\n"
+                       ("chain-sum-openenv", "chain_sum, OpenEnv's reasoning_gym_env in process"),
+                       ("scratchpad-verifiers", "scratchpad, verifiers' own (a shared tool server)")):
+        runs = arm_runs(root, arm, ARTIFACTS)
+        lines.append(arm_row(label, runs, "eval/accuracy"))
+        minutes[arm] = statistics.mean(rec["summary"]["train_minutes"] for rec, _ in runs)
+    each = ", ".join(f"{arm} {m:.1f}" for arm, m in minutes.items())
+    return "\n".join(lines + ["", f"3 seeds per arm; training minutes a seed (mean): {each}. "
+                              f"Records: `{ARTIFACTS}/ARM-seedS/record.json`."]) + "\n"
 
 
 def judge_row(label: str, runs: list[tuple[dict, list[dict]]]) -> str:
