@@ -1,5 +1,6 @@
 """The in-process sampler: shared-prefix prefill, row pruning, EOS and stop strings, top-p."""
 
+import pytest
 import torch
 
 from posttrain.rollout import SamplingParams, make_engine
@@ -189,3 +190,24 @@ def test_overlong_shaping_looks_at_an_episodes_longest_turn():
     assert r.longest_turn_B.tolist() == [6.0, 16.0]
     assert overlong_penalty(r.longest_turn_B, 16, 8, 1.0).tolist() == [0.0, -1.0]
     assert overlong_penalty(r.lengths_B, 16, 8, 1.0).tolist() == [-1.0, -1.0]   # (the old reading)
+
+
+def test_an_engine_is_one_registration_and_declares_what_callers_use(tokenizer):
+    """rollout.backend names an ENGINES entry, built by make_engine (the one place an engine is
+    built); the in-process engine declares that it runs episodes in one call and evaluates over
+    the policy in its own precision; an unknown backend names the registered ones."""
+    from posttrain.rollout import ENGINES, HFRolloutEngine, evaluation_engine, make_engine, runs_episodes
+    from tests.conftest import make_tiny_model
+    model = make_tiny_model(tokenizer)
+    sampler = make_engine("hf", model, tokenizer, "none", "bfloat16")
+    assert runs_episodes(sampler) and sampler.model is not model   # (a bf16 copy samples)
+    evaluator = evaluation_engine(sampler)
+    assert isinstance(evaluator, HFRolloutEngine) and evaluator.model is model
+    with pytest.raises(ValueError, match=r"rollout.backend='sglang' is not available; accepted: \['hf', 'vllm'\]"):
+        make_engine("sglang", model, tokenizer)
+    built = []
+    ENGINES.register("echo-test")(lambda m, tok, autocast, weights, **o: built.append(o) or "engine")
+    try:
+        assert make_engine("echo-test", model, tokenizer, port=1) == "engine" and built == [{"port": 1}]
+    finally:
+        ENGINES._fns.pop("echo-test"), ENGINES._meta.pop("echo-test")

@@ -104,7 +104,7 @@ def test_held_out_behaviour_counts_the_verifiers_verdicts(tokenizer, monkeypatch
                problems[4].prompt: f"{sums[4]} = {problems[4].answer}",      # right, no full stop
                problems[5].prompt: f"{sums[5]} is {problems[5].answer}."}    # right
     engine = ScriptedEngine(tokenizer, replies)
-    monkeypatch.setattr(common, "HFRolloutEngine", lambda model, tok: engine)
+    monkeypatch.setattr(common, "make_engine", lambda backend, model, tok: engine)
     got = common.held_out_behaviour(make_tiny_model(tokenizer), tokenizer, task, stage_config())
     lengths = [len(tokenizer(r, add_special_tokens=False)["input_ids"]) + 1 for r in replies.values()]
     assert got == {"eval/accuracy": pytest.approx(4 / 6),

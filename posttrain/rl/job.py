@@ -33,7 +33,7 @@ from posttrain.model.loading import (add_lora, check_model_folder, load_policy, 
                               merged_lora_copy, resolve_model_path, save_model)
 from posttrain.rewards.scorer import Scorer
 from posttrain.envs import Environment, SingleTurn, close_env, for_tokenizer
-from posttrain.rollout import HFRolloutEngine, RolloutEngine, async_core_split
+from posttrain.rollout import RolloutEngine, async_core_split, evaluation_engine
 from posttrain.rl.sampling import isolation, sampling_engine, sampling_inputs
 from posttrain.run.optim import make_adamw, make_scheduler
 from posttrain.rl.teachers import Teachers
@@ -211,9 +211,7 @@ def save_run_state(run: RLJob, step: int) -> None:
 def run_eval(run: RLJob, step: int, label: str) -> dict[str, Any]:
     """Held-out accuracy now, logged with the training minutes so far; samples to a file."""
     t0 = time.perf_counter()
-    # in the weights' own precision (not the sampler's bf16), as a user's model.generate reads it
-    engine = (HFRolloutEngine(run.model, run.tokenizer) if isinstance(run.engine, HFRolloutEngine)
-              else run.engine)
+    engine = evaluation_engine(run.engine)   # (the weights in their own precision)
     with full_weights_for_generation(run.model, run.world), run.batches.paused():
         res = evaluate(run.model, run.tokenizer, engine, run.eval_problems, run.scorer,
                        eval_settings(run.cfg), world=run.world, env=run.env)

@@ -1,26 +1,43 @@
 """Layer 5: sampling responses from the policy (the trainer sees only `RolloutEngine` and
 `Rollout`), and the one prompt-shared forward over a rollout (forward.py: log-probs, entropy)."""
 
-from posttrain.rollout.base import (Rollout, RolloutEngine, SamplingParams, async_core_split,
-                                    close_engine)
+from collections.abc import Callable
+
+from posttrain.rollout.base import (PublishesWeights, Rollout, RolloutEngine, SamplingParams,
+                                    async_core_split, close_engine, evaluation_engine, runs_episodes)
 from posttrain.rollout.episodes import EpisodeSettings
 from posttrain.rollout.hf import HFRolloutEngine
+from posttrain.util.registry import Registry
 
-__all__ = ["HFRolloutEngine", "Rollout", "RolloutEngine", "SamplingParams", "async_core_split", "close_engine",
-           "engine_context", "episode_settings", "make_engine", "vllm_options"]
+__all__ = ["ENGINES", "HFRolloutEngine", "PublishesWeights", "Rollout", "RolloutEngine",
+           "SamplingParams", "async_core_split", "close_engine", "engine_context",
+           "episode_settings", "evaluation_engine", "make_engine", "runs_episodes", "vllm_options"]
+
+# rollout.backend -> build(model, tokenizer, autocast, weights, **backend options): the one place
+# an engine is built (make_engine); a new engine is a module and one registration here
+ENGINES: Registry[Callable[..., RolloutEngine]] = Registry("rollout.backend")
+
+
+@ENGINES.register("hf")
+def _hf(model, tokenizer, autocast: str = "none", weights: str = "shared", **_) -> RolloutEngine:
+    return HFRolloutEngine(model, tokenizer, autocast, weights)
+
+
+@ENGINES.register("vllm")
+def _vllm(model, tokenizer, autocast: str = "none", weights: str = "shared",
+          **vllm_options) -> RolloutEngine:
+    from posttrain.rollout.vllm_engines import make_vllm_engine   # optional dependency
+    return make_vllm_engine(model, tokenizer, **vllm_options)
 
 
 def make_engine(backend: str, model, tokenizer, autocast: str = "none", weights: str = "shared",
-                **vllm_options) -> RolloutEngine:
-    """`autocast`, `weights`: the in-process engine's precision ('bfloat16': body in bf16 under
-    autocast, or from a bf16 copy; the head in float32); `vllm_options`: VLLMRolloutEngine's
-    (model_path, rollout_cfg, dtype, seed, ...)."""
-    if backend == "hf":
-        return HFRolloutEngine(model, tokenizer, autocast, weights)
-    if backend == "vllm":
-        from posttrain.rollout.vllm_engines import make_vllm_engine   # optional dependency
-        return make_vllm_engine(model, tokenizer, **vllm_options)
-    raise ValueError(f"rollout.backend={backend!r} is not available; accepted: ['hf', 'vllm']")
+                **options) -> RolloutEngine:
+    """The engine `backend` names (ENGINES). `autocast`, `weights`: the in-process engine's
+    precision ('bfloat16': body in bf16 under autocast, or from a bf16 copy; the head in
+    float32); `options`: the backend's own (vLLM: model_path, rollout_cfg, dtype, seed, ...)."""
+    if backend not in ENGINES:
+        raise ValueError(f"rollout.backend={backend!r} is not available; accepted: {ENGINES.names()}")
+    return ENGINES[backend](model, tokenizer, autocast, weights, **options)
 
 
 def vllm_options(cfg, model_path, model, world) -> dict:

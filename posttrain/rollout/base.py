@@ -9,7 +9,7 @@ know which backend produced a `Rollout`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -110,22 +110,54 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
 
 
 class RolloutEngine(Protocol):
+    """What every caller of an engine uses. Built in one place, `rollout.make_engine`, by the
+    ENGINES registry (`rollout.backend`): a new engine is a module and one registration."""
+
+    model: Any            # the policy it samples from in this process (None: it holds a copy elsewhere)
+    runs_episodes: bool   # `generate` takes `respond=` and runs a multi-turn episode in one call
+
     def generate(self, prompts: list[list[int]], group_size: int, params: SamplingParams,
                  generator: torch.Generator | None = None, seeds: Tensor | None = None) -> Rollout:
         """Sample `group_size` responses for each prompt (token ids, chat template applied);
         `seeds`, one int64 per response, make each response depend on its own seed only.
-        An engine that also takes `respond=` (rollout/hf.py) runs multi-turn episodes in one
-        call; for the others rollout/episodes.py calls `generate` once per turn."""
+        An engine that `runs_episodes` also takes `respond=` (rollout/hf.py) and runs multi-turn
+        episodes in one call; for the others rollout/episodes.py calls `generate` once per turn."""
         ...
 
     def sync_weights(self) -> None:
         """Make the engine sample from the trainer's current weights (no-op when they are shared)."""
         ...
 
+    def for_evaluation(self) -> "RolloutEngine":
+        """The engine held-out evaluation samples with: the trainer's weights in their own
+        precision (an in-process engine sampling from a bf16 copy gives one over the policy)."""
+        ...
+
     def close(self) -> None:
         """Stop what the engine started (vLLM's engine processes, launched servers); no-op in
         process."""
         ...
+
+
+class PublishesWeights(Protocol):
+    """An engine that samples ahead of the trainer (rl/batch_source.py): a version of the weights
+    is written while it samples, and loaded between two of its batches."""
+
+    def publish(self) -> Any: ...          # write the trainer's weights as the next version
+    def load(self, written: Any) -> None: ...      # sample from that version from now on
+    def discard(self, written: Any) -> None: ...   # a version it will never load
+
+
+def runs_episodes(engine) -> bool:
+    """Whether `engine` runs a multi-turn episode in one `generate` (an engine written before
+    the declaration runs them turn by turn)."""
+    return bool(getattr(engine, "runs_episodes", False))
+
+
+def evaluation_engine(engine) -> RolloutEngine:
+    """`engine.for_evaluation()`, or the engine itself where it declares none."""
+    build = getattr(engine, "for_evaluation", None)
+    return build() if build is not None else engine
 
 
 def close_engine(engine) -> None:

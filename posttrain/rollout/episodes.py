@@ -13,7 +13,6 @@ exactly as before episodes existed.
 
 from __future__ import annotations
 
-import inspect
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -28,7 +27,7 @@ from posttrain.envs.base import (DescribesTools, DrivesPolicy, Environment, Envi
 from posttrain.util.health import Tally
 from posttrain.util.usercode import as_reward
 from posttrain.model.prompts import ReplyEncoder, encode_prompts, left_pad
-from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams
+from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams, runs_episodes
 from posttrain.rollout.sessions import generate_queued, opened, refuse_untaskable_groups
 
 
@@ -128,7 +127,7 @@ def _episodes(engine: RolloutEngine, tokenizer, book: _Book, params: SamplingPar
         for r, text in enumerate(texts):
             book.turn_ended(r, text)
         return book.episodes(rollout, texts, texts)
-    if "respond" in inspect.signature(engine.generate).parameters:
+    if runs_episodes(engine):
         rollout = engine.generate(prompts, G, params, generator, seeds=seeds, respond=book.respond)
     else:
         rollout = generate_by_turns(engine, prompts, G, params, book.respond, tokenizer.pad_token_id,

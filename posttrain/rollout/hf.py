@@ -149,8 +149,15 @@ class HFRolloutEngine:
         if gen_eos is not None:
             self.eos_ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
 
+    runs_episodes = True   # (`generate` takes `respond=`: every turn through one KV cache)
+
     def close(self) -> None:
         """Nothing to stop: `generate` runs in the trainer's process."""
+
+    def for_evaluation(self) -> "HFRolloutEngine":
+        """Over the policy in its own precision, as a user's model.generate reads it (not the
+        sampler's bf16 copy or autocast)."""
+        return HFRolloutEngine(self.policy, self.tokenizer)
 
     @torch.no_grad()
     def sync_weights(self) -> None:

@@ -169,7 +169,10 @@ def check_holds(name: str, states: list[dict], pushed: Pushed) -> None:
 
 class VLLMRolloutEngine:
     """The trainer's `RolloutEngine` on vLLM engines (rollout/vllm_engines.py): `model` is the
-    trainer's policy, whose weights are pushed after every update; `engines` sample."""
+    trainer's policy, whose weights are pushed after every update; `engines` sample. Multi-turn
+    episodes run turn by turn (each later turn a request the prefix cache serves)."""
+
+    runs_episodes = False
 
     def __init__(self, model, tokenizer, engines: list, push, world=None) -> None:
         if hasattr(model, "get_base_model"):
@@ -261,6 +264,10 @@ class VLLMRolloutEngine:
                         todo += share
         completions = [c for i in range(len(prompts)) for c in answers[i] * (group_size // n)]
         return to_rollout(prompts, group_size, completions, self.pad_id)
+
+    def for_evaluation(self) -> "VLLMRolloutEngine":
+        """Itself: it samples from the pushed weights in the trainer's precision."""
+        return self
 
     def close(self) -> None:
         """Stop every engine this process started and remove the pushed weights (once)."""

@@ -35,7 +35,7 @@ from posttrain.rl.evaluation import EvalSettings, evaluate
 from posttrain.model.prompts import encode_prompts
 from posttrain.rewards.scorer import Scorer
 from posttrain.rollout.episodes import EpisodeSettings
-from posttrain.rollout.hf import HFRolloutEngine
+from posttrain.rollout import make_engine
 from posttrain.config.sections import RewardConfig
 from posttrain.run.optim import make_adamw, make_scheduler
 from posttrain.rl.update import check_nonfinite_streak, step_if_finite
@@ -247,7 +247,7 @@ def held_out_behaviour(model, tokenizer, task, cfg: StageConfig, world: World | 
     world = world or SINGLE
     settings = EvalSettings(max_new_tokens, (), 50, EpisodeSettings(cfg.data.system_prompt))
     with full_weights_for_generation(model, world):
-        res = evaluate(model, tokenizer, HFRolloutEngine(model, tokenizer), task.eval_problems,
+        res = evaluate(model, tokenizer, make_engine("hf", model, tokenizer), task.eval_problems,
                        Scorer(RewardConfig(), task.verifier), settings, world=world)
     lengths = res.pop("_lengths")
     return {"eval/accuracy": res["eval/accuracy"],
