@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import contextlib
+import datetime
 import json
 import re
 import statistics
@@ -1119,11 +1120,25 @@ def reads() -> Iterator[list[Path]]:
         Path.read_text, builtins.open = real_read, real_open
 
 
+# From the commit that moved provenance.py into posttrain/run/ (0039256) to the one that fixed its
+# ROOT (e056829), git ran in the package folder, where `git status -- posttrain benchmarks` names
+# nothing: a record of those days reads `dirty: false` whatever its tree was
+BLIND_FLAG = ("2026-12-05T11:06:00+00:00", "2026-12-06T22:29:00+00:00")
+
+
+def flag_unverified(prov: dict) -> bool:
+    """A record whose `dirty: false` was written while the flag could not see edits."""
+    date = datetime.datetime.fromisoformat(str(prov.get("date", "")) or "1970-01-01T00:00:00+00:00")
+    start, end = (datetime.datetime.fromisoformat(t) for t in BLIND_FLAG)
+    return prov.get("dirty") is False and start <= date <= end
+
+
 def provenance_line(paths: list[Path]) -> str:
     """One line under a table: how many records it reads, their commits, and which came from a
-    tree with uncommitted changes or carry no provenance at all."""
+    tree with uncommitted changes, carry no provenance at all, or say clean when that could not
+    be seen (BLIND_FLAG)."""
     commits: dict[str, None] = {}
-    n = dirty = unknown = missing = 0
+    n = dirty = unknown = missing = blind = 0
     for path in dict.fromkeys(p for p in paths if p.suffix == ".json" and p.is_file()):
         data = json.loads(path.read_text())
         if not is_record(path, data):
@@ -1136,6 +1151,7 @@ def provenance_line(paths: list[Path]) -> str:
         commits[str(prov.get("commit"))[:7]] = None
         dirty += prov.get("dirty") is True
         unknown += prov.get("dirty") is None
+        blind += flag_unverified(prov)
     if not n:
         return "Provenance: this table reads no record file (see the records named above)."
     parts = [f"Provenance: {n} record{'s' * (n != 1)}"
@@ -1147,7 +1163,10 @@ def provenance_line(paths: list[Path]) -> str:
         parts.append(f"{unknown} from a tree not known to be clean")
     if missing:
         parts.append(f"{missing} without provenance (written before records carried it)")
-    if not dirty and not unknown and not missing:
+    if blind:
+        parts.append(f"{blind} marked clean while that flag could not see edits (2026-12-05 11:06 "
+                     "to 2026-12-06 22:29 UTC: CHANGELOG)")
+    if not dirty and not unknown and not missing and not blind:
         parts.append("every one run from a clean tree")
     return "; ".join(parts) + "."
 

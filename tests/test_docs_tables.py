@@ -242,3 +242,23 @@ def test_the_provenance_line_counts_clean_dirty_unknown_and_missing(tmp_path):
                     "uncommitted changes; 1 from a tree not known to be clean; 1 without "
                     "provenance (written before records carried it).")
     assert tables.provenance_line(made[:1]).endswith("every one run from a clean tree.")
+
+
+def test_a_clean_flag_written_while_it_could_not_see_edits_is_not_called_clean(tmp_path):
+    """From 2026-12-05 11:06 to 2026-12-06 22:29 UTC provenance ran git in the package folder and
+    wrote `dirty: false` for any tree: a table over such records does not say they were clean."""
+    tables = benchmark_module("tables")
+
+    def record(name: str, date: str, dirty) -> Path:
+        path = tmp_path / name / "record.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({"provenance": {"commit": "a" * 40, "dirty": dirty, "date": date}}))
+        return path
+    before = record("before", "2026-12-05T10:00:00+00:00", False)
+    blind = record("blind", "2026-12-06T20:40:38+00:00", False)
+    after = record("after", "2026-12-06T23:00:00+00:00", False)
+    edited = record("edited", "2026-12-06T12:00:00+00:00", True)
+    assert tables.provenance_line([before, after]).endswith("every one run from a clean tree.")
+    line = tables.provenance_line([before, blind, after, edited])
+    assert "1 run from a tree with uncommitted changes" in line
+    assert "1 marked clean while that flag could not see edits" in line and "every one" not in line
