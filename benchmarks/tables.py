@@ -317,6 +317,26 @@ def artifacts_table(root: Path) -> str:
                               f"Records: `{ARTIFACTS}/ARM-seedS/record.json`."]) + "\n"
 
 
+VLLM_IDLE = "benchmarks/results/vllm-idle-2026-12-06"   # (its table: docs/scaling.md)
+PHASES = ("perf/generate_s", "perf/update_s", "perf/weight_push_s", "perf/step_s")
+
+
+def vllm_idle_table(root: Path) -> str:
+    """Each phase of a step, median over steps 2-12 of each run (the first step warms up), for
+    `generate` and vLLM in process, two rounds back to back (benchmarks/vllm_idle.sh)."""
+    lines = ["| sampler, round | generation (s) | update (s) | weight push (s) | step (s) |",
+             "|---" * 5 + "|"]
+    for backend, label in (("hf", "`generate`, in the trainer"), ("vllm", "vLLM in process")):
+        for round_ in (1, 2):
+            folder = root / VLLM_IDLE / f"{backend}-round{round_}"
+            json.loads((folder / "record.json").read_text())   # (named in the provenance line)
+            steps = [r for r in metrics_of(folder) if "perf/step_s" in r][1:]
+            cells = [f"{statistics.median(r.get(k, 0.0) for r in steps):.2f}" for k in PHASES]
+            lines.append(f"| {label}, {round_} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + ["", f"The default job, seed 0, 12 steps a run. Records: "
+                              f"`{VLLM_IDLE}/SAMPLER-roundN/record.json`."]) + "\n"
+
+
 def judge_row(label: str, runs: list[tuple[dict, list[dict]]]) -> str:
     train = [[r for r in rows if "reward/mean" in r] for _, rows in runs]
     agree = [r["reward/judge_agreement"] for t in train for r in t if "reward/judge_agreement" in r]
@@ -1191,7 +1211,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "objectives": objectives_table, "perstep": perstep_table, "viewer": viewer_table,
     "vllm-cpu": vllm_cpu_table, "vllm-mismatch": vllm_mismatch_table,
     "async-cpu": async_cpu_table, "ecosystem-envs": ecosystem_envs_table,
-    "artifacts": artifacts_table,
+    "artifacts": artifacts_table, "vllm-idle": vllm_idle_table,
     "ecosystem-judge": ecosystem_judge_table,
 }
 
