@@ -367,9 +367,9 @@ def test_the_sandbox_memory_in_all_is_bounded(tmp_path):
     fine."""
     scorer = Scorer(RewardConfig(verifier="none", timeout_s=20.0, workers=1, memory_mb=1024,
                                  functions=("tests.hostile_rewards:hogs_memory_in_processes",)))
-    t0 = time.perf_counter()
+    # (counted as the memory limit, not reward.timeout_s: the kill came before the 20 s timeout;
+    # no wall-clock bound, which a loaded machine passes: the host's start is in it too)
     result = scorer([Problem("q", "1")] * 2, ["hog", "x"])
-    assert time.perf_counter() - t0 < 15
     assert result.failures == {"memory_limit": 2} and scorer.pool.rebuilds == 1
     assert "more than 1024 MB in all" in result.tallies[
         "reward function 'tests.hostile_rewards:hogs_memory_in_processes'"].first_error
