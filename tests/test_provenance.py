@@ -29,6 +29,8 @@ def copy_of_the_code(tree: Path) -> Path:
         shutil.copy(REPO / name, tree / name)
     (tree / "benchmarks").mkdir()
     (tree / "benchmarks" / "bench.py").write_text("N = 1\n")
+    (tree / "benchmarks" / "results" / "r").mkdir(parents=True)
+    (tree / "benchmarks" / "results" / "r" / "record.json").write_text("{}\n")
     (tree / "docs").mkdir()
     (tree / "docs" / "notes.md").write_text("notes\n")
     (tree / "pyproject.toml").write_text('[project]\nname = "posttrain"\n')
@@ -97,6 +99,7 @@ def test_an_uncommitted_edit_to_the_code_makes_the_record_dirty(tree, edited):
 
 def test_edits_outside_the_code_and_new_files_leave_the_record_clean(tree):
     (tree / "docs" / "notes.md").write_text("rewritten\n")        # tracked, not code
+    (tree / "benchmarks" / "results" / "r" / "record.json").write_text('{"new": 1}\n')   # a result
     (tree / "posttrain" / "scratch.py").write_text("x = 1\n")     # untracked
     assert record(tree, cwd=REPO)["dirty"] is False
 

@@ -23,9 +23,10 @@ def _git(*args: str) -> str | None:
 
 
 def _dirty() -> bool | None:
-    """Uncommitted changes to the package or the benchmarks; None when unknown (no checkout)."""
+    """Uncommitted changes to the package or the benchmarks' code (not their results, which a
+    record run over an earlier one rewrites); None when unknown (no checkout)."""
     status = _git("status", "--porcelain", "--untracked-files=no", "--", "posttrain", "benchmarks",
-                  "pyproject.toml")
+                  "pyproject.toml", ":(exclude)benchmarks/results")
     return None if status is None else bool(status)
 
 
