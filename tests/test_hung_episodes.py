@@ -434,6 +434,7 @@ def check_stopped(run_dir: Path) -> dict:
     return summary
 
 
+@pytest.mark.slow   # (~17 s, a whole run; the mechanism, quick: tests/test_lifecycle.py grace tests)
 def test_sigterm_ends_a_run_whose_step_cannot_finish_within_the_grace(tmp_path, tiny_dir):
     proc = run_cli(tmp_path, tiny_dir, "--checkpoint.stop_grace_s", "3")
     took = stopped_after(proc, tmp_path / "r", 1, within=60)

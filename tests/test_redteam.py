@@ -361,13 +361,14 @@ def test_a_host_that_stops_reading_cannot_hang_the_trainer(monkeypatch):
     pool.close()
 
 
+@pytest.mark.slow   # (~20 s; a call killed for memory, quick: tests/test_sandbox_limits.py)
 def test_the_sandbox_memory_in_all_is_bounded(tmp_path):
     """Six processes of 300 MB each stay under the per-process limit; together they pass
     reward.memory_mb: the sandbox is killed, the batch counted as the memory limit, the next one
     fine."""
-    scorer = Scorer(RewardConfig(verifier="none", timeout_s=20.0, workers=1, memory_mb=1024,
+    scorer = Scorer(RewardConfig(verifier="none", timeout_s=60.0, workers=1, memory_mb=1024,
                                  functions=("tests.hostile_rewards:hogs_memory_in_processes",)))
-    # (counted as the memory limit, not reward.timeout_s: the kill came before the 20 s timeout;
+    # (counted as the memory limit, not reward.timeout_s: the kill came before the 60 s timeout;
     # no wall-clock bound, which a loaded machine passes: the host's start is in it too)
     result = scorer([Problem("q", "1")] * 2, ["hog", "x"])
     assert result.failures == {"memory_limit": 2} and scorer.pool.rebuilds == 1
