@@ -20,7 +20,7 @@ __version__ = "0.9.0"
 # name -> the module that defines it
 _PUBLIC = {
     "train": "posttrain.rl.loop",
-    "evaluate": "posttrain.rl.evaluation",
+    "evaluate": "posttrain.sampling.evaluation",
     "load_config": "posttrain.config.options",
     "recipe_path": "posttrain.config.options",
     "TrainConfig": "posttrain.config.commands",

@@ -173,7 +173,7 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.model_path:
         overrides = [*overrides, "--model.path", args.model_path]
     cfg = load_sampling_config(args.config, overrides)
-    out = generate(cfg, args.n, args.out, args.samples, not args.keep_wrong,
+    out = generate(cfg, args.n, args.out, samples=args.samples, only_correct=not args.keep_wrong,
                    demonstrate=args.demonstrate, show_progress=not args.no_progress)
     print(json.dumps(out, indent=2))
     return 0

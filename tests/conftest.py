@@ -106,6 +106,16 @@ _STAGE_FIELDS = {"model": ("model", "path"), "autocast": ("model", "autocast"),
                                              "terse_wrong_share", "eval_size")}}
 
 
+def learner_for(cfg, model, optimizer, scheduler=None, generator=None, **parts):
+    """The PolicyLearner `update_policy` takes, over a test's own model and optimizer (a constant
+    schedule and a seed-0 generator unless given); `parts`: teachers, critic, ref_model."""
+    from posttrain.rl.learner import PolicyLearner
+    scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
+    return PolicyLearner(model=model, tokenizer=None, optimizer=optimizer, optim=cfg.optim,
+                         scheduler=scheduler, cfg=cfg,
+                         generator=generator or torch.Generator().manual_seed(0), **parts)
+
+
 def stage_config(**kw):
     """A StageConfig from short keywords (lr=..., synthetic=...), the tests' shorthand for the
     nested sections (optim.lr, data.synthetic, ...); not validated, as a library user's is not."""

@@ -13,8 +13,10 @@ from collections import Counter
 import pytest
 import torch
 
-from posttrain.rl.batch import ScoredBatch
-from posttrain.rl.batch_source import Ahead, InTurn, load_sampled, make_batch_source, save_sampled
+from posttrain.sampling.setup import SamplingSetup
+
+from posttrain.sampling.batch import ScoredBatch
+from posttrain.sampling.sources import Ahead, InTurn, load_sampled, make_batch_source, save_sampled
 from posttrain.config.commands import ConfigError
 from posttrain.data.source import Sampler
 from posttrain.data.tasks import Problem, Task
@@ -259,8 +261,8 @@ def real_pipeline(tokenizer, engine_of):
     """The real collect (sampler, HF engine, verifier scorer: rl/collect.generate_and_score) of 2
     prompts x 2 answers of 4 tokens, on a tiny model the 'trainer' moves by seeded noise each
     step; `snapshots[v]`: the weights of version v (0: the start)."""
-    from posttrain.rl.collect import generate_and_score
-    from posttrain.rl.sampling import sampling_inputs
+    from posttrain.sampling.collect import generate_and_score
+    from posttrain.sampling.service import sampling_inputs
     from tests.conftest import make_tiny_model
     cfg = load_config(None, ["--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
                              "--rollout.max_new_tokens", "4", "--data.eval_size", "4",
@@ -271,8 +273,9 @@ def real_pipeline(tokenizer, engine_of):
     generator = torch.Generator().manual_seed(cfg.seed)
 
     def collect(timings, tallies):
-        return generate_and_score(engine, tokenizer, sampler, scorer, cfg, cfg.algo, generator,
-                                  timings, env=env, tallies=tallies)
+        return generate_and_score(SamplingSetup(cfg=cfg, engine=engine, tokenizer=tokenizer,
+                                                scorer=scorer, prompts=sampler,
+                                                generator=generator, env=env), timings, tallies)
     snapshots = [{k: v.clone() for k, v in model.state_dict().items()}]
 
     def update(step: int) -> None:
@@ -337,7 +340,7 @@ def test_max_staleness_0_samples_every_batch_with_the_trainers_current_weights(t
     weights after each update samples exactly what the synchronous loop samples from the
     trainer's very weights (HFRolloutEngine, weights shared): the same tokens and log-probs,
     and those are the log-probs of version t - 1 at step t."""
-    from posttrain.rl.batch_source import InTurn
+    from posttrain.sampling.sources import InTurn
     from posttrain.rollout.hf import HFRolloutEngine
     runs = {}
     for name, engine_of in (("copy pushed", lambda m: CopyEngine(m, tokenizer)),
@@ -390,7 +393,7 @@ def test_a_dropped_batchs_prompts_are_drawn_again_first_and_no_longer_wait_for_a
 
 
 def test_a_checkpoints_batches_in_flight_name_their_prompts_for_a_run_resumed_in_turn(tmp_path):
-    from posttrain.rl.batch_source import prompts_in_flight
+    from posttrain.sampling.sources import prompts_in_flight
     source, _, _, _ = make(2, gen_s=0.0)
     try:
         source.next(1, Counter(), {})
@@ -454,19 +457,20 @@ def test_every_batch_reaches_the_policy_on_its_device(kind, tmp_path, monkeypatc
     monkeypatch.setattr(loop, "check_health", lambda *a: None)
     if kind == "in turn":
         sampler = Sampler(numbered_task(), seed=0)
-        source = InTurn(collector(sampler, ScriptedEngine(), 0.0, []), ScriptedEngine(), 0)
+        source = InTurn(collector(sampler, ScriptedEngine(), 0.0, []), ScriptedEngine(), sampler, 0)
     else:
         source, _, _, _ = make(1, gen_s=0.0)
         if kind == "restored from in_flight":
-            from posttrain.rl.batch_source import Sampled
+            from posttrain.sampling.sources import Sampled
             batch, metrics = make(1, gen_s=0.0)[0].collect(Counter(), {})
             batch = replace(batch, version_B=torch.zeros(len(batch.rewards_B), dtype=torch.long))
             save_sampled(Sampled(batch, metrics, 0, [(0, 0)]), tmp_path / "in_flight" / "batch_000")
             (tmp_path / "in_flight" / "count.json").write_text('{"batches": 1}')
             source.restore(tmp_path / "in_flight")
             assert len(source.ready) == 1
-    run = SimpleNamespace(cfg=None, algo=None, world=SINGLE, batches=source,
-                          device=torch.device("meta"))
+    run = SimpleNamespace(cfg=None, algo=None, world=SINGLE,
+                          sampling=SimpleNamespace(next=source.next, version=source.version),
+                          learner=SimpleNamespace(device=torch.device("meta")))
     try:
         with pytest.raises(_Reached):
             loop.train_step(run, 1)

@@ -106,13 +106,14 @@ def test_the_old_checkpoint_stays_until_the_new_one_is_in_place(tmp_path, tokeni
             raise OSError(5, "Input/output error")
         return real(src, dst)
     monkeypatch.setattr(ckpt.os, "replace", power_cut)
-    from posttrain.run.checkpoint import save_checkpoint
+    from posttrain.run.checkpoint import save_checkpoint, trainer_state
     model = make_tiny_model(tokenizer)
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     for step in (3, 2):   # a new step, and the same step saved again (the old code deleted it first)
         with pytest.raises(OSError):
-            save_checkpoint(run, step, model, tokenizer, opt, sched, torch.Generator(), {}, {}, keep=1)
+            save_checkpoint(run, step, model, tokenizer,
+                            trainer_state(model, opt, sched, torch.Generator(), {}), {}, keep=1)
         assert [p.name for p in ckpt.step_folders(run)] == ["step_000001", "step_000002"]
         assert all(ckpt.is_complete(p) for p in ckpt.step_folders(run))
     marker = json.loads((run / "checkpoints" / "step_000002" / "COMPLETE").read_text())

@@ -7,11 +7,13 @@ from dataclasses import replace
 import pytest
 import torch
 
+from posttrain.sampling.setup import SamplingSetup
+
 from posttrain.config.commands import ConfigError
 from posttrain.config.options import load_config
 from posttrain.model.loading import check_same_tokenizer, save_model
 from posttrain.rl.loop import train
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, learner_for
 
 OPD = ["--preset", "opd", "--reward.verifier", "none", "--data.eval_size", "0",
        "--rollout.max_new_tokens", "4", "--tensorboard", "false", "--threads", "2"]
@@ -83,8 +85,8 @@ def test_opsd_teacher_logprobs_line_up_under_a_longer_privileged_context(tmp_pat
     from collections import Counter
     from posttrain.rewards import Scorer
     from posttrain.rollout import make_engine
-    from posttrain.rl.collect import generate_and_score
-    from posttrain.rl.loop import teacher_view
+    from posttrain.sampling.collect import generate_and_score
+    from posttrain.rl.frozen import teacher_view
     from posttrain.data.source import Sampler, build_task
     from posttrain.model.prompts import encode_prompts
     from posttrain.rollout.forward import frozen_logprobs
@@ -92,9 +94,11 @@ def test_opsd_teacher_logprobs_line_up_under_a_longer_privileged_context(tmp_pat
                              "{prompt} (The reference answer is {answer}.)",
                              "--rollout.prompts_per_step", "3", "--rollout.group_size", "2"])
     model = make_tiny_model(tokenizer, seed=2).double()
-    batch, _ = generate_and_score(make_engine("hf", model, tokenizer), tokenizer,
-                                  Sampler(build_task(cfg.data), 0), Scorer(cfg.reward), cfg, cfg.algo,
-                                  torch.Generator().manual_seed(0), Counter())
+    batch, _ = generate_and_score(SamplingSetup(cfg=cfg,
+                                                engine=make_engine("hf", model, tokenizer),
+                                                tokenizer=tokenizer, scorer=Scorer(cfg.reward),
+                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                generator=torch.Generator().manual_seed(0)), Counter())
     view = teacher_view(batch, cfg, tokenizer)
     assert view.prompt_ids_B_L.shape[1] > batch.rollout.prompt_ids_B_L.shape[1]
     assert torch.equal(view.response_ids_B_T, batch.rollout.response_ids_B_T)
@@ -141,7 +145,7 @@ def test_mopd_routes_each_domain_to_its_teacher_loaded_lazily_and_shared(tmp_pat
     from posttrain.rewards import Scorer
     from posttrain.rollout import make_engine
     from posttrain.rl.teachers import Teachers
-    from posttrain.rl.collect import generate_and_score
+    from posttrain.sampling.collect import generate_and_score
     from posttrain.data.source import Sampler, build_task
     from posttrain.rollout.forward import frozen_logprobs
     a = make_tiny_model(tokenizer, seed=11)
@@ -159,9 +163,11 @@ def test_mopd_routes_each_domain_to_its_teacher_loaded_lazily_and_shared(tmp_pat
                              "--teacher.domains.countdown", str(tmp_path / "b"),
                              "--data.task", "addition+countdown", "--rollout.group_size", "2"])
     student = make_tiny_model(tokenizer, seed=13)
-    batch, _ = generate_and_score(make_engine("hf", student, tokenizer), tokenizer,
-                                  Sampler(build_task(cfg.data), 0), Scorer(cfg.reward), cfg, cfg.algo,
-                                  torch.Generator().manual_seed(0), Counter())
+    batch, _ = generate_and_score(SamplingSetup(cfg=cfg,
+                                                engine=make_engine("hf", student, tokenizer),
+                                                tokenizer=tokenizer, scorer=Scorer(cfg.reward),
+                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                generator=torch.Generator().manual_seed(0)), Counter())
     domains = [p.domain for p in batch.problems]
     assert set(domains) == {"addition", "countdown"}
     score = lambda m, view: frozen_logprobs(m, view, 1.0, 8)  # noqa: E731
@@ -177,8 +183,7 @@ def test_mopd_routes_each_domain_to_its_teacher_loaded_lazily_and_shared(tmp_pat
     r = batch.rollout
     for k, i in enumerate(rows.tolist()):
         m = a if domains[i] == "addition" else b
-        want = response_logits(m, r.prompt_ids_B_L[i:i + 1], r.prompt_mask_B_L[i:i + 1],
-                               r.response_ids_B_T[i:i + 1], r.response_mask_B_T[i:i + 1])[0]
+        want = response_logits(m, replace(r, group_size=1), slice(i, i + 1))[0]
         n = int(r.lengths_B[i])
         torch.testing.assert_close(logits[k, :n], want[:n], rtol=1e-4, atol=1e-4)
 
@@ -218,28 +223,29 @@ def test_exact_loss_targets_the_teacher_at_its_own_temperature(tmp_path, tokeniz
     from posttrain.rewards import Scorer
     from posttrain.rollout import make_engine
     from posttrain.rl.teachers import Teachers
-    from posttrain.rl.collect import generate_and_score
+    from posttrain.sampling.collect import generate_and_score
     from posttrain.rl.update import update_policy
     from posttrain.data.source import Sampler, build_task
     extra = ["--teacher.temperature", str(teacher_temperature)] if teacher_temperature else []
     cfg = load_config(None, [*OPD, "--teacher.path", "t", "--algorithm.distill_loss", "exact",
                              "--rollout.temperature", "0.8", *extra])
     student, teacher = sharpened(tokenizer, 20.0), sharpened(tokenizer, 10.0)
-    batch, _ = generate_and_score(make_engine("hf", student, tokenizer), tokenizer,
-                                  Sampler(build_task(cfg.data), 0), Scorer(cfg.reward), cfg, cfg.algo,
-                                  torch.Generator().manual_seed(0), Counter())
+    batch, _ = generate_and_score(SamplingSetup(cfg=cfg,
+                                                engine=make_engine("hf", student, tokenizer),
+                                                tokenizer=tokenizer, scorer=Scorer(cfg.reward),
+                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                generator=torch.Generator().manual_seed(0)), Counter())
     r, m = batch.rollout, batch.loss_mask_B_T
     with torch.no_grad():
-        args = (r.prompt_ids_B_L, r.prompt_mask_B_L, r.response_ids_B_T, r.response_mask_B_T)
-        zs, zt = response_logits(student, *args), response_logits(teacher, *args)
+        one = replace(r, group_size=1)   # (every row its own prompt pass)
+        zs, zt = response_logits(student, one), response_logits(teacher, one)
         t_teacher = teacher_temperature or 0.8
         kl = exact_kl_from_logits(zs, zt * (0.8 / t_teacher), 0.8)
     expected = ((kl * m).sum() / m.sum()).item()
     opt = torch.optim.SGD(student.parameters(), lr=0.0)
-    stats = update_policy(student, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0),
-                          replace(batch, adv_B_T=torch.zeros_like(m)), cfg, cfg.algo,
-                          torch.Generator().manual_seed(0),
-                          Teachers(cfg.teacher, tokenizer, preloaded=teacher))
+    stats = update_policy(learner_for(cfg, student, opt,
+                                      teachers=Teachers(cfg.teacher, tokenizer, preloaded=teacher)),
+                          replace(batch, adv_B_T=torch.zeros_like(m)))
     assert stats["distill/reverse_kl_exact"] == pytest.approx(expected, rel=1e-4)
     if teacher_temperature:   # a sharper target is further from this student than the plain one
         plain = exact_kl_from_logits(zs, zt, 0.8)

@@ -105,7 +105,7 @@ def test_without_a_separate_sampler_dppo_reads_pi_old():
 
 
 def tiny_batch():
-    from posttrain.rl.batch import ScoredBatch
+    from posttrain.sampling.batch import ScoredBatch
     from posttrain.data.tasks import Problem
     from posttrain.rollout.base import Rollout
     ones = torch.ones(2, 3)

@@ -41,9 +41,10 @@ def engine(tokenizer):
 def test_a_driven_episode_is_token_for_token_the_built_in_one(engine, tokenizer):
     """The environment's own loop asking for each turn gives the same tokens, mask, rewards
     (and log-probs) as the built-in environment run turn by turn from the same seeds."""
-    driven = run_episodes(engine, tokenizer, DrivenGuess(3), PROBLEMS, 2, PARAMS, SETTINGS, seeds=SEEDS)
+    driven = run_episodes(engine, tokenizer, DrivenGuess(3), PROBLEMS, 2, PARAMS,
+                          settings=SETTINGS, seeds=SEEDS)
     native = run_episodes(TurnByTurn(engine), tokenizer, GuessNumber(3), PROBLEMS, 2, PARAMS,
-                          SETTINGS, seeds=SEEDS)
+                          settings=SETTINGS, seeds=SEEDS)
     a, b = driven.rollout, native.rollout
     assert torch.equal(a.response_ids_B_T, b.response_ids_B_T)
     assert torch.equal(a.policy_tokens_B_T, b.policy_tokens_B_T)
@@ -57,7 +58,7 @@ def test_a_driven_episode_is_token_for_token_the_built_in_one(engine, tokenizer)
 
 def test_a_rewritten_history_forks_the_row_and_is_counted(engine, tokenizer):
     out = run_episodes(engine, tokenizer, DrivenGuess(3, rewrite=True), PROBLEMS, 2, PARAMS,
-                       SETTINGS, seeds=SEEDS)
+                       settings=SETTINGS, seeds=SEEDS)
     second_turns = out.counts["turns"] - 4
     assert second_turns > 0 and out.counts["forks"] == second_turns
     edited = [r for r, text in enumerate(out.transcripts) if "(edited)" in text]
@@ -71,7 +72,7 @@ def test_an_external_client_records_exactly_the_tokens_the_trainer_trains_on(eng
     from posttrain.envs.agent import AgentEnvironment
     env = AgentEnvironment(guess_over_http, 3)
     CALLS.clear()
-    out = run_episodes(engine, tokenizer, env, PROBLEMS, 2, PARAMS, SETTINGS, seeds=SEEDS)
+    out = run_episodes(engine, tokenizer, env, PROBLEMS, 2, PARAMS, settings=SETTINGS, seeds=SEEDS)
     env.close()
     ro = out.rollout
     assert len(CALLS) == 4 and out.counts["forks"] == 0
@@ -96,7 +97,8 @@ def test_an_external_client_records_exactly_the_tokens_the_trainer_trains_on(eng
         assert sum(policy) == sum(len(c["choices"][0]["token_ids"]) for c in calls)
     assert matched == set(range(4))
     # the same episodes as the in-process driver (same seeds, same replies)
-    same = run_episodes(engine, tokenizer, DrivenGuess(3), PROBLEMS, 2, PARAMS, SETTINGS, seeds=SEEDS)
+    same = run_episodes(engine, tokenizer, DrivenGuess(3), PROBLEMS, 2, PARAMS,
+                        settings=SETTINGS, seeds=SEEDS)
     assert torch.equal(same.rollout.response_ids_B_T, ro.response_ids_B_T)
 
 
@@ -162,20 +164,21 @@ class Fixed:
 
     def generate(self, prompts, G, params, generator=None, seeds=None):
         from posttrain.rollout.episodes import padded_rollout
+        from posttrain.rollout.sessions import EpisodeRows
         self.calls += 1
         if self.broken:
             raise RuntimeError("out of memory")
         ids = [[5, 6] for _ in prompts]
-        return padded_rollout(prompts, 1, ids, [[-1.0, -1.0]] * len(prompts),
-                              [[1.0, 1.0]] * len(prompts), [False] * len(prompts), 0,
-                              torch.device("cpu"))
+        rows = EpisodeRows(prompts, ids, [[-1.0, -1.0]] * len(prompts),
+                           [[1.0, 1.0]] * len(prompts), [False] * len(prompts))
+        return padded_rollout(rows, 1, 0, torch.device("cpu"))
 
 
 def test_a_request_that_outlives_its_episode_is_refused_and_never_stalls_the_batch():
     import threading
 
     from posttrain.rollout.driven import EpisodeOver, TurnBatcher
-    batcher = TurnBatcher(Fixed(), SamplingParams(2, 1.0), 2, None, None)
+    batcher = TurnBatcher(Fixed(), SamplingParams(2, 1.0), 2)
     got = {}
 
     def ask(row):
@@ -215,14 +218,15 @@ def test_every_turn_is_sampled_by_the_thread_that_drives_the_batch(tokenizer):
     thread, each keeping its peak: 13 GB for one step of a two-seat game)."""
     import threading
     engine = ThreadOfEachCall()
-    run_episodes(engine, tokenizer, DrivenGuess(3), PROBLEMS, 2, PARAMS, SETTINGS, seeds=SEEDS)
+    run_episodes(engine, tokenizer, DrivenGuess(3), PROBLEMS, 2, PARAMS,
+                 settings=SETTINGS, seeds=SEEDS)
     assert len(engine.threads) > 1 and set(engine.threads) == {threading.current_thread().name}
 
 
 def test_an_engine_failure_fails_the_step_instead_of_every_episode(tokenizer):
     with pytest.raises(RuntimeError, match="out of memory"):
         run_episodes(Fixed(broken=True), tokenizer, DrivenGuess(3), PROBLEMS, 2, PARAMS,
-                     SETTINGS, seeds=SEEDS)
+                     settings=SETTINGS, seeds=SEEDS)
 
 
 class FirstOfGroupFails(DrivenGuess):
@@ -233,8 +237,8 @@ class FirstOfGroupFails(DrivenGuess):
 
 
 def test_an_episode_that_fails_before_asking_is_one_error_not_a_broken_group(engine, tokenizer):
-    out = run_episodes(engine, tokenizer, FirstOfGroupFails(3), PROBLEMS, 2, PARAMS, SETTINGS,
-                       seeds=SEEDS)
+    out = run_episodes(engine, tokenizer, FirstOfGroupFails(3), PROBLEMS, 2, PARAMS,
+                       settings=SETTINGS, seeds=SEEDS)
     assert out.counts["env_errors"] == 2 and "the harness broke" in out.errors["environment"]
     assert out.rollout.policy_tokens_B_T[0::2].sum() == 0     # nothing of the failed ones trains
     assert out.rollout.policy_tokens_B_T[1::2].sum() > 0

@@ -178,7 +178,7 @@ def test_a_tool_call_round_trip_trains_on_the_tokens_the_client_was_given(tokeni
     env = AgentEnvironment(multiply_over_http, 3)
     REPLIES.clear()
     out = run_episodes(Scripted(tokenizer), tokenizer, env, problems, 2, SamplingParams(64, 1.0),
-                       EpisodeSettings(None, True, None, 400, 64), seeds=torch.arange(4))
+                       settings=EpisodeSettings(None, True, None, 400, 64), seeds=torch.arange(4))
     env.close()
     assert out.env_rewards_B.tolist() == [1.0] * 4
     assert out.counts["turns"] == 8 and out.counts["forks"] == 0   # the history was the session's

@@ -122,8 +122,9 @@ def test_good_fields_reach_the_policy(endpoint):
 
 def test_the_vocabulary_is_read_from_a_served_model_or_a_training_session(tokenizer):
     from posttrain.envs.endpoint import vocab_size
+    from posttrain.sampling.service import Sampling
     from posttrain.stages.serve import ServedModel
-    assert vocab_size(ServedModel(None, tokenizer, None, None)) == len(tokenizer)
+    assert vocab_size(ServedModel(Sampling(cfg=None, engine=None, tokenizer=tokenizer))) == len(tokenizer)
     session = SimpleNamespace(recorder=SimpleNamespace(tokenizer=tokenizer))  # (driven.PolicyClient)
     assert vocab_size(session) == len(tokenizer)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from posttrain.rl.batch import ScoredBatch
+from posttrain.sampling.batch import ScoredBatch
 from posttrain.util.errors import ConfigError
 from posttrain.config.env import EnvConfig
 from posttrain.config.options import load_config
@@ -22,7 +22,7 @@ from posttrain.model.prompts import ReplyEncoder, encode_prompts
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.rollout.episodes import EpisodeSettings, run_episodes
 from posttrain.rl.loop import train
-from posttrain.rl.loss_terms import Metrics, policy_terms, update_terms
+from posttrain.rl.loss_terms import Metrics, MicroBatch, policy_terms, update_terms
 from tests.conftest import make_tiny_model
 
 
@@ -150,7 +150,7 @@ def _episodes(tokenizer, model, env, engine=None, G=2, turn_tokens=4):
     task.build_eval(3, 0)
     params = SamplingParams(turn_tokens, 1.0)
     return run_episodes(engine, tokenizer, env, task.eval_problems, G, params,
-                        EpisodeSettings(max_tokens=96), seeds=torch.arange(3 * G))
+                        settings=EpisodeSettings(max_tokens=96), seeds=torch.arange(3 * G))
 
 
 def test_multi_turn_kv_cache_logprobs_equal_a_full_forward(tokenizer):
@@ -208,7 +208,8 @@ def test_an_episode_cut_by_its_budget_is_graded_on_the_cut_turn_by_both_engines(
     last = {}
     for name, engine in (("hf", make_engine("hf", model, tokenizer)),
                          ("turns", TurnByTurn(make_engine("hf", model, tokenizer)))):
-        ep = run_episodes(engine, tokenizer, Echo(), task.eval_problems, 1, params, settings)
+        ep = run_episodes(engine, tokenizer, Echo(), task.eval_problems, 1, params,
+                          settings=settings)
         r = ep.rollout
         assert [int(x) for x in r.policy_tokens_B_T.sum(-1)] == [6, 6] and r.truncated_B.all()
         second = [tokenizer.decode(row[4 + len(reply):4 + len(reply) + 2], skip_special_tokens=True)
@@ -224,7 +225,7 @@ def test_single_turn_episodes_are_exactly_one_generate_call(tokenizer, tiny_mode
     task.build_eval(4, 0)
     params = SamplingParams(6, 1.0)
     ep = run_episodes(engine, tokenizer, SingleTurn(), task.eval_problems, 2, params,
-                      EpisodeSettings(), seeds=torch.arange(8))
+                      settings=EpisodeSettings(), seeds=torch.arange(8))
     direct = engine.generate(encode_prompts(tokenizer, task.eval_problems, None), 2, params,
                              seeds=torch.arange(8))
     assert ep.rollout.policy_mask_B_T is None
@@ -256,8 +257,8 @@ def test_environment_tokens_get_zero_gradient_and_zero_kl(tokenizer):
         fwd = sequence_logprobs(model, r, rows, 1.0, with_entropy=True)
         logp = fwd.logp
         w = AGGREGATIONS["token_mean"](batch.loss_mask_B_T, 24.0)
-        loss = policy_terms(batch, rows, fwd, w, update_terms(batch, cfg, algo, None),
-                            cfg, None, Metrics(), False)
+        loss = policy_terms(batch, MicroBatch(rows, w, None, Metrics()), fwd,
+                            update_terms(batch, cfg, algo, None), cfg, None)
         return loss, torch.autograd.grad(loss, logp)[0], logp.detach(), batch.ref_logp_B_T
 
     loss, grad, logp, ref_clean = loss_and_grad(adv * m, ref)
@@ -299,7 +300,7 @@ class Scripted:
 
 
 def test_broken_tools_never_stop_a_run_and_are_counted(tmp_path, tokenizer, monkeypatch):
-    import posttrain.rl.sampling as sampling
+    import posttrain.sampling.service as sampling
     model = make_tiny_model(tokenizer)
     turns = ["<tool_raises>a</tool_raises><tool_hangs>b</tool_hangs><tool_garbage>c</tool_garbage>"
              "<calculator>2+</calculator>", "12 + 10 = 22"]

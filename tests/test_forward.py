@@ -6,7 +6,7 @@ import torch
 
 from posttrain.config.options import load_config
 from posttrain.rollout.forward import response_logits
-from posttrain.rollout import SamplingParams, make_engine
+from posttrain.rollout import Rollout, SamplingParams, make_engine
 from posttrain.data.source import build_task
 from posttrain.model.prompts import after_shared_prefix, common_prefix_length, encode_prompts
 from tests.conftest import make_tiny_model
@@ -46,12 +46,13 @@ CASES = {
 }
 
 
-def assert_matches_plain_forward(model, prompt_ids, prompt_mask, response_ids, response_mask, G):
+def assert_matches_plain_forward(model, rollout):
     """response_logits (shared passes) against one plain forward per row: same logits at the
     response positions and same parameter gradients of their sum."""
+    prompt_ids, prompt_mask = rollout.prompt_ids_B_L, rollout.prompt_mask_B_L
+    response_ids, response_mask = rollout.response_ids_B_T, rollout.response_mask_B_T
     model.zero_grad()
-    shared = response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask,
-                             group_size=G)
+    shared = response_logits(model, rollout)
     (shared * response_mask[..., None]).sum().backward()
     g_shared = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -79,7 +80,9 @@ def test_prefix_shared_forward_equals_plain_forward_values_and_gradients(tokeniz
     response_ids = torch.randint(100, 1000, (b, T), generator=torch.Generator().manual_seed(0))
     response_mask = torch.ones(b, T)
     response_mask[1, 2:] = 0                       # a response that stopped early (right-padded)
-    assert_matches_plain_forward(model, prompt_ids, prompt_mask, response_ids, response_mask, G)
+    rollout = Rollout(prompt_ids, prompt_mask, response_ids, response_mask, torch.zeros(b, T),
+                      torch.zeros(b, dtype=torch.bool), G)
+    assert_matches_plain_forward(model, rollout)
 
 
 def test_sampled_chat_prompts_and_gradient_checkpointing_match_the_plain_forward(tokenizer):
@@ -90,9 +93,9 @@ def test_sampled_chat_prompts_and_gradient_checkpointing_match_the_plain_forward
     engine = make_engine("hf", model, tokenizer)
     r = engine.generate(encode_prompts(tokenizer, task.eval_problems, "Be brief."), 3,
                         SamplingParams(5), torch.Generator().manual_seed(0))
-    args = (r.prompt_ids_B_L, r.prompt_mask_B_L, r.response_ids_B_T, r.response_mask_B_T, 3)
+    assert r.group_size == 3
     assert common_prefix_length(r.prompt_ids_B_L[::3], r.prompt_mask_B_L[::3]) > 10
-    assert_matches_plain_forward(model, *args)
+    assert_matches_plain_forward(model, r)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    assert_matches_plain_forward(model, *args)
+    assert_matches_plain_forward(model, r)

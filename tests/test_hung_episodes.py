@@ -79,10 +79,10 @@ class HangsOnRow(DrivenGuess):
 
 def test_a_hung_episode_is_ended_counted_and_left_out_while_the_batch_goes_on(engine, tokenizer):
     whole = run_episodes(engine, tokenizer, HangsOnRow(None), PROBLEMS, 2, PARAMS,
-                         limits(None, None), seeds=SEEDS)
+                         settings=limits(None, None), seeds=SEEDS)
     t0 = time.monotonic()
-    out = run_episodes(engine, tokenizer, HangsOnRow(1), PROBLEMS, 2, PARAMS, limits(1.0, None),
-                       seeds=SEEDS)
+    out = run_episodes(engine, tokenizer, HangsOnRow(1), PROBLEMS, 2, PARAMS,
+                       settings=limits(1.0, None), seeds=SEEDS)
     assert time.monotonic() - t0 < 30
     assert out.timed_out == [False, True, False, False]
     assert out.counts["timeouts"] == 1 and out.counts["env_errors"] == 1
@@ -101,7 +101,7 @@ def test_a_hung_episode_is_ended_counted_and_left_out_while_the_batch_goes_on(en
 
 def test_an_episode_past_its_whole_time_limit_is_ended(engine, tokenizer):
     out = run_episodes(engine, tokenizer, HangsOnRow(None, slow=0.4), PROBLEMS, 2, PARAMS,
-                       limits(30.0, 0.6), seeds=SEEDS)
+                       settings=limits(30.0, 0.6), seeds=SEEDS)
     assert any(out.timed_out) and out.counts["timeouts"] == sum(out.timed_out)
     assert "env.episode_timeout_s=0.6" in out.errors["environment"]
     assert all(out.rollout.policy_tokens_B_T[r].sum() == 0 for r in range(4) if out.timed_out[r])
@@ -121,7 +121,8 @@ def test_an_openenv_step_that_never_answers_ends_its_episode(engine, tokenizer):
     env = OpenEnvEnvironment(Stuck, action=action_maker(Stuck, "message"), max_turns=3,
                              turn_timeout_s=0.5)
     t0 = time.monotonic()
-    out = run_episodes(engine, tokenizer, env, PROBLEMS, 2, PARAMS, limits(None, None), seeds=SEEDS)
+    out = run_episodes(engine, tokenizer, env, PROBLEMS, 2, PARAMS, settings=limits(None, None),
+                       seeds=SEEDS)
     assert time.monotonic() - t0 < 30
     assert out.timed_out == [False, False, True, True] and out.counts["timeouts"] == 2
     assert "did not answer within 0.5 s (env.turn_timeout_s)" in out.errors["environment"]
@@ -145,8 +146,8 @@ def test_every_finished_episodes_result_is_read_out(engine, tokenizer, monkeypat
         time.sleep(0.5)
         real(self, *args)
     monkeypatch.setattr(DrivenBatch, "record", slow)
-    out = run_episodes(engine, tokenizer, PaysOne(3), PROBLEMS, 2, PARAMS, limits(None, None),
-                       seeds=SEEDS)
+    out = run_episodes(engine, tokenizer, PaysOne(3), PROBLEMS, 2, PARAMS,
+                       settings=limits(None, None), seeds=SEEDS)
     assert out.env_rewards_B.tolist() == [1.0] * 4 and out.parts == [{"paid": 1.0}] * 4
 
 
@@ -158,10 +159,11 @@ class Counting:
 
     def generate(self, prompts, G, params, generator=None, seeds=None):
         from posttrain.rollout.episodes import padded_rollout
+        from posttrain.rollout.sessions import EpisodeRows
         self.calls += 1
-        return padded_rollout(prompts, 1, [[5, 6]] * len(prompts), [[-1.0, -1.0]] * len(prompts),
-                              [[1.0, 1.0]] * len(prompts), [False] * len(prompts), 0,
-                              torch.device("cpu"))
+        rows = EpisodeRows(prompts, [[5, 6]] * len(prompts), [[-1.0, -1.0]] * len(prompts),
+                           [[1.0, 1.0]] * len(prompts), [False] * len(prompts))
+        return padded_rollout(rows, 1, 0, torch.device("cpu"))
 
 
 def asking(batcher, rows):
@@ -191,7 +193,7 @@ def test_a_stopped_step_never_calls_the_engine_again():
     once and the engine is not called (ending row 0 first made the others ready, and the
     stopping thread sampled them: with a stuck engine, the stop waited for the hard exit)."""
     engine = Counting()
-    batcher = TurnBatcher(engine, SamplingParams(2, 1.0), 3, None, None)
+    batcher = TurnBatcher(engine, SamplingParams(2, 1.0), 3)
     got, threads = asking(batcher, [1, 2])
 
     def stop(signum, frame):
@@ -215,7 +217,7 @@ def test_the_episode_limit_ends_every_row_before_any_turn_is_sampled():
     """All three rows pass env.episode_timeout_s in one sweep (two of them waiting for the
     third): no turn is sampled for rows the sweep ends."""
     engine = Counting()
-    batcher = TurnBatcher(engine, SamplingParams(2, 1.0), 3, None, None, None, 0.5)
+    batcher = TurnBatcher(engine, SamplingParams(2, 1.0), 3, episode_timeout_s=0.5)
     got, threads = asking(batcher, [1, 2])
     batcher.watch()
     for t in threads:
@@ -226,7 +228,7 @@ def test_the_episode_limit_ends_every_row_before_any_turn_is_sampled():
 
 def test_an_ended_episodes_request_is_refused_before_it_is_tokenised(tokenizer):
     from posttrain.model.prompts import ReplyEncoder
-    batcher = TurnBatcher(Counting(), SamplingParams(2, 1.0), 1, None, None)
+    batcher = TurnBatcher(Counting(), SamplingParams(2, 1.0), 1)
     batcher.done(0)
     session = Session()
     client = PolicyClient(0, session, Recorder(tokenizer, ReplyEncoder(tokenizer, True, None), {}),
@@ -251,8 +253,8 @@ def test_a_hung_harness_gives_back_its_endpoint_session(engine, tokenizer):
         return 1.0
     env = AgentEnvironment(harness, 3)
     try:
-        out = run_episodes(engine, tokenizer, env, PROBLEMS, 2, PARAMS, limits(0.5, None),
-                           seeds=SEEDS)
+        out = run_episodes(engine, tokenizer, env, PROBLEMS, 2, PARAMS,
+                           settings=limits(0.5, None), seeds=SEEDS)
         assert out.timed_out == [False, False, True, True] and len(urls) == 4
         assert env.endpoint.sessions == {}
     finally:
@@ -271,9 +273,10 @@ def test_inf_is_no_limit_for_episodes(engine, tokenizer):
     assert cfg.env.turn_timeout_s == inf and cfg.checkpoint.stop_grace_s == inf
     env = OpenEnvEnvironment(GuessNumberEnv, action=action_maker(GuessNumberEnv, "message"),
                              max_turns=2, turn_timeout_s=inf, episode_timeout_s=inf)
-    out = run_episodes(engine, tokenizer, env, PROBLEMS, 2, PARAMS, limits(inf, inf), seeds=SEEDS)
+    out = run_episodes(engine, tokenizer, env, PROBLEMS, 2, PARAMS, settings=limits(inf, inf),
+                       seeds=SEEDS)
     assert out.counts.get("env_errors", 0) == 0 and not any(out.timed_out)
-    batcher = TurnBatcher(engine, PARAMS, 1, None, None, inf, inf)
+    batcher = TurnBatcher(engine, PARAMS, 1, turn_timeout_s=inf, episode_timeout_s=inf)
     assert batcher.time_left() is None   # (what a verifiers rollout waits: Future.result(None))
 
 
@@ -288,7 +291,8 @@ def test_inf_is_no_limit_for_a_verifiers_rollout(tokenizer):
     engine = make_engine("hf", make_tiny_model(tokenizer, seed=3), tokenizer)
     try:
         out = run_episodes(engine, tokenizer, env, task.train_pool[:1], 2, PARAMS,
-                           EpisodeSettings(None, True, None, 32, 16, inf, inf), seeds=SEEDS[:2])
+                           settings=EpisodeSettings(None, True, None, 32, 16, inf, inf),
+                           seeds=SEEDS[:2])
     finally:
         env.close()
     assert out.counts.get("env_errors", 0) == 0, out.errors

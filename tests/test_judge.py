@@ -15,7 +15,8 @@ from posttrain.losses.advantages import (ADVANTAGES, AdvantageInputs, AdvantageP
 from posttrain.rewards import Scorer
 from posttrain.rewards.judge import (Judge, JudgeSettings, load_template, parse_group_scores,
                                      parse_score)
-from posttrain.rl.collect import generate_and_score
+from posttrain.sampling.collect import generate_and_score
+from posttrain.sampling.setup import SamplingSetup
 from posttrain.rl.loop import train
 from posttrain.rollout import make_engine
 from posttrain.util.errors import ConfigError
@@ -220,9 +221,11 @@ def test_a_half_failing_judge_trains_with_its_failures_out_of_the_baseline_and_l
         cfg = load_config(None, [*TOY, "--run_dir", str(tmp_path / "run"), "--reward.judge",
                                  stub.url, "--steps", "2"])
         scorer = Scorer(cfg.reward, run_dir=tmp_path / "run")
-        batch, stats = generate_and_score(make_engine("hf", make_tiny_model(tokenizer), tokenizer),
-                                          tokenizer, Sampler(build_task(cfg.data), 0), scorer,
-                                          cfg, cfg.algo, torch.Generator().manual_seed(0), Counter())
+        batch, stats = generate_and_score(SamplingSetup(cfg=cfg,
+                                                        engine=make_engine("hf", make_tiny_model(tokenizer), tokenizer),
+                                                        tokenizer=tokenizer, scorer=scorer,
+                                                        prompts=Sampler(build_task(cfg.data), 0),
+                                                        generator=torch.Generator().manual_seed(0)), Counter())
         odd = torch.tensor([len(c) % 2 == 1 for c in batch.completions])
         assert odd.any() and (~odd).any()
         assert batch.scored_B.equal(~odd)               # exactly the stub's failures
@@ -232,7 +235,7 @@ def test_a_half_failing_judge_trains_with_its_failures_out_of_the_baseline_and_l
         adv = ADVANTAGES["group"](AdvantageInputs(batch.rewards_P_G, batch.loss_mask_B_T,
                                                   scored_P_G=batch.scored_P_G), AdvantageParams())
         assert adv.adv_B_T[odd].abs().sum() == 0          # out of the baseline: advantage 0
-        from posttrain.rl.batch import equal_reward_groups
+        from posttrain.sampling.batch import equal_reward_groups
         assert batch.equal_groups.equal(equal_reward_groups(
             batch.rewards_P_G.masked_fill(~batch.scored_P_G, 99.0), batch.scored_P_G))
         train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
@@ -250,7 +253,7 @@ def test_a_real_model_served_by_posttrain_serve_judges_with_its_calls_recorded(t
     so that two requests for the same response are the same request.)"""
     monkeypatch.setattr("posttrain.rewards.judge.draw_boundary", lambda texts: "5eed")
     from posttrain.cli import load_sampling_config
-    from posttrain.stages.serve import serve_model
+    from posttrain.stages.serve import serve_model, stop_serving
     cfg = load_sampling_config(None, ["--run_dir", str(tmp_path / "serve"), "--rollout.max_new_tokens", "8"])
     endpoint, job = serve_model(cfg, port=0, name="judge", model=make_tiny_model(tokenizer),
                                 tokenizer=tokenizer)
@@ -262,7 +265,8 @@ def test_a_real_model_served_by_posttrain_serve_judges_with_its_calls_recorded(t
         assert all("no score in the judge's reply" in e or "was cut at" in e for e in out.errors)
         judge.close()
     finally:
-        endpoint.close()
+        summary = stop_serving(endpoint, job)
+    assert summary["served"] == 3 and json.loads((tmp_path / "serve" / "summary.json").read_text())["served"] == 3
     rows = [json.loads(line) for line in open(tmp_path / "serve" / "served.jsonl")]
     assert len(rows) == 3 and all(0 < len(r["token_ids"]) == len(r["logprobs"]) <= 8 for r in rows)
     # greedy (the judge asks for temperature 0): the same request gets the same reply
@@ -289,7 +293,7 @@ def test_a_judge_that_does_not_answer_or_serve_the_model_is_refused_before_any_m
 
 
 def test_equal_groups_read_only_the_scored_rewards():
-    from posttrain.rl.batch import equal_reward_groups
+    from posttrain.sampling.batch import equal_reward_groups
     r = torch.tensor([[1.0, 0.0, 1.0], [1.0, 0.0, 0.5], [2.0, 3.0, 4.0]])
     scored = torch.tensor([[True, False, True], [True, True, False], [False, False, True]])
     assert equal_reward_groups(r, scored).tolist() == [True, False, True]   # (< 2 scored: no signal)

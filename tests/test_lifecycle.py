@@ -85,7 +85,7 @@ def test_a_step_that_outlives_the_grace_is_abandoned_but_a_checkpoint_write_is_n
 
 
 def _job(tmp_path, grace, max_minutes=None):
-    """A bare Job for run_steps; its hard exit stubbed (the real one ends the process)."""
+    """A bare Job for a Steps loop; its hard exit stubbed (the real one ends the process)."""
     from types import SimpleNamespace
     ckpt = SimpleNamespace(every_steps=0, every_minutes=None, stop_grace_s=grace)
     job = lifecycle_mod.Job(command="train", cfg=SimpleNamespace(checkpoint=ckpt,
@@ -93,6 +93,21 @@ def _job(tmp_path, grace, max_minutes=None):
                             run_dir=tmp_path, show_progress=False)
     job.hard_exit = SimpleNamespace(cancel=lambda: None)
     return job
+
+
+def loop(job, total, step_fn, save, evaluate=None, every=1):
+    """A command's loop as the commands write it (rl/loop.py, stages/common.py): returns the
+    signal that stopped it."""
+    with lifecycle_mod.Steps(job, total, "t") as steps:
+        for step in steps:
+            with steps.timed(step):
+                step_fn(step)
+            if evaluate is not None and steps.evaluation_due(step, every):
+                evaluate(step)
+            if steps.checkpoint_due(step):
+                with steps.saving(step):
+                    save(step)
+    return steps.stop_signal
 
 
 def _kill_self():
@@ -111,12 +126,11 @@ def test_a_stopped_step_is_saved_before_its_evaluation(tmp_path):
         time.sleep(1.5)                        # (longer than the grace)
     job = _job(tmp_path, 0.5)
     steps = lambda step: step == 2 and _kill_self()   # noqa: E731
-    assert lifecycle_mod.run_steps(job, 4, steps, saved.append, "t", evaluate) == "SIGTERM"
+    assert loop(job, 4, steps, saved.append, evaluate) == "SIGTERM"
     assert saved == [2] and evaluated == [1] and job.abandoned_step is None
     assert 0 <= job.cleanup_wait_s() <= 0.25   # (the cleanup gets what is left of the grace)
     saved, job = [], _job(tmp_path, 0.5)
-    assert lifecycle_mod.run_steps(job, 4, lambda step: None, saved.append, "t",
-                                   lambda step: _kill_self()) == "SIGTERM"
+    assert loop(job, 4, lambda step: None, saved.append, lambda step: _kill_self()) == "SIGTERM"
     assert saved == [1] and job.steps_done == 1
 
 
@@ -131,8 +145,7 @@ def test_a_max_minutes_checkpoint_outlives_the_grace(tmp_path):
         time.sleep(1.0)                        # (the grace, 0.3 s, ends during the write)
         saved.append(step)
     job = _job(tmp_path, 0.3, max_minutes=0.001)
-    assert lifecycle_mod.run_steps(job, 4, lambda step: time.sleep(0.1), slow_save,
-                                   "t") == "SIGTERM"
+    assert loop(job, 4, lambda step: time.sleep(0.1), slow_save) == "SIGTERM"
     assert saved == [1] and job.abandoned_step is None
 
 
@@ -147,7 +160,7 @@ def test_an_infinite_grace_is_no_limit(tmp_path, monkeypatch):
     def save(step):
         time.sleep(0.2)
         saved.append(step)
-    assert lifecycle_mod.run_steps(job, 3, lambda step: _kill_self(), save, "t") == "SIGTERM"
+    assert loop(job, 3, lambda step: _kill_self(), save) == "SIGTERM"
     time.sleep(0.2)
     assert saved == [1] and failures == [] and job.cleanup_wait_s() == 60.0
 
@@ -180,9 +193,9 @@ def test_a_stopped_runs_engine_waits_no_longer_than_the_grace_left():
     from posttrain.rl.job import close_sources
     waits = []
     run = lifecycle_mod.Job(command="train", cfg=None, stop_by=time.monotonic() + 8.0)
-    run.batches = SimpleNamespace(close=lambda wait_s=60.0: waits.append(wait_s))
-    run.scorer = SimpleNamespace(close=lambda final=False: None)
-    run.env = None
+    from posttrain.sampling.service import Sampling
+    run.sampling = Sampling(cfg=None, engine=None, tokenizer=None,
+                            source=SimpleNamespace(close=lambda wait_s=60.0: waits.append(wait_s)))
     close_sources(run)
     assert len(waits) == 1 and 3.0 < waits[0] <= 4.0
 
@@ -335,8 +348,9 @@ def test_a_checkpoint_write_that_dies_halfway_leaves_the_previous_one_intact(tmp
     model = make_tiny_model(tokenizer)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = make_scheduler(opt, 10)
-    save = lambda step: ckpt.save_checkpoint(tmp_path, step, model, tokenizer, opt, sched,  # noqa: E731
-                                             torch.Generator(), {}, {"x": 1})
+    save = lambda step: ckpt.save_checkpoint(  # noqa: E731
+        tmp_path, step, model, tokenizer, ckpt.trainer_state(model, opt, sched, torch.Generator(), {}),
+        {"x": 1})
     save(1)
     real = torch.save
 
@@ -351,3 +365,35 @@ def test_a_checkpoint_write_that_dies_halfway_leaves_the_previous_one_intact(tmp
     save(2)
     assert ckpt.latest_checkpoint(tmp_path).name == "step_000002"
     assert not (tmp_path / "checkpoints" / ".step_000002.tmp").exists()
+
+
+def test_the_budget_ends_the_loop_with_its_last_step_saved_and_a_second_signal_abandons(
+        tmp_path, monkeypatch):
+    """Steps' frame: with a 1-minute budget and 25 s steps the loop runs 3 steps (75 s), saves
+    step 3 (not on the cadence) and ends; a budget ending at the last step saves nothing more
+    (save_last False); a second signal abandons the step in flight, caught by the frame."""
+    ticks = []
+
+    def _tick():                       # (each read 25 s later: a step takes 25 s)
+        ticks.append(len(ticks) * 25.0)
+        return ticks[-1]
+    monkeypatch.setattr(lifecycle_mod, "_clock", _tick)
+    for total, saved_expected, done in ((6, [3], 3), (3, [], 3)):
+        ticks.clear()
+        job, saved = _job(tmp_path, None, max_minutes=1.0), []
+        with lifecycle_mod.Steps(job, total, "t", save_last=False) as steps:
+            for step in steps:
+                with steps.timed(step):
+                    pass
+                if steps.checkpoint_due(step):
+                    with steps.saving(step):
+                        saved.append(step)
+        assert (saved, job.steps_done, steps.stop_signal) == (saved_expected, done, None)
+    job = _job(tmp_path, None)
+    with lifecycle_mod.Steps(job, 5, "t") as steps:
+        for step in steps:
+            with steps.timed(step):
+                if step == 2:
+                    _kill_self()
+                    _kill_self()       # (the second signal: the step is abandoned at once)
+    assert (job.abandoned_step, job.steps_done, steps.stop_signal) == (2, 1, "SIGTERM")

@@ -151,7 +151,7 @@ def test_clipped_gradient_away_from_ratio_one_by_hand():
 @pytest.mark.parametrize("name", sorted(AGGREGATIONS.names()))
 def test_an_unscored_response_weighs_as_if_it_had_never_been_sampled(name):
     """docs/algorithms.md: a response nobody could score is out of the loss as if never sampled.
-    Its row's loss mask is all 0 (rl/collect.py::loss_mask); every aggregation then gives the
+    Its row's loss mask is all 0 (sampling/collect.py::loss_mask); every aggregation then gives the
     other rows the weights it gives the batch of the scored rows alone (Dr. GRPO's 1/(B L_max)
     and REINFORCE's 1/B counted every row, the unscored ones too)."""
     mask = t([1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0])

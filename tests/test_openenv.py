@@ -194,14 +194,14 @@ def test_a_group_that_could_face_different_tasks_is_refused(tokenizer):
     no_task = OpenEnvEnvironment(Untaskable, max_turns=1)
     with pytest.raises(ValueError, match=r"reset takes no seed .* the 2 episodes of a problem "
                                          r".*rollout.group_size 1"):
-        run_episodes(engine, tokenizer, no_task, problems, 2, SamplingParams(2), settings)
-    one = run_episodes(engine, tokenizer, no_task, problems, 1, SamplingParams(2), settings)
+        run_episodes(engine, tokenizer, no_task, problems, 2, SamplingParams(2), settings=settings)
+    one = run_episodes(engine, tokenizer, no_task, problems, 1, SamplingParams(2), settings=settings)
     assert "Guess\n\nGuess my number." in tokenizer.decode(one.rollout.prompt_ids_B_L[0])
     OpensDifferently.count = 0
     differing = OpenEnvEnvironment(OpensDifferently, max_turns=1)
     with pytest.raises(ValueError, match=r"problem 0 of the batch opened differently "
                                          r"\('Task 1.' vs 'Task 2.'\)"):
-        run_episodes(engine, tokenizer, differing, problems, 2, SamplingParams(2), settings)
+        run_episodes(engine, tokenizer, differing, problems, 2, SamplingParams(2), settings=settings)
 
 
 def run_dir_rows(path):

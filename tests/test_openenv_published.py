@@ -12,7 +12,7 @@ import pytest
 import reasoning_gym  # noqa: F401
 import torch
 
-import posttrain.rl.collect as collect
+import posttrain.sampling.collect as collect
 import posttrain.rollout.hf as hf
 from posttrain.config.options import load_config
 from posttrain.data.tasks import Problem
@@ -104,7 +104,7 @@ def test_a_row_of_seeds_alone_is_opened_by_the_question(tokenizer):
     problems = [Problem("", "", {"dataset_name": "leg_counting", "size": 1, "seed": s,
                                  "dataset_config": CONFIG}) for s in (2, 3)]
     out = run_episodes(engine, tokenizer, env, problems, 2, SamplingParams(2),
-                       EpisodeSettings(None, True, None, 8, 8))
+                       settings=EpisodeSettings(None, True, None, 8, 8))
     r = out.rollout
     shown = [[t for t, m in zip(ids, mask) if m]
              for ids, mask in zip(r.prompt_ids_B_L.tolist(), r.prompt_mask_B_L.tolist())]

@@ -5,6 +5,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+
+from posttrain.sampling.setup import SamplingSetup
 from transformers import AutoModelForTokenClassification
 
 from posttrain.losses.advantages import ADVANTAGES, AdvantageInputs, AdvantageParams
@@ -12,12 +14,14 @@ from posttrain.config.sections import CriticConfig
 from posttrain.config.options import load_config
 from posttrain.rl.critic import Critic
 from posttrain.rollout import Rollout, SamplingParams, make_engine
-from posttrain.rl.batch import ScoredBatch
-from posttrain.rl.step_metrics import critic_metrics, read_floats
-from posttrain.rl.loop import ppo_token_rewards, train
+from posttrain.sampling.batch import ScoredBatch
+from posttrain.rl.step_metrics import critic_metrics
+from posttrain.sampling.metrics import read_floats
+from posttrain.rl.advantage import ppo_token_rewards
+from posttrain.rl.loop import train
 from posttrain.data.source import build_task
 from posttrain.model.prompts import encode_prompts
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, learner_for
 from tests.test_trainer import toy_config
 
 
@@ -70,22 +74,23 @@ def test_one_critic_update_lowers_the_value_loss_on_fixed_returns(tmp_path, toke
 
     from posttrain.data.source import Sampler
     from posttrain.rewards import Scorer
-    from posttrain.rl.collect import generate_and_score
+    from posttrain.sampling.collect import generate_and_score
     from posttrain.rl.update import update_policy
     cfg = toy_config(tmp_path, "--preset", "ppo", "--steps", "1", "--algorithm.kl_coef", "0",
                      "--critic.shared_backbone", shared, "--critic.lr", "1e-3")
     model = make_tiny_model(tokenizer, seed=6)
-    batch, _ = generate_and_score(make_engine("hf", model, tokenizer), tokenizer,
-                                  Sampler(build_task(cfg.data), 0), Scorer(cfg.reward), cfg, cfg.algo,
-                                  torch.Generator().manual_seed(0), Counter())
+    batch, _ = generate_and_score(SamplingSetup(cfg=cfg,
+                                                engine=make_engine("hf", model, tokenizer),
+                                                tokenizer=tokenizer, scorer=Scorer(cfg.reward),
+                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                generator=torch.Generator().manual_seed(0)), Counter())
     critic = Critic(cfg.critic, model)
     mask = batch.loss_mask_B_T
     old_values = critic.predict(batch.rollout, 8, policy=model)
     returns = torch.tensor([1.0, 0.0, 0.5, -0.5] * (len(batch.rewards_B) // 4))[:, None] * mask
     batch = replace(batch, adv_B_T=torch.zeros_like(mask), old_values_B_T=old_values, returns_B_T=returns)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    losses = [update_policy(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0), batch,
-                            cfg, cfg.algo, torch.Generator().manual_seed(0), critic=critic,
+    losses = [update_policy(learner_for(cfg, model, opt, critic=critic), batch,
                             train_policy=False)["loss/value"] for _ in range(2)]
     assert losses[1] < losses[0], losses
 

@@ -415,7 +415,7 @@ class HostileWriter:
 
 def test_a_training_run_scores_hostile_answers_and_rewards_and_finishes(tmp_path, tokenizer, monkeypatch):
     import reasoning_gym  # noqa: F401  (installed by scripts/install-cpu.sh)
-    import posttrain.rl.sampling as sampling
+    import posttrain.sampling.service as sampling
     marker = tmp_path / "PWNED"
     model = make_tiny_model(tokenizer)
     monkeypatch.setattr(sampling, "make_engine",
@@ -492,7 +492,7 @@ def test_a_chat_template_that_raises_is_reported(tokenizer):
     ("calculator", "<calculator>2+</calculator>", False)])                     # the model's bad input
 def test_a_broken_tool_stops_the_run_and_bad_arguments_do_not(tmp_path, tokenizer, monkeypatch,
                                                               tool, text, stops):
-    import posttrain.rl.sampling as sampling
+    import posttrain.sampling.service as sampling
     model = make_tiny_model(tokenizer)
     monkeypatch.setattr(sampling, "make_engine", lambda *a, **k: HostileWriter(model, tokenizer, [text]))
     cfg = load_config(None, [*TINY, "--run_dir", str(tmp_path / "run"), "--steps", "4",
@@ -542,7 +542,7 @@ def test_a_malformed_tool_call_is_the_models_error(case):
 def test_a_policy_writing_malformed_calls_cannot_stop_the_run(tmp_path, tokenizer, monkeypatch):
     """Four steps of nothing but malformed calls (the failure watch stops a run after 3 steps
     of a broken environment): the run finishes, every call counted as the model's error."""
-    import posttrain.rl.sampling as sampling
+    import posttrain.sampling.service as sampling
     model = make_tiny_model(tokenizer)
     texts = [MALFORMED_CALLS[k] for k in ("name is a list", "call is a list", "a number past 2**63",
                                           "arguments are a list")]

@@ -471,7 +471,7 @@ def test_a_training_run_whose_policy_writes_hostile_python_finishes(bwrap, secre
     left, and the transcripts hold none of the secrets."""
     import json
 
-    import posttrain.rl.sampling as sampling
+    import posttrain.sampling.service as sampling
     from posttrain import load_config, train
     from tests.conftest import make_tiny_model
     from tests.test_redteam import TINY, HostileWriter

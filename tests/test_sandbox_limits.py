@@ -432,7 +432,7 @@ def test_a_reward_call_killed_for_memory_is_reported_as_the_memory_limit(monkeyp
     from posttrain.rewards.pool import RewardPool
     from posttrain.sandbox import launch
     pool = RewardPool(("tests.toy_rewards:dies", "tests.toy_rewards:always_one"), 1, 10.0,
-                      "fallback", 1024)
+                      "fallback", memory_mb=1024)
     kw = {"prompt": "q", "completion": "a", "answer": "1"}
     calls = [("function", "tests.toy_rewards:dies", kw), ("function", "tests.toy_rewards:always_one", kw)]
     try:

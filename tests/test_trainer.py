@@ -10,16 +10,17 @@ import torch
 from posttrain.config.options import load_config
 from posttrain.rewards import Scorer
 from posttrain.rollout import SamplingParams, make_engine
-from posttrain.rl.batch import equal_reward_groups
+from posttrain.sampling.batch import equal_reward_groups
 from posttrain.model.distributed import SINGLE
-from posttrain.rl.collect import generate_and_score
+from posttrain.sampling.collect import generate_and_score
+from posttrain.sampling.setup import SamplingSetup
 from posttrain.rl.loop import train
 from posttrain.losses.policy import POLICY_LOSSES, objective_reads
 from posttrain.rl.update import update_policy
 from posttrain.data.source import Sampler, build_task
 from posttrain.model.prompts import encode_prompts
 from posttrain.rollout.forward import frozen_logprobs
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, learner_for
 
 TOY = ["--reward.verifier", "none", "--reward.functions", "tests.toy_rewards:first_letter_a_to_e",
        "--data.eval_size", "0", "--rollout.max_new_tokens", "3", "--data.system_prompt", "null",
@@ -49,16 +50,18 @@ def test_every_preset_moves_the_policy_toward_its_own_advantages(tmp_path, token
 
     from posttrain.rollout.forward import sequence_logprobs
     from posttrain.losses.aggregation import AGGREGATIONS
-    from posttrain.rl.loop import compute_advantages
+    from posttrain.rl.advantage import compute_advantages
     from posttrain.rl.update import response_budget
     two = [] if preset == "reinforce" else ["--optim.minibatches", "2"]
     if preset == "dapo":   # (3-token answers are all "overlong"; shaping is tested on its own)
         two += ["--algorithm.overlong", "none"]
     cfg = toy_config(tmp_path, "--preset", preset, "--steps", "1", "--algorithm.kl_coef", "0", *two)
     model = make_tiny_model(tokenizer, seed=6)
-    batch, _ = generate_and_score(make_engine("hf", model, tokenizer), tokenizer,
-                                  Sampler(build_task(cfg.data), 0), Scorer(cfg.reward), cfg, cfg.algo,
-                                  torch.Generator().manual_seed(0), Counter())
+    batch, _ = generate_and_score(SamplingSetup(cfg=cfg,
+                                                engine=make_engine("hf", model, tokenizer),
+                                                tokenizer=tokenizer, scorer=Scorer(cfg.reward),
+                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                generator=torch.Generator().manual_seed(0)), Counter())
     G = batch.rollout.group_size
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0] * (len(batch.rewards_B) // 4))   # every group mixed
     batch = replace(batch, rewards_B=rewards, correct_B=rewards > 0)
@@ -77,8 +80,7 @@ def test_every_preset_moves_the_policy_toward_its_own_advantages(tmp_path, token
             return float((batch.adv_B_T * weights * logp).sum())
     before = objective_value()
     opt = torch.optim.SGD(model.parameters(), lr=0.02)
-    update_policy(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0), batch, cfg,
-                  cfg.algo, torch.Generator().manual_seed(0))
+    update_policy(learner_for(cfg, model, opt), batch)
     assert objective_value() > before
 
 
@@ -124,19 +126,21 @@ def test_one_update_has_ratio_one_and_clipped_equals_vanilla(tmp_path, tokenizer
     model_a = make_tiny_model(tokenizer, seed=3)
     engine = make_engine("hf", model_a, tokenizer)
     task = build_task(cfg.data)
-    batch, _ = generate_and_score(engine, tokenizer, Sampler(task, 0), Scorer(cfg.reward), cfg,
-                                  algo, torch.Generator().manual_seed(0), Counter())
+    batch, _ = generate_and_score(SamplingSetup(cfg=cfg, engine=engine, tokenizer=tokenizer,
+                                                scorer=Scorer(cfg.reward),
+                                                prompts=Sampler(task, 0),
+                                                generator=torch.Generator().manual_seed(0)), Counter())
     adv = torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T
     start = torch.cat([p.detach().flatten() for p in model_a.parameters()])
 
     def update(loss_name: str, minibatches: int) -> tuple[dict, torch.Tensor]:
         model = make_tiny_model(tokenizer, seed=3)
-        a = algo.__class__(**{**algo.__dict__, "policy_loss": loss_name})
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-        c = replace(cfg, optim=replace(cfg.optim, minibatches=minibatches))
-        stats = update_policy(model, opt, sched, replace(batch, adv_B_T=adv), c, a,
-                              torch.Generator().manual_seed(0))
+        c = replace(cfg, optim=replace(cfg.optim, minibatches=minibatches),
+                    algorithm={**cfg.algorithm, "policy_loss": loss_name})
+        stats = update_policy(learner_for(c, model, opt, sched),
+                              replace(batch, adv_B_T=adv))
         return stats, torch.cat([p.detach().flatten() for p in model.parameters()])
 
     # one update on the batch it sampled: the recorded log-probs are the trainer's, ratio 1, no clip
@@ -157,13 +161,14 @@ def test_several_epochs_move_the_ratio_and_clip(tmp_path, tokenizer):
                      "--optim.minibatches", "2")
     model = make_tiny_model(tokenizer, seed=4)
     engine = make_engine("hf", model, tokenizer)
-    batch, _ = generate_and_score(engine, tokenizer, Sampler(build_task(cfg.data), 0), Scorer(cfg.reward),
-                                  cfg, cfg.algo, torch.Generator().manual_seed(0), Counter())
+    batch, _ = generate_and_score(SamplingSetup(cfg=cfg, engine=engine, tokenizer=tokenizer,
+                                                scorer=Scorer(cfg.reward),
+                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                generator=torch.Generator().manual_seed(0)), Counter())
     adv = torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T
     opt = torch.optim.AdamW(model.parameters(), lr=5e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-    stats = update_policy(model, opt, sched, replace(batch, adv_B_T=adv), cfg, cfg.algo,
-                          torch.Generator().manual_seed(0))
+    stats = update_policy(learner_for(cfg, model, opt, sched), replace(batch, adv_B_T=adv))
     assert stats["policy/ratio_max"] > 1.0
     assert stats["policy/clip_frac_low"] + stats["policy/clip_frac_high"] > 0
 
@@ -180,8 +185,10 @@ def test_each_objective_moves_the_policy_toward_its_advantages(tmp_path, tokeniz
                      "--algorithm.policy_loss", objective, "--algorithm.cov_frac", "0.05")
     model = make_tiny_model(tokenizer, seed=6)
     engine = make_engine("hf", model, tokenizer)
-    batch, _ = generate_and_score(engine, tokenizer, Sampler(build_task(cfg.data), 0), Scorer(cfg.reward),
-                                  cfg, cfg.algo, torch.Generator().manual_seed(0), Counter())
+    batch, _ = generate_and_score(SamplingSetup(cfg=cfg, engine=engine, tokenizer=tokenizer,
+                                                scorer=Scorer(cfg.reward),
+                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                generator=torch.Generator().manual_seed(0)), Counter())
     g = torch.Generator().manual_seed(1)
     adv = torch.randn(len(batch.rewards_B), 1, generator=g).expand_as(batch.loss_mask_B_T) * batch.loss_mask_B_T
     weights = AGGREGATIONS[cfg.algo.aggregation](batch.loss_mask_B_T, 3.0)
@@ -192,8 +199,7 @@ def test_each_objective_moves_the_policy_toward_its_advantages(tmp_path, tokeniz
             return float((adv * weights * sequence_logprobs(model, batch.rollout, rows, 1.0).logp).sum())
     before = objective_value()
     opt = torch.optim.SGD(model.parameters(), lr=0.02)
-    update_policy(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0),
-                  replace(batch, adv_B_T=adv), cfg, cfg.algo, torch.Generator().manual_seed(0))
+    update_policy(learner_for(cfg, model, opt), replace(batch, adv_B_T=adv))
     assert objective_value() > before
 
 
@@ -255,8 +261,10 @@ def test_dynamic_sampling_never_trains_on_an_all_equal_group(tmp_path, tokenizer
     engine = make_engine("hf", model, tokenizer)
     sampler = Sampler(build_task(cfg.data), 0)
     for _ in range(3):
-        batch, stats = generate_and_score(engine, tokenizer, sampler, Scorer(cfg.reward), cfg,
-                                          cfg.algo, torch.Generator().manual_seed(1), Counter())
+        batch, stats = generate_and_score(SamplingSetup(cfg=cfg, engine=engine,
+                                                        tokenizer=tokenizer,
+                                                        scorer=Scorer(cfg.reward), prompts=sampler,
+                                                        generator=torch.Generator().manual_seed(1)), Counter())
         assert len(batch.rewards_B) > 0
         assert not equal_reward_groups(batch.rewards_P_G).any()
         assert all(int(p.prompt.split()[2]) % 2 == 0 for p in batch.problems)
@@ -348,15 +356,16 @@ def test_skipping_zero_advantage_groups_gives_the_same_update(tmp_path, tokenize
     cfg = toy_config(tmp_path, "--steps", "1", "--optim.max_grad_norm", "1e9")
     model = make_tiny_model(tokenizer, seed=8)
     engine = make_engine("hf", model, tokenizer)
-    batch, _ = generate_and_score(engine, tokenizer, Sampler(build_task(cfg.data), 0), Scorer(cfg.reward),
-                                  cfg, cfg.algo, torch.Generator().manual_seed(0), Counter())
+    batch, _ = generate_and_score(SamplingSetup(cfg=cfg, engine=engine, tokenizer=tokenizer,
+                                                scorer=Scorer(cfg.reward),
+                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                generator=torch.Generator().manual_seed(0)), Counter())
     adv = torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T
     adv[:4] = 0.0                                     # the first group carries no signal
 
     skipped = make_tiny_model(tokenizer, seed=8)
     opt = torch.optim.SGD(skipped.parameters(), lr=1.0)
-    stats = update_policy(skipped, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0),
-                          replace(batch, adv_B_T=adv), cfg, cfg.algo, torch.Generator().manual_seed(0))
+    stats = update_policy(learner_for(cfg, skipped, opt), replace(batch, adv_B_T=adv))
     assert stats["policy/skipped_rows_frac"] == 4 / len(batch.rewards_B)
 
     full = make_tiny_model(tokenizer, seed=8)
@@ -373,13 +382,14 @@ def test_a_batch_without_any_signal_still_steps(tmp_path, tokenizer):
     cfg = toy_config(tmp_path, "--steps", "1")
     model = make_tiny_model(tokenizer, seed=9)
     engine = make_engine("hf", model, tokenizer)
-    batch, _ = generate_and_score(engine, tokenizer, Sampler(build_task(cfg.data), 0), Scorer(cfg.reward),
-                                  cfg, cfg.algo, torch.Generator().manual_seed(0), Counter())
+    batch, _ = generate_and_score(SamplingSetup(cfg=cfg, engine=engine, tokenizer=tokenizer,
+                                                scorer=Scorer(cfg.reward),
+                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                generator=torch.Generator().manual_seed(0)), Counter())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     before = [p.detach().clone() for p in model.parameters()]
-    stats = update_policy(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0),
-                          replace(batch, adv_B_T=torch.zeros_like(batch.loss_mask_B_T)), cfg, cfg.algo,
-                          torch.Generator())
+    stats = update_policy(learner_for(cfg, model, opt, generator=torch.Generator()),
+                          replace(batch, adv_B_T=torch.zeros_like(batch.loss_mask_B_T)))
     assert stats["policy/skipped_rows_frac"] == 1.0 and stats["policy/grad_norm"] == 0.0
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # weight decay
 
@@ -387,7 +397,7 @@ def test_a_batch_without_any_signal_still_steps(tmp_path, tokenizer):
 @pytest.mark.parametrize("retry_if,expected", [("unsolved", [1, 2]), ("mixed", [1])])
 def test_retry_if_picks_the_unsolved_or_the_mixed_groups(retry_if, expected):
     from posttrain.data.tasks import make_task
-    from posttrain.rl.collect import report_solved
+    from posttrain.sampling.collect import report_solved
     correct = torch.tensor([1, 1, 1, 0, 0, 0], dtype=torch.bool)   # G=2: solved, mixed, all wrong
     sampler = Sampler(make_task("addition", 2), 0, retries=1)
     sampler.draw(3)

@@ -11,14 +11,15 @@ import pytest
 import torch
 
 import posttrain
-from tests.conftest import make_tiny_model
-from posttrain.rl.batch import ScoredBatch, merge
+from tests.conftest import make_tiny_model, learner_for
+from posttrain.sampling.batch import ScoredBatch, merge
 from posttrain.config.options import load_config
 from posttrain.data.source import Sampler, build_task
 from posttrain.data.tasks import Problem
 from posttrain.rewards import Scorer
 from posttrain.rollout import Rollout, make_engine
-from posttrain.rl.collect import generate_and_score
+from posttrain.sampling.collect import generate_and_score
+from posttrain.sampling.setup import SamplingSetup
 from posttrain.rl.update import update_policy
 from posttrain.rl.loss_terms import Metrics
 
@@ -69,9 +70,11 @@ def test_one_update_reads_its_metrics_from_the_device_once(tmp_path, tokenizer, 
                              "--optim.epochs", "2", "--optim.minibatches", "2",
                              "--optim.micro_batch_size", "4", "--algorithm.kl_coef", "0.0"])
     model = make_tiny_model(tokenizer, seed=1)
-    batch, _ = generate_and_score(make_engine("hf", model, tokenizer), tokenizer,
-                                  Sampler(build_task(cfg.data), 0), Scorer(cfg.reward), cfg, cfg.algo,
-                                  torch.Generator().manual_seed(0), Counter())
+    batch, _ = generate_and_score(SamplingSetup(cfg=cfg,
+                                                engine=make_engine("hf", model, tokenizer),
+                                                tokenizer=tokenizer, scorer=Scorer(cfg.reward),
+                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                generator=torch.Generator().manual_seed(0)), Counter())
     adv = torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
@@ -82,8 +85,7 @@ def test_one_update_reads_its_metrics_from_the_device_once(tmp_path, tokenizer, 
         critic = Critic(cfg.critic, model)
         batch = replace(batch, old_values_B_T=torch.zeros_like(adv), returns_B_T=adv.clone())
     syncs = _Syncs(monkeypatch)
-    stats = update_policy(model, opt, sched, batch, cfg, cfg.algo, torch.Generator().manual_seed(0),
-                          critic=critic)
+    stats = update_policy(learner_for(cfg, model, opt, sched, critic=critic), batch)
     assert dict(syncs.calls) == {"tolist": 1}
     assert stats["optim/steps"] == 4 and stats["optim/nonfinite_steps"] == 0
     assert stats["policy/ratio_max"] > 1.0 and stats["policy/grad_norm"] > 0
@@ -144,7 +146,7 @@ def test_padding_of_every_per_token_logprob_is_zero_whatever_the_engine_left_the
 
 def test_a_step_with_a_non_finite_gradient_leaves_weights_and_adam_untouched():
     from posttrain.model.distributed import SINGLE
-    from posttrain.rl.update import step_if_finite
+    from posttrain.run.learner import step_if_finite
     w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     opt = torch.optim.AdamW([w], lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (i + 1))
@@ -161,7 +163,7 @@ def test_a_step_with_a_non_finite_gradient_leaves_weights_and_adam_untouched():
 
 
 def test_a_run_stops_after_k_non_finite_steps_in_a_row(tmp_path, tokenizer, monkeypatch, capsys):
-    import posttrain.rl.update as update
+    import posttrain.run.learner as update
     from posttrain.util.errors import NonFiniteError
     from posttrain.rl.loop import train
     real, calls = update.clip_grad_norm, [0]
@@ -214,21 +216,22 @@ def test_a_token_budget_cuts_micro_batches_to_whole_groups_and_leaves_the_update
     cfg = load_config(None, [*TOY, "--run_dir", str(tmp_path / "run"), "--algorithm.kl_coef", "0.0",
                              "--rollout.prompts_per_step", "4", "--rollout.group_size", "4"])
     model = make_tiny_model(tokenizer, seed=1)
-    batch, _ = generate_and_score(make_engine("hf", model, tokenizer), tokenizer,
-                                  Sampler(build_task(cfg.data), 0), Scorer(cfg.reward), cfg, cfg.algo,
-                                  torch.Generator().manual_seed(0), Counter())
+    batch, _ = generate_and_score(SamplingSetup(cfg=cfg,
+                                                engine=make_engine("hf", model, tokenizer),
+                                                tokenizer=tokenizer, scorer=Scorer(cfg.reward),
+                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                generator=torch.Generator().manual_seed(0)), Counter())
     batch = replace(batch, adv_B_T=torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T)
     per_group = batch.rollout.prompt_ids_B_L.shape[1] + 4 * batch.rollout.response_ids_B_T.shape[1]
     sizes, original = [], update.micro_batch_loss
     monkeypatch.setattr(update, "micro_batch_loss",
-                        lambda m, b, rows, *a, **k: sizes.append(len(rows)) or original(m, b, rows, *a, **k))
+                        lambda m, b, micro, *a, **k: sizes.append(len(micro.rows)) or original(m, b, micro, *a, **k))
     after = {}
     for tokens in (0, per_group + 3, 1):    # no budget; one group of 4 a micro-batch; below a group
         cut = replace(cfg, optim=replace(cfg.optim, micro_batch_tokens=tokens))
         trained = make_tiny_model(tokenizer, seed=1)
         opt = torch.optim.AdamW(trained.parameters(), lr=1e-3)
-        update_policy(trained, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0), batch,
-                      cut, cut.algo, torch.Generator().manual_seed(0))
+        update_policy(learner_for(cut, trained, opt), batch)
         after[tokens] = torch.cat([p.detach().flatten() for p in trained.parameters()])
     assert sizes == [16, 4, 4, 4, 4, 4, 4, 4, 4]
     assert torch.allclose(after[0], after[per_group + 3], atol=1e-6)

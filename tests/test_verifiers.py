@@ -15,6 +15,7 @@ from posttrain.envs import for_tokenizer, make_env
 from posttrain.rl.loop import train
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.rollout.episodes import EpisodeSettings, padded_rollout, run_episodes
+from posttrain.rollout.sessions import EpisodeRows
 from tests.conftest import make_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,16 +52,16 @@ class Scripted:
     def generate(self, prompts, G, params, generator=None, seeds=None):
         ids = [self.tok(self.reply(p), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
                for p in prompts]
-        return padded_rollout(prompts, G, ids, [[-0.5] * len(x) for x in ids],
-                              [[1.0] * len(x) for x in ids], [False] * len(ids),
-                              self.tok.pad_token_id, torch.device("cpu"))
+        rows = EpisodeRows(prompts, ids, [[-0.5] * len(x) for x in ids],
+                           [[1.0] * len(x) for x in ids], [False] * len(ids))
+        return padded_rollout(rows, G, self.tok.pad_token_id, torch.device("cpu"))
 
 
 def test_a_tool_episode_is_recorded_with_the_tool_result_out_of_the_loss(tokenizer):
     task, env = env_for("tests.vf_calc", tokenizer)
     problems = [p for p in task.train_pool if "12 * 34" in p.prompt or "23 * 45" in p.prompt]
     out = run_episodes(Scripted(tokenizer), tokenizer, env, problems, 2, SamplingParams(64, 1.0),
-                       EpisodeSettings(None, True, None, 400, 64), seeds=torch.arange(4))
+                       settings=EpisodeSettings(None, True, None, 400, 64), seeds=torch.arange(4))
     env.close()
     # the rubric by hand: the right product (1) and the tool used (0.5), every episode
     assert out.env_rewards_B.tolist() == [1.5] * 4
@@ -116,7 +117,7 @@ def test_a_failing_rubric_is_counted_with_its_error(tokenizer):
     task, env = env_for("tests.vf_broken", tokenizer)
     engine = make_engine("hf", make_tiny_model(tokenizer, seed=3), tokenizer)
     out = run_episodes(engine, tokenizer, env, task.train_pool[:2], 2, SamplingParams(4, 1.0),
-                       EpisodeSettings(None, True, None, 32, 16), seeds=torch.arange(4))
+                       settings=EpisodeSettings(None, True, None, 32, 16), seeds=torch.arange(4))
     env.close()
     assert out.counts["env_errors"] == 4 and out.env_rewards_B.tolist() == [0.0] * 4
     assert "the rubric is broken" in out.errors["environment"]

@@ -20,9 +20,11 @@ from posttrain.data.source import Sampler, build_task
 from posttrain.envs import for_tokenizer, make_env
 from posttrain.losses.advantages import ADVANTAGES, AdvantageInputs, AdvantageParams
 from posttrain.rewards import Scorer
-from posttrain.rl.collect import generate_and_score
+from posttrain.sampling.collect import generate_and_score
+from posttrain.sampling.setup import SamplingSetup
 from posttrain.rollout import SamplingParams
 from posttrain.rollout.episodes import EpisodeSettings, padded_rollout, run_episodes
+from posttrain.rollout.sessions import EpisodeRows
 from posttrain.util.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,9 +64,9 @@ class Scripted:
         ids = [self.tok(self.reply(self.tok.decode(p), None if seeds is None else int(seeds[j])),
                         add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
                for j, p in enumerate(prompts)]
-        return padded_rollout(prompts, G, ids, [[-0.5] * len(x) for x in ids],
-                              [[1.0] * len(x) for x in ids], [False] * len(ids),
-                              self.tok.pad_token_id, torch.device("cpu"))
+        rows = EpisodeRows(prompts, ids, [[-0.5] * len(x) for x in ids],
+                           [[1.0] * len(x) for x in ids], [False] * len(ids))
+        return padded_rollout(rows, G, self.tok.pad_token_id, torch.device("cpu"))
 
 
 def rows_text(tokenizer, rollout, r):
@@ -116,7 +118,7 @@ def test_a_seat_waiting_for_another_seats_move_holds_no_turn(tokenizer):
     import threading
     from posttrain.rollout.turns import TurnBatcher
     engine = Scripted(tokenizer, lambda text, seed: "ok")
-    batcher = TurnBatcher(engine, SamplingParams(4, 1.0), 3, None, None, units=[0, 0, 1])
+    batcher = TurnBatcher(engine, SamplingParams(4, 1.0), 3, units=[0, 0, 1])
     got = {}
     watcher = threading.Thread(target=batcher.watch, daemon=True)   # (drive_batch's own thread)
     watcher.start()
@@ -148,8 +150,10 @@ def test_kuhn_poker_trains_each_seat_as_its_own_row(tokenizer):
     two, then seat 1's two, each opened by the environment's own message (no empty user
     turn), advantages taken within each seat's group."""
     cfg, task, env = loaded("kuhn-poker", tokenizer)
-    batch, _ = generate_and_score(Scripted(tokenizer, kuhn_move), tokenizer, Sampler(task, 0),
-                                  Scorer(cfg.reward), cfg, cfg.algo, torch.Generator(), Counter(), env=env)
+    batch, _ = generate_and_score(SamplingSetup(cfg=cfg, engine=Scripted(tokenizer, kuhn_move),
+                                                tokenizer=tokenizer, scorer=Scorer(cfg.reward),
+                                                prompts=Sampler(task, 0),
+                                                generator=torch.Generator(), env=env), Counter())
     env.close()
     assert [p.meta["seat"] for p in batch.problems] == ["player0", "player0", "player1", "player1"]
     assert batch.rewards_B.tolist() == [-1.0, 1.0, 1.0, -1.0]
@@ -190,8 +194,8 @@ def test_a_task_scoped_tool_call_reaches_its_tool(tokenizer):
     problem = task.train_problem(0, 1)
     entity = problem.prompt.split('look up "')[1].split('"')[0]
     engine = Scripted(tokenizer, answer_with_tool("facts_lookup", "name", lambda t: entity))
-    out = run_episodes(engine, tokenizer, env, [problem], 2, SamplingParams(64, 1.0), SETTINGS,
-                       seeds=torch.arange(2))
+    out = run_episodes(engine, tokenizer, env, [problem], 2, SamplingParams(64, 1.0),
+                       settings=SETTINGS, seeds=torch.arange(2))
     env.close()
     fact = facts.FACTS[entity.lower()]
     assert entity == "Grace Hopper" and out.parts == [{"looked_up": 1.0}] * 2
@@ -207,8 +211,8 @@ def test_a_shared_toolset_keeps_each_episode_its_own_state(tokenizer):
     problems = [task.train_problem(0, i) for i in range(2)]
     word = lambda text: text.rsplit('word="', 1)[1].split('"')[0]  # noqa: E731
     out = run_episodes(Scripted(tokenizer, answer_with_tool("scratchpad_roundtrip", "word", word)),
-                       tokenizer, env, problems, 1, SamplingParams(64, 1.0), SETTINGS,
-                       seeds=torch.arange(2))
+                       tokenizer, env, problems, 1, SamplingParams(64, 1.0),
+                       settings=SETTINGS, seeds=torch.arange(2))
     env.close()
     assert out.parts == [{"isolated": 1.0}] * 2
     assert out.env_correct == [True, True]   # (no answer field: solved at the rubric's full marks)
@@ -224,8 +228,11 @@ def test_a_seat_that_runs_twice_trains_its_first_trace_and_an_untrainable_one_no
     cfg, task, env = loaded("tests.vf_seats", tokenizer)
     engine = Scripted(tokenizer, lambda text, seed: "ok")
     with caplog.at_level(logging.WARNING, logger="posttrain"):
-        batch, stats = generate_and_score(engine, tokenizer, Sampler(task, 0), Scorer(cfg.reward),
-                                          cfg, cfg.algo, torch.Generator(), Counter(), env=env)
+        batch, stats = generate_and_score(SamplingSetup(cfg=cfg, engine=engine,
+                                                        tokenizer=tokenizer,
+                                                        scorer=Scorer(cfg.reward),
+                                                        prompts=Sampler(task, 0),
+                                                        generator=torch.Generator(), env=env), Counter())
     env.close()
     assert engine.calls == 6   # (2 episodes x 3 answers)
     assert stats["env/turns"] == 1.0 and stats["env/forks"] == 0.0   # (a turn per row recorded)

@@ -19,10 +19,11 @@ from posttrain.rewards import Scorer
 from posttrain.rollout import HFRolloutEngine, make_engine
 from posttrain.rollout.vllm import (Completion, completion_from_openai, completion_from_vllm,
                                     request_seed, to_rollout)
-from posttrain.rl.collect import generate_and_score
+from posttrain.sampling.collect import generate_and_score
+from posttrain.sampling.setup import SamplingSetup
 from posttrain.rl.update import update_policy
 from posttrain.data.source import Sampler, build_task
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, learner_for
 from tests.test_trainer import toy_config
 
 
@@ -65,8 +66,7 @@ def _update(tokenizer, batch, cfg, adv):
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-    stats = update_policy(model, opt, sched, replace(batch, adv_B_T=adv), cfg, cfg.algo,
-                          torch.Generator().manual_seed(0))
+    stats = update_policy(learner_for(cfg, model, opt, sched), replace(batch, adv_B_T=adv))
     after = torch.cat([p.detach().flatten() for p in model.parameters()])
     return after - before, stats
 
@@ -75,9 +75,11 @@ def test_another_engines_logprobs_reweight_the_update_by_the_capped_ratio(tmp_pa
     """Engine log-probs lower than the trainer's by log 1.5 on every token: each token's gradient
     is weighted by 1.5, or by the cap when it is lower; the mismatch is logged."""
     cfg = toy_config(tmp_path, "--steps", "1", "--optim.max_grad_norm", "1e9")
-    batch, _ = generate_and_score(make_engine("hf", make_tiny_model(tokenizer, seed=11), tokenizer),
-                                  tokenizer, Sampler(build_task(cfg.data), 0), Scorer(cfg.reward), cfg,
-                                  cfg.algo, torch.Generator().manual_seed(0), Counter())
+    batch, _ = generate_and_score(SamplingSetup(cfg=cfg,
+                                                engine=make_engine("hf", make_tiny_model(tokenizer, seed=11), tokenizer),
+                                                tokenizer=tokenizer, scorer=Scorer(cfg.reward),
+                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                generator=torch.Generator().manual_seed(0)), Counter())
     adv = torch.randn(batch.loss_mask_B_T.shape, generator=torch.Generator().manual_seed(1))
     adv = adv * batch.loss_mask_B_T
     plain, stats = _update(tokenizer, batch, cfg, adv)
@@ -222,9 +224,11 @@ def test_the_bf16_copy_is_corrected_like_another_engine(tmp_path, tokenizer):
     cfg = toy_config(tmp_path, "--steps", "1", "--optim.max_grad_norm", "1e9",
                      "--rollout.weights", "bfloat16")
     assert cfg.rollout.off_trainer
-    batch, _ = generate_and_score(make_engine("hf", make_tiny_model(tokenizer, seed=11), tokenizer),
-                                  tokenizer, Sampler(build_task(cfg.data), 0), Scorer(cfg.reward), cfg,
-                                  cfg.algo, torch.Generator().manual_seed(0), Counter())
+    batch, _ = generate_and_score(SamplingSetup(cfg=cfg,
+                                                engine=make_engine("hf", make_tiny_model(tokenizer, seed=11), tokenizer),
+                                                tokenizer=tokenizer, scorer=Scorer(cfg.reward),
+                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                generator=torch.Generator().manual_seed(0)), Counter())
     adv = torch.randn(batch.loss_mask_B_T.shape, generator=torch.Generator().manual_seed(1))
     adv = adv * batch.loss_mask_B_T
     shared = replace(cfg, rollout=replace(cfg.rollout, weights="shared"))
@@ -236,7 +240,7 @@ def test_the_bf16_copy_is_corrected_like_another_engine(tmp_path, tokenizer):
     torch.testing.assert_close(delta, 1.5 * plain, atol=1e-6, rtol=1e-4)
     assert stats["rollout/tis_weight_mean"] == pytest.approx(1.5, rel=1e-4)
     # the trainer's own pi_old pass runs only when a later update needs it
-    from posttrain.rl.loop import frozen_passes
+    from posttrain.rl.frozen import frozen_passes
     model = make_tiny_model(tokenizer, seed=11)
     for extra, passes in (([], 0), (["--optim.minibatches", "2"], 1)):
         c = toy_config(tmp_path, "--rollout.weights", "bfloat16", "--algorithm.kl_coef", "0", *extra)

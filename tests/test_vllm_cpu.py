@@ -170,7 +170,7 @@ def test_episodes_with_a_tool_run_turn_by_turn_on_the_engine(engine, tokenizer):
 
     ep = run_episodes(engine, tokenizer, Feedback(), [Problem("What is 2 + 3?", "5")], 2,
                       SamplingParams(max_new_tokens=6, temperature=1.0),
-                      EpisodeSettings(max_tokens=64), seeds=torch.tensor([1, 2]))
+                      settings=EpisodeSettings(max_tokens=64), seeds=torch.tensor([1, 2]))
     policy = ep.rollout.policy_tokens_B_T
     assert ep.counts["turns"] == 4 and 0 < policy.sum() < ep.rollout.response_mask_B_T.sum()
 

@@ -116,7 +116,7 @@ def calculator_tool(cfg: Any = None) -> Tool:
 # python sandbox
 # ---------------------------------------------------------------------------------------------
 
-def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_output: int = 2000,
+def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output: int = 2000,
                mode: str = "bwrap", max_procs: int = 32, tmp_mb: int = 64) -> str:
     """Run `code` with `python -I -S` in the sandbox (posttrain/sandbox: bubblewrap, or the fallback
     where the user chose it) and return what it printed (stdout, then stderr when it failed), cut
@@ -148,7 +148,8 @@ def python_tool(cfg: Any = None) -> Tool:
                   runs="the programs the model writes")   # decided once, before training
     return Tool("python", "Run a Python program and return what it prints.",
                 {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
-                lambda code, timeout_s: run_python(code, timeout_s, memory, output, mode, procs),
+                lambda code, timeout_s: run_python(code, timeout_s=timeout_s, memory_mb=memory,
+                                                    max_output=output, mode=mode, max_procs=procs),
                 bounded=True, sandbox=mode)
 
 

@@ -216,7 +216,7 @@ class VerifiersEnvironment(DrivingEnvironment):
             if self._loop is None:
                 import verifiers.v1 as vf
 
-                from posttrain.envs import verifiers_harness
+                import posttrain.envs.verifiers_harness as verifiers_harness
                 sys.modules.setdefault(HARNESS, verifiers_harness)
                 env = vf.load_environment(local_config(stream.env_config, self.max_turns))
                 loop = asyncio.new_event_loop()

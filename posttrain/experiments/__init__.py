@@ -1,4 +1,4 @@
-"""Layer 9: the lecture's claims as experiments (docs/lecture-reproduced.md): `posttrain experiment NAME`.
+"""Layer 10: the lecture's claims as experiments (docs/lecture-reproduced.md): `posttrain experiment NAME`.
 
 Each experiment is one module with `CLAIM` (the lecture's sentence and section, written into the
 record), `OVERRIDES` (its changes to the default recipe), `REPEATS` (how many batches or points

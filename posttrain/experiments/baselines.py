@@ -62,7 +62,7 @@ def arm_gradients(run, sketch: CountSketch) -> tuple[dict[str, Tensor], Tensor]:
     batch = sample_batch(run)
     cfg, rollout = run.cfg, batch.rollout
     rows = torch.arange(len(batch.rewards_B))
-    logp = sequence_logprobs(run.model, rollout, rows, cfg.rollout.temperature,
+    logp = sequence_logprobs(run.learner.model, rollout, rows, cfg.rollout.temperature,
                              autocast=cfg.model.autocast).logp
     seq_logp_B = (logp * batch.loss_mask_B_T).sum(-1)
     rewards_P_G = batch.rewards_B.view(-1, rollout.group_size).float()
@@ -70,7 +70,7 @@ def arm_gradients(run, sketch: CountSketch) -> tuple[dict[str, Tensor], Tensor]:
     for arm, advantage in ARMS.items():
         adv_B = advantage(rewards_P_G).flatten()
         (adv_B * seq_logp_B).mean().backward(retain_graph=True)
-        out[arm] = sketch(flat_grad(run.model))
+        out[arm] = sketch(flat_grad(run.learner.model))
     return out, rewards_P_G
 
 
@@ -102,7 +102,7 @@ def arm_statistics(g_K_R: Tensor, none_K_R: Tensor) -> dict[str, float | None]:
 
 
 def run(run, out, repeats: int, progress: bool) -> dict:
-    dim = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
+    dim = sum(p.numel() for p in run.learner.model.parameters() if p.requires_grad)
     sketch = CountSketch(dim, SKETCH, seed=run.cfg.seed)
     grads: dict[str, list[Tensor]] = {arm: [] for arm in ARMS}
     rewards, all_equal = [], 0

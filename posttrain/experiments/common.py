@@ -19,14 +19,13 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from posttrain.rl.batch import ScoredBatch
-from posttrain.rl.collect import generate_and_score
+from posttrain.sampling.batch import ScoredBatch
 from posttrain.config.commands import ConfigError, TrainConfig
 from posttrain.experiments import EXPERIMENTS
 from posttrain.config.options import DEFAULT_RECIPE, load_config, recipe_path
 from posttrain.util.perf import tune_malloc
 from posttrain.run.provenance import provenance
-from posttrain.rl.job import RLJob, start_training
+from posttrain.rl.job import RLJob, close_sources, start_training
 from posttrain.rl.loop import train
 
 log = logging.getLogger("posttrain")
@@ -56,8 +55,7 @@ def experiment_config(module, name: str, overrides: list[str],
 
 def sample_batch(run: RLJob) -> ScoredBatch:
     """One step's batch as training would draw it: P prompts x G answers, scored."""
-    batch, _ = generate_and_score(run.engine, run.tokenizer, run.sampler, run.scorer, run.cfg,
-                                  run.algo, run.generator, Counter(), run.world, run.env)
+    batch, _ = run.sampling.collect(Counter())
     return batch
 
 
@@ -166,7 +164,7 @@ def train_arm(run: RLJob, arm: str, algorithm: dict[str, Any], out: Path, steps:
     cfg = replace(run.cfg, steps=steps, run_dir=str(out / "run" / arm), eval_every=eval_every,
                   checkpoint=replace(run.cfg.checkpoint, every_minutes=None, every_steps=0),
                   algorithm={**run.cfg.algorithm, **algorithm}, **fields).validate()
-    summary = train(cfg, model=copy.deepcopy(run.model), tokenizer=run.tokenizer,
+    summary = train(cfg, model=copy.deepcopy(run.learner.model), tokenizer=run.learner.tokenizer,
                     show_progress=progress)
     metrics = Path(cfg.run_dir) / "metrics.jsonl"
     numbers: dict[str, Any] = per_step(metrics)
@@ -239,11 +237,15 @@ def run_experiment(name: str, overrides: list[str], out: Path | None, repeats: i
     t0 = time.perf_counter()
     _deadline[0] = time.monotonic() + cfg.max_minutes * 60 if cfg.max_minutes else math.inf
     _cut.clear()
+    run = None
     try:
         run = start_training(cfg, None, None, None, None, progress)
         numbers = module.run(run, out, repeats, progress)
     finally:   # (the next experiment in this process starts without a deadline)
         _deadline[0] = math.inf
+        if run is not None:   # the run's engine, sandbox and environment stop; its logs close
+            close_sources(run)
+            run.logger.close()
     if _cut:
         numbers["max_minutes_cut"] = list(_cut)
     seconds = time.perf_counter() - t0

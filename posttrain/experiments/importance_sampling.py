@@ -19,6 +19,7 @@ pi_theta), and the effective sample size of the answers' sequence weights prod_t
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -29,6 +30,7 @@ from posttrain.rollout.forward import frozen_logprobs, group_chunks, sequence_lo
 from posttrain.losses.common import masked_mean
 from posttrain.losses.correction import ratio_stats
 from posttrain.losses.policy import POLICY_LOSSES, PolicyInputs, clip_fractions, clip_sides
+from posttrain.sampling.batch import ScoredBatch
 
 CLAIM = ("a batch from pi_old can be reused through the ratio pi_theta / pi_old while the ratio "
          "stays near 1; the clip bounds how far it drifts (§3, §5)")
@@ -55,9 +57,20 @@ def drift(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, eps: tuple[float
             "ess_share": float(seq_w.sum() ** 2 / (seq_w ** 2).sum() / len(seq_w))}
 
 
-def epoch(model, optimizer, batch, old: Tensor, adv: Tensor, arm: str, run) -> Tensor:
+@dataclass(frozen=True)
+class ReusedBatch:
+    """The one batch every epoch trains on: the sampled batch, and pi_old's log-probs of its
+    tokens and its GRPO advantages, (B, T) each."""
+
+    batch: ScoredBatch
+    old: Tensor
+    adv: Tensor
+
+
+def epoch(model, optimizer, data: ReusedBatch, arm: str, run) -> Tensor:
     """One full-batch step of objective `arm` (micro-batches accumulate; token-mean over the
     batch; the recipe's gradient clipping); returns the log-probs it started from."""
+    batch, old, adv = data.batch, data.old, data.adv
     cfg, rollout, mask = run.cfg, batch.rollout, batch.loss_mask_B_T
     n_tokens, logps = mask.sum().clamp_min(1), []
     for rows in group_chunks(len(batch.rewards_B), rollout.group_size, cfg.optim.micro_batch_size):
@@ -73,16 +86,17 @@ def epoch(model, optimizer, batch, old: Tensor, adv: Tensor, arm: str, run) -> T
     return torch.cat(logps) * rollout.response_mask_B_T
 
 
-def run_arm(start, batch, old: Tensor, adv: Tensor, arm: str, run, epochs: int,
-            progress: bool) -> list[dict]:
+def run_arm(start, data: ReusedBatch, arm: str, run, epochs: int, *,
+            progress: bool = True) -> list[dict]:
     """`epochs` steps of `arm` from the starting weights; the drift before each and after the last."""
+    batch, old, adv = data.batch, data.old, data.adv
     model = copy.deepcopy(start).train()
     o, eps = run.cfg.optim, (run.algo.clip_low, run.algo.clip_high)
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
                                   weight_decay=o.weight_decay)
     mask, rows = batch.loss_mask_B_T, []
     for _ in progress_range(epochs, f"importance-sampling {arm}: epoch", progress):
-        logp = epoch(model, optimizer, batch, old, adv, arm, run)
+        logp = epoch(model, optimizer, data, arm, run)
         rows.append(drift(logp, old, adv, mask, eps))
     after = frozen_logprobs(model, batch.rollout, run.cfg.rollout.temperature,
                             o.micro_batch_size, run.cfg.model.autocast)
@@ -93,11 +107,12 @@ def run_arm(start, batch, old: Tensor, adv: Tensor, arm: str, run, epochs: int,
 def run(run, out, repeats: int, progress: bool) -> dict:
     cfg = run.cfg
     batch = sample_batch(run)
-    old = frozen_logprobs(run.model, batch.rollout, cfg.rollout.temperature,
+    old = frozen_logprobs(run.learner.model, batch.rollout, cfg.rollout.temperature,
                           cfg.optim.micro_batch_size, cfg.model.autocast)
     rewards_P_G = batch.rewards_B.view(-1, batch.rollout.group_size).float()
     adv = grpo_advantage(rewards_P_G).flatten()[:, None] * batch.loss_mask_B_T
-    arms = {arm: run_arm(run.model, batch, old, adv, arm, run, repeats, progress) for arm in ARMS}
+    data = ReusedBatch(batch, old, adv)
+    arms = {arm: run_arm(run.learner.model, data, arm, run, repeats, progress=progress) for arm in ARMS}
     return {"arms": arms, "epochs": repeats, "lr": cfg.optim.lr,
             "clip_band": [1 - run.algo.clip_low, 1 + run.algo.clip_high],
             "answers": len(batch.rewards_B), "mean_reward": float(batch.rewards_B.mean()),

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from posttrain.experiments.common import jackknife, mean_se, progress_range, sample_batch
+from posttrain.rollout.base import Rollout
 from posttrain.rollout.forward import sequence_logprobs
 from posttrain.losses.common import token_logprobs
 from posttrain.losses.kl import KL_ESTIMATORS, exact_kl_from_logits
@@ -127,6 +129,19 @@ def summarise(errors: dict[str, list[float]], values: dict[str, list[float]], ex
     return row
 
 
+@dataclass(frozen=True)
+class AnswerChunk:
+    """A few answers of one batch from pi: their rows of the rollout, sampled tokens and loss
+    mask, pi's logits there (no gradient) and the sampling temperature."""
+
+    rollout: Rollout
+    rows: Tensor
+    tokens: Tensor
+    mask: Tensor
+    logits: Tensor
+    temperature: float
+
+
 def measure_batch(run, refs: dict, acc: dict, chunk: int = 16) -> None:
     """One batch from pi: every drift's values, exact KLs and logit-gradient products, `chunk`
     answers at a time (a chunk's logits are chunk x T x 49k floats, and a few copies of them)."""
@@ -135,18 +150,20 @@ def measure_batch(run, refs: dict, acc: dict, chunk: int = 16) -> None:
         rows = torch.arange(start, min(start + chunk, len(batch.rewards_B)))
         tokens, mask = batch.rollout.response_ids_B_T[rows], batch.loss_mask_B_T[rows]
         with torch.no_grad():
-            logits = sequence_logprobs(run.model, batch.rollout, rows, temperature,
+            logits = sequence_logprobs(run.learner.model, batch.rollout, rows, temperature,
                                        keep_logits=True).logits
+        answers = AnswerChunk(batch.rollout, rows, tokens, mask, logits, temperature)
         for d, ref in refs.items():
-            measure_drift(ref, batch.rollout, rows, logits, tokens, mask, temperature, acc[d])
+            measure_drift(ref, answers, acc[d])
 
 
-def measure_drift(ref, rollout, rows: Tensor, logits: Tensor, tokens: Tensor, mask: Tensor,
-                  temperature: float, acc: dict) -> None:
+def measure_drift(ref, chunk: AnswerChunk, acc: dict) -> None:
     """One drift on one chunk of answers: values against the exact KL, and gradient products."""
+    logits, tokens, mask, temperature = chunk.logits, chunk.tokens, chunk.mask, chunk.temperature
     on = mask > 0
     with torch.no_grad():
-        ref_logits = sequence_logprobs(ref, rollout, rows, temperature, keep_logits=True).logits
+        ref_logits = sequence_logprobs(ref, chunk.rollout, chunk.rows, temperature,
+                                       keep_logits=True).logits
         logp = token_logprobs(logits, tokens, temperature)
         ref_logp = token_logprobs(ref_logits, tokens, temperature)
         exact_t = exact_kl_from_logits(logits, ref_logits, temperature)
@@ -165,7 +182,7 @@ def _sd(xs: list[float]) -> float:
 
 
 def run(run, out, repeats: int, progress: bool) -> dict:
-    refs = {d: drifted_copy(run.model, d, seed=run.cfg.seed + i) for i, d in enumerate(DRIFTS)}
+    refs = {d: drifted_copy(run.learner.model, d, seed=run.cfg.seed + i) for i, d in enumerate(DRIFTS)}
     acc = {d: {"errors": {n: [] for n in KL_ESTIMATORS}, "values": {n: [] for n in KL_ESTIMATORS},
                "exact": [], "products": {}} for d in DRIFTS}
     measured = 0

@@ -158,7 +158,7 @@ def measure_pair(run, saved: list[Tensor], distance: float) -> tuple[dict, Tenso
     """One update batch and one evaluation batch: each arm's weights, slope data and the
     evaluation sums after its step (the weights restored after each; an arm whose weights equal
     an earlier one's reuses its step); the sums before."""
-    cfg, model = run.cfg, run.model
+    cfg, model = run.cfg, run.learner.model
     update, evaluate = sample_batch(run), sample_batch(run)
     rows = torch.arange(len(update.rewards_B))
     logp = sequence_logprobs(model, update.rollout, rows, cfg.rollout.temperature,
@@ -235,7 +235,7 @@ def check_sampling(cfg) -> None:
 
 
 def run(run, out, repeats: int, progress: bool) -> dict:
-    cfg, model = run.cfg, run.model
+    cfg, model = run.cfg, run.learner.model
     check_sampling(cfg)
     saved = [p.detach().clone() for p in model.parameters()]
     distance = STEP_L2

@@ -28,9 +28,7 @@ def centred_covariance(logp_B_T: Tensor, adv_B_T: Tensor, mask_B_T: Tensor) -> T
         return (lp - masked_mean(lp, m)) * (a - masked_mean(a, m)) * m
 
 
-def clip_cov_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, mask_B_T: Tensor,
-                  generator: torch.Generator | None, *, clip_low: float, clip_high: float,
-                  frac: float, cov_low: float, cov_high: float) -> Tensor:
+def clip_cov_loss(x: PolicyInputs, p: ObjectiveParams) -> Tensor:
     """Clip-Cov (Cui et al. 2025), per token.  §11.
 
         C = { tokens with cov_low < cov_t < cov_high that PPO's clip left alone },
@@ -38,18 +36,21 @@ def clip_cov_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, mask_
 
     The picked tokens' gradients are removed: a few high-covariance tokens (confident and
     rewarded) drive the entropy collapse, and detaching them keeps entropy up at almost no cost.
+    Reads x's log-probs, advantages, mask and `generator` (the random pick), and p's clip_low,
+    clip_high, cov_low, cov_high and cov_frac (frac).
     """
-    clipped = clipped_surrogate_loss(logp_B_T, old_logp_B_T, adv_B_T, clip_low=clip_low,
-                                     clip_high=clip_high)
+    logp_B_T, old_logp_B_T, adv_B_T, mask_B_T = x.logp_B_T, x.old_logp_B_T, x.adv_B_T, x.mask_B_T
+    clipped = clipped_surrogate_loss(logp_B_T, old_logp_B_T, adv_B_T, clip_low=p.clip_low,
+                                     clip_high=p.clip_high)
     # (the means, the count and the draw are over the micro-batch the loss sees, as verl's; so the
     # picked tokens depend on optim.micro_batch_size)
     with torch.no_grad():
         unclipped = -torch.exp(logp_B_T - old_logp_B_T) * adv_B_T
         cov = centred_covariance(logp_B_T, adv_B_T, mask_B_T)
-        band = (cov > cov_low) & (cov < cov_high) & (mask_B_T > 0) & (clipped <= unclipped)
+        band = (cov > p.cov_low) & (cov < p.cov_high) & (mask_B_T > 0) & (clipped <= unclipped)
         idx = band.flatten().nonzero().squeeze(-1)
-        n = max(1, int(frac * float(mask_B_T.sum())))
-        pick = idx[torch.randperm(len(idx), generator=generator)[:n]]
+        n = max(1, int(p.cov_frac * float(mask_B_T.sum())))
+        pick = idx[torch.randperm(len(idx), generator=x.generator)[:n]]
         keep = torch.ones(mask_B_T.numel(), dtype=clipped.dtype, device=clipped.device)
         keep[pick] = 0.0
     return clipped * keep.view_as(clipped)
@@ -58,9 +59,7 @@ def clip_cov_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, mask_
 @POLICY_LOSSES.register("clip_cov")
 def clip_cov_objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
     """Clip-Cov (`clip_cov_loss`) on the clipped surrogate.  §11."""
-    loss = clip_cov_loss(x.logp_B_T, x.old_logp_B_T, x.adv_B_T, x.mask_B_T, x.generator,
-                         clip_low=p.clip_low, clip_high=p.clip_high, frac=p.cov_frac,
-                         cov_low=p.cov_low, cov_high=p.cov_high)
+    loss = clip_cov_loss(x, p)
     return clipped_term(loss, _ratio(x), x, 1 - p.clip_low, 1 + p.clip_high)
 
 

@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -146,6 +147,28 @@ def resolve_model_path(path: str, cache_dir: str | None = None, where: str = "mo
     if local.is_dir():
         return local
     return hub_snapshot(path)
+
+
+def load_model(model_cfg, model=None, tokenizer=None, *, folder: Path | None = None,
+               weights: bool = True, load=None) -> tuple[Any, Any, str | Path]:
+    """The one way a command gets its model: the tokenizer and weights in `folder` (a
+    checkpoint's model) or in the folder `model.path` names (a local folder, a cached Hub id,
+    the embedded model; resolved only when something is read from it), the weights in
+    `model.dtype` (`load(path)` instead: another class, a reward model's head), none with
+    `weights` False; the attention kernel `model.attention`; a pad token. A `model` or
+    `tokenizer` given is used as it is. Returns (model, tokenizer, the folder or name)."""
+    must_read = tokenizer is None or (model is None and weights)
+    path: str | Path = folder if folder is not None else (
+        resolve_model_path(model_cfg.path, model_cfg.cache_dir) if must_read else model_cfg.path)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(path)
+    if model is None and weights:
+        model = load(path) if load is not None else load_policy(path, model_cfg.dtype)
+    if model is not None and model_cfg.attention != "auto":
+        model.set_attn_implementation(model_cfg.attention)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer, path
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:

@@ -19,7 +19,7 @@ import json
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -27,6 +27,9 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from posttrain.data.tasks import Problem
 from posttrain.model.loading import load_tokenizer
+
+if TYPE_CHECKING:
+    from posttrain.rollout.base import Rollout
 
 log = logging.getLogger("posttrain")
 
@@ -79,9 +82,7 @@ def _response_states(model, prompt_ids: list[list[int]], responses: list[list[in
     rollout = replace(pack(_Pad(pad_id), [p for p in prompt_ids for _ in range(group_size)],
                            [t + [pad_id] for t in responses]), group_size=group_size)
     device = next(model.parameters()).device
-    hidden = response_hidden(model.base_model, rollout.prompt_ids_B_L.to(device),
-                             rollout.prompt_mask_B_L.to(device), rollout.response_ids_B_T.to(device),
-                             rollout.response_mask_B_T.to(device), autocast, group_size)
+    hidden = response_hidden(model.base_model, rollout.to(device), autocast=autocast)
     return hidden, rollout.response_ids_B_T.to(device)
 
 
@@ -102,20 +103,27 @@ def group_scores(model, prompt_ids: list[list[int]], responses: list[list[int]],
     return _score_last(model, hidden, responses)
 
 
-def log_ratio_scores(policy, reference, prompt_ids: list[list[int]], responses: list[list[int]],
-                     group_size: int, pad_id: int, beta: float, autocast: str = "none") -> Tensor:
+def grouped_rollout(prompt_ids: list[list[int]], responses: list[list[int]], group_size: int,
+                    pad_id: int, device: torch.device | str = "cpu") -> Rollout:
+    """Groups of `group_size` responses to one prompt (responses of prompt i at rows
+    i*G .. i*G+G-1) as a Rollout on `device`, the layout the trainer's forward reads."""
+    from posttrain.rollout.forward import pack
+    rollout = pack(_Pad(pad_id), [p for p in prompt_ids for _ in range(group_size)], responses,
+                   device)
+    return replace(rollout, group_size=group_size)
+
+
+def log_ratio_scores(policy, reference, rollout: Rollout, beta: float, *,
+                     autocast: str = "none") -> Tensor:
     """DPO's implicit reward as a reward model's score.  §9
 
         r(x, y) = beta * sum_t [ log pi(y_t | x, y_<t) - log pi_ref(y_t | x, y_<t) ]
 
-    for groups of `group_size` responses to one prompt (as in group_scores)."""
+    for each response of `rollout` (grouped_rollout: groups of responses to one prompt)."""
     from posttrain.rollout.forward import frozen_logprobs
     from posttrain.losses.common import sequence_logprob
-    from posttrain.rollout.forward import pack
-    rollout = pack(_Pad(pad_id), [p for p in prompt_ids for _ in range(group_size)], responses,
-                   next(policy.parameters()).device)
-    rollout = replace(rollout, group_size=group_size)
-    logp, ref_logp = (sequence_logprob(frozen_logprobs(m, rollout, 1.0, len(responses), autocast),
+    n = rollout.response_ids_B_T.shape[0]
+    logp, ref_logp = (sequence_logprob(frozen_logprobs(m, rollout, 1.0, n, autocast),
                                        rollout.response_mask_B_T) for m in (policy, reference))
     return beta * (logp - ref_logp).float()
 
@@ -132,7 +140,7 @@ def tied_lm_head(model) -> Tensor:
 
 
 def pair_scores(model, prompt_ids: list[list[int]], chosen_ids: list[list[int]],
-                rejected_ids: list[list[int]], pad_id: int, autocast: str = "none",
+                rejected_ids: list[list[int]], pad_id: int, *, autocast: str = "none",
                 chosen_nll: bool = False) -> PairScores:
     """r(x, y_chosen), r(x, y_rejected) for each pair, the prompt run once per pair; with
     `chosen_nll`, also -sum_t log p(y_chosen,t | x, y_chosen,<t) under the body's tied LM head."""
@@ -243,8 +251,10 @@ class RewardModel:
                 # the responses as the log-ratio model was trained on them: ending in EOS
                 eos = self.tokenizer.eos_token_id
                 tails = [t[:self.max_len - 1] + [eos] for t in tails]
-                out.append(log_ratio_scores(self.model, self.reference, heads, tails, G,
-                                            self.tokenizer.pad_token_id, self.beta, self.autocast))
+                batch = grouped_rollout(heads, tails, G, self.tokenizer.pad_token_id,
+                                        next(self.model.parameters()).device)
+                out.append(log_ratio_scores(self.model, self.reference, batch, self.beta,
+                                            autocast=self.autocast))
                 continue
             out.append(group_scores(self.model, heads, tails, G, self.tokenizer.pad_token_id,
                                     self.autocast))

@@ -112,7 +112,7 @@ class RewardPool:
     """The reward host in its sandbox: verifier and reward-function calls, `workers` at a time,
     each limited to `timeout_s` seconds, a batch to `deadline(n)` seconds."""
 
-    def __init__(self, specs: tuple[str, ...], workers: int, timeout_s: float, mode: Mode,
+    def __init__(self, specs: tuple[str, ...], workers: int, timeout_s: float, mode: Mode, *,
                  memory_mb: int = 4096, max_procs: int = 64, verifiers: tuple[str, ...] = ()) -> None:
         self.specs, self.timeout_s, self.mode = specs, timeout_s, mode
         self.verifiers = verifiers      # the verifiers the host warms before any fork

@@ -148,7 +148,7 @@ class Scorer:
             cfg.sandbox, "the reward scorers (verifiers and reward functions reading the model's "
             "answers)", "reward.sandbox", runs=runs_model_text(cfg, self.verifier))
         self.pool = (RewardPool(tuple(cfg.functions), cfg.workers, cfg.timeout_s, self.sandbox,
-                                cfg.memory_mb, verifiers=(self.verifier,) if self.verifier else ())
+                                memory_mb=cfg.memory_mb, verifiers=(self.verifier,) if self.verifier else ())
                      if cfg.workers else None)
         if self.pool is None:
             log.warning("reward.workers 0: the verifier and reward functions run in the trainer's "

@@ -1,3 +1,4 @@
-"""Layer 7: the RL step pipeline and loop (docs/algorithms.md §2-§8): a scored batch, frozen passes,
-teachers and the value model, the loss terms and the update, the evaluator, what a step logs, and
-`train` itself (job.py starts and finishes a run, loop.py is the lecture's loop)."""
+"""Layer 8: the RL learner and loop (docs/algorithms.md §2-§8): the policy's learner (learner.py:
+the models, optimizer and checkpoint), its stages (frozen.py, advantage.py, loss_terms.py,
+update.py), teachers and the value model, what a step logs, and `train` itself (job.py builds the
+learner and the Sampling service, loop.py is the lecture's loop)."""

@@ -94,9 +94,7 @@ class Critic:
                 raise ValueError("a value head on the policy's body needs the policy's hidden states")
             hidden = policy_hidden
         else:
-            hidden = response_hidden(self.model.base_model, rollout.prompt_ids_B_L[rows],
-                                     rollout.prompt_mask_B_L[rows], rollout.response_ids_B_T[rows],
-                                     rollout.response_mask_B_T[rows], autocast, rollout.group_size)
+            hidden = response_hidden(self.model.base_model, rollout, rows, autocast=autocast)
         with torch.autocast(hidden.device.type, enabled=False):
             return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)
 

@@ -1,14 +1,13 @@
-"""What `posttrain train` builds on the common lifecycle (run/lifecycle.py): check the inputs before
-any model loads, load and place the policy, pi_ref, the teachers and the value model, build the
-sampler and the optimizer, restore a checkpoint; then its checkpoints' contents, the held-out
-evaluations, and the final model.
+"""What `posttrain train` builds on the common lifecycle (run/lifecycle.py): the inputs checked
+before any model loads; the policy, pi_ref, the teachers and the value model loaded and placed;
+the two services, the `PolicyLearner` (rl/learner.py) and `Sampling` (sampling/service.py); a
+checkpoint restored. Then what the loop calls between steps: the checkpoint's contents, the
+held-out evaluations, the final model.
 """
 
 from __future__ import annotations
 
 import copy
-import os
-import shutil
 import logging
 import time
 from dataclasses import dataclass
@@ -18,33 +17,28 @@ from typing import Any
 import torch
 
 from posttrain.losses.advantages import NEEDS_TEACHER, NEEDS_VALUES
-from posttrain.run.checkpoint import fsync_path, restore_rng, save_checkpoint, seal
 from posttrain.config.commands import ConfigError, TrainConfig
 from posttrain.config.presets import AlgorithmConfig
 from posttrain.util.errors import FailingSourceError
 from posttrain.util.health import FailureWatch, Tally
 from posttrain.data.source import Sampler
 from posttrain.data.tasks import Problem
-from posttrain.rl.evaluation import eval_settings, evaluate
+from posttrain.sampling.evaluation import eval_settings
 from posttrain.logs.metrics import plot_run
 from posttrain.rl.token_records import drop_after
 from posttrain.model.memory import estimate as estimate_memory
-from posttrain.model.loading import (add_lora, check_model_folder, load_policy, load_tokenizer,
-                              merged_lora_copy, resolve_model_path, save_model)
+from posttrain.model.loading import add_lora, check_model_folder, load_model, load_policy
 from posttrain.rewards.scorer import Scorer
-from posttrain.envs import Environment, SingleTurn, close_env, for_tokenizer
-from posttrain.rollout import RolloutEngine, async_core_split, evaluation_engine
-from posttrain.rl.sampling import isolation, sampling_engine, sampling_inputs
+from posttrain.envs import for_tokenizer
+from posttrain.rollout import async_core_split
+from posttrain.sampling.service import Sampling, isolation, sampling_engine, sampling_inputs
 from posttrain.run.optim import make_adamw, make_scheduler
 from posttrain.rl.teachers import Teachers
 from posttrain.rl.critic import Critic
-from posttrain.model.distributed import (World, device_for, full_state_dict,
-                                   full_weights_for_generation, global_max,
-                                   load_optimizer_state, wrap)
+from posttrain.model.distributed import World, device_for, global_max, wrap
 from posttrain.run.lifecycle import Job, finish_job, make_folder, open_folder, start_job
+from posttrain.rl.learner import PolicyLearner
 from posttrain.rl.loss_terms import frozen_inputs
-from posttrain.rl.batch_source import make_batch_source, prompts_in_flight
-from posttrain.rl.collect import generate_and_score
 
 
 log = logging.getLogger("posttrain")
@@ -70,47 +64,29 @@ def check_world(cfg: TrainConfig, world: World) -> None:
 
 @dataclass(kw_only=True)
 class RLJob(Job):
-    """A `train` run: the common lifecycle's fields (Job) and what `start_training` built; the
-    loop moves the step count and the clock, the rest lives in the models, optimizer and sampler."""
+    """A `train` run: the common lifecycle's fields (Job), the policy's learner (the models, the
+    optimizer, the checkpoint) and the sampling service (engine, environment, scorer, prompts,
+    the step's batch source), built by `start_training`; the loop moves the step count and the
+    clock."""
 
     cfg: TrainConfig
-    model: Any
-    tokenizer: Any
-    engine: RolloutEngine
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    sampler: Sampler
-    scorer: Scorer
+    learner: PolicyLearner
+    sampling: Sampling
     eval_problems: list[Problem]
-    teachers: Teachers | None = None
-    ref_model: Any = None               # pi_ref when it is a separate copy (no LoRA)
-    critic: Critic | None = None
-    env: Environment = SingleTurn()     # what answers the policy between its turns
-    nonfinite_streak: int = 0           # trainer steps in a row whose every optimizer step was skipped
-    watch: FailureWatch | None = None   # sources failing on most calls, step after step
-    batches: Any = None                 # where each step's batch comes from (rl/batch_source.py)
+    watch: FailureWatch                 # sources failing on most calls, step after step
 
     @property
     def algo(self) -> AlgorithmConfig:
         return self.cfg.algo
 
-    @property
-    def lora(self) -> bool:
-        return self.cfg.lora.rank > 0
-
-    @property
-    def device(self) -> torch.device:
-        """Where the policy's weights are (FSDP2: this rank's GPU): every batch is moved there."""
-        return next(self.model.parameters()).device
-
 
 def check_health(run: RLJob, step: int, tallies: dict[str, Tally]) -> None:
     """Stop the run (every rank) when a verifier, reward function, tool or environment has failed
     on most of its calls for `reward.max_failing_steps` steps in a row. `tallies` are those of
-    the batch this step trains (rl/collect.py), whichever thread sampled and scored it."""
+    the batch this step trains (sampling/collect.py), whichever thread sampled and scored it."""
     problem = run.watch.check(step, tallies)
     if global_max(float(problem is not None), run.world) > 0:
-        run.scorer.close()
+        run.sampling.scorer.close()
         raise FailingSourceError(problem or "a verifier, reward function, tool or environment kept "
                                  "failing on another rank (its log has the traceback)")
 
@@ -126,23 +102,18 @@ def load_models(cfg: TrainConfig, ckpt: Path | None, model, tokenizer, teacher):
     tokenizer and the distillation teachers, whose tokenizers are checked before the student's
     weights load. Returns (model, tokenizer, teachers, the folder the policy came from)."""
     lora = cfg.lora.rank > 0
-    path = cfg.model.path
-    if model is None:   # (LoRA: the base model never changes; checkpoints hold the adapters)
-        path = ckpt / "model" if ckpt and not lora else resolve_model_path(cfg.model.path,
-                                                                            cfg.model.cache_dir)
-        tokenizer = tokenizer or load_tokenizer(path)
+    # (LoRA: the base model never changes; checkpoints hold the adapters)
+    folder = ckpt / "model" if ckpt is not None and not lora and model is None else None
+    _, tokenizer, path = load_model(cfg.model, model, tokenizer, folder=folder, weights=False)
     teachers = (Teachers(cfg.teacher, tokenizer, cfg.model.cache_dir, teacher)
                 if cfg.algo.advantage in NEEDS_TEACHER else None)
-    if model is None:
-        model = load_policy(path, cfg.model.dtype)
-    elif ckpt is not None and not lora:
+    given = model is not None
+    model, tokenizer, _ = load_model(cfg.model, model, tokenizer,
+                                     folder=None if given else Path(path))
+    if given and ckpt is not None and not lora:
         model.load_state_dict(load_policy(ckpt / "model", cfg.model.dtype).state_dict())
-    if cfg.model.attention != "auto":
-        model.set_attn_implementation(cfg.model.attention)
     if lora:
         model = add_lora(model, cfg.lora, ckpt / "adapter" if ckpt else None)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer, teachers, path
 
 
@@ -160,13 +131,9 @@ def reference_model(cfg: TrainConfig, model, run_dir: Path, ckpt: Path | None):
 def restore(run: RLJob, state: dict[str, Any]) -> None:
     """Optimizer, scheduler, RNG, data position and clock of a checkpoint's trainer state: the
     run continues as if it had never stopped."""
-    load_optimizer_state(run.model, run.optimizer, state["optimizer"])
-    run.scheduler.load_state_dict(state["scheduler"])
-    restore_rng(state["rng"], run.generator)
-    if run.critic is not None:
-        run.critic.load_optimizer_state(state["critic_optimizer"])
+    run.learner.restore(state)
     run.start_step = state["step"]
-    run.sampler.load_state(state.get("data", {"position": state["data_position"]}))
+    run.sampling.prompts.load_state(state.get("data", {"position": state["data_position"]}))
     if run.world.main:   # rows after the checkpoint are redone (open_folder), so are token records
         drop_after(run.run_dir, state["step"])
     run.saved_step = state["step"]
@@ -174,47 +141,23 @@ def restore(run: RLJob, state: dict[str, Any]) -> None:
 
 
 def checkpoint(run: RLJob, step: int) -> None:
-    """Save the run at `step` (every rank calls this; rank 0 writes), and pi_ref the first time:
-    it is the starting policy, frozen, which a resumed run must get back."""
+    """Save the run at `step` (every rank calls this; rank 0 writes): the learner's checkpoint
+    with the data position, the clock and, asynchronous, the batches sampled and not yet trained
+    on (the engine paused between two batches)."""
     if step == run.saved_step:
         return
     run.saved_step = step
-    with run.batches.paused(load_latest=False):   # (asynchronous: the engine between two batches)
-        save_run_state(run, step)
-
-
-def save_run_state(run: RLJob, step: int) -> None:
-    """The checkpoint's contents: pi_ref the first time, the model, the optimizer, the data
-    position and, asynchronous, the batches sampled and not yet trained on."""
-    ref_dir = run.run_dir / "reference_model"
-    if run.ref_model is not None and run.world.main and not ref_dir.is_dir():
-        tmp = run.run_dir / ".reference_model.tmp"   # renamed into place: never half-written
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_model(run.ref_model, run.tokenizer, tmp)
-        seal(tmp, 0)                                  # durable before the checkpoints rely on it
-        os.replace(tmp, ref_dir)
-        fsync_path(run.run_dir)
-    extra = {"data_position": run.sampler.position, "data": run.sampler.state(),
-             "train_seconds": run.train_seconds,
-             "log_rows": run.logger.line_counts()}
-    folders = {}
-    if run.critic is not None:
-        extra["critic_optimizer"] = run.critic.optimizer_state()
-        folders["critic"] = run.critic.save
-    if hasattr(run.batches, "save"):
-        folders["in_flight"] = run.batches.save
-    save_checkpoint(run.run_dir, step, run.model, run.tokenizer, run.optimizer, run.scheduler,
-                    run.generator, extra, run.cfg.to_dict(), extra_models=folders or None,
-                    world=run.world, keep=run.cfg.checkpoint.keep)
+    prompts = run.sampling.prompts
+    extra = {"data_position": prompts.position, "data": prompts.state(),
+             "train_seconds": run.train_seconds, "log_rows": run.logger.line_counts()}
+    with run.sampling.paused(load_latest=False):
+        run.learner.save_checkpoint(run.run_dir, step, extra, {"in_flight": run.sampling.save})
 
 
 def run_eval(run: RLJob, step: int, label: str) -> dict[str, Any]:
     """Held-out accuracy now, logged with the training minutes so far; samples to a file."""
     t0 = time.perf_counter()
-    engine = evaluation_engine(run.engine)   # (the weights in their own precision)
-    with full_weights_for_generation(run.model, run.world), run.batches.paused():
-        res = evaluate(run.model, run.tokenizer, engine, run.eval_problems, run.scorer,
-                       eval_settings(run.cfg), world=run.world, env=run.env)
+    res = run.sampling.evaluate(run.learner.model, run.eval_problems, eval_settings(run.cfg))
     samples, _ = res.pop("_samples"), res.pop("_lengths")
     res["eval/seconds"] = time.perf_counter() - t0
     res["perf/train_minutes"] = run.train_seconds / 60
@@ -225,39 +168,19 @@ def run_eval(run: RLJob, step: int, label: str) -> dict[str, Any]:
 
 
 def close_sources(run: RLJob) -> None:
-    """The engine (its threads, processes and servers), the reward sandbox and judge, and what
-    the environment started (an endpoint, verifiers' event loop, OpenEnv sessions). A stopped
-    run's engine waits no longer than its grace allows (Job.cleanup_wait_s)."""
-    run.batches.close(run.cleanup_wait_s())
-    run.scorer.close(final=True)
-    close_env(run.env)
+    """The sampling service's engine, sandbox and environment; a stopped run's engine waits no
+    longer than its grace allows (Job.cleanup_wait_s)."""
+    run.sampling.close(run.cleanup_wait_s())
 
 
 def save_final(run: RLJob, summary: dict[str, Any]) -> dict[str, Any]:
-    """Save the final model (a plain HF model: LoRA adapters merged; under FSDP into a CPU copy
-    built from the gathered weights, since peft merges in place and the layers are sharded), the
-    value model and the plot; then summary.json."""
-    world, model, tokenizer, run_dir = run.world, run.model, run.tokenizer, run.run_dir
-    t0 = time.perf_counter()
-    if run.lora and world.strategy == "fsdp" and world.distributed:
-        weights = full_state_dict(model, world)
-        model, weights = (merged_lora_copy(model, weights) if world.main else None), None
-    else:
-        if run.lora:
-            model = model.merge_and_unload()
-        weights = full_state_dict(model, world)       # FSDP: gathered from the shards
-    if world.main:
-        save_model(model, tokenizer, run_dir / "final_model", weights)
-    summary["final_model"] = str(run_dir / "final_model")
-    if run.critic is not None:   # a shared value head sits beside the policy it reads
-        value_dir = run_dir / ("final_model" if run.critic.shared else "final_value_model")
-        run.critic.save(value_dir, tokenizer)       # every rank: FSDP gathers the shards
-        summary["value_model"] = str(value_dir)
-    summary["save_s"] = time.perf_counter() - t0
+    """The final model and value model (PolicyLearner.save_final_models), the sources closed,
+    the plot; then summary.json."""
+    summary.update(run.learner.save_final_models(run.run_dir))
     close_sources(run)
-    if world.main:
+    if run.world.main:
         try:
-            summary["plot"] = str(plot_run(run_dir))
+            summary["plot"] = str(plot_run(run.run_dir))
         except Exception as e:  # noqa: BLE001 - a plotting problem must not lose a finished run
             log.warning("could not plot the run: %s", e)
     return finish_job(run, summary)
@@ -321,8 +244,8 @@ def place_models(job: Job, model, tokenizer, teachers, scorer: Scorer, env):
 def start_training(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher,
                    show_progress: bool = True) -> RLJob:
     """The common start (threads, seed, world, resume point), the inputs checked before any model
-    loads; the policy, pi_ref, teachers and value model loaded, placed and wrapped; the engine and
-    optimizer; the run folder opened and a checkpoint restored."""
+    loads; the policy, pi_ref, teachers and value model loaded, placed and wrapped; the learner
+    and the sampling service; the run folder opened and a checkpoint restored."""
     split = async_core_split(cfg.rollout)   # (sampling ahead on a CPU: the lower half of the cores)
     job = start_job("train", cfg, resume, show_progress, threads=split[0] if split else None)
     task, env, scorer = check_inputs(job, teacher)
@@ -338,31 +261,18 @@ def start_training(cfg: TrainConfig, resume: str | Path | None, model, tokenizer
     log.info("run folder %s; algorithm %s", job.run_dir, cfg.algo)
     for warning in cfg.start_warnings():
         log.warning(warning)
-    sampler = Sampler(task, cfg.seed, retries=cfg.data.retry_unsolved,
+    learner = PolicyLearner(model=model, tokenizer=tokenizer, optimizer=optimizer, optim=cfg.optim,
+                            scheduler=scheduler, world=job.world, cfg=cfg, generator=job.generator,
+                            teachers=teachers, ref_model=ref_model, critic=critic)
+    prompts = Sampler(task, cfg.seed, retries=cfg.data.retry_unsolved,
                       max_waiting=cfg.rollout.prompts_per_step)
-    run = RLJob(**job.parts(), model=model, tokenizer=tokenizer, engine=engine,
-                optimizer=optimizer, scheduler=scheduler, sampler=sampler, scorer=scorer,
-                eval_problems=task.eval_problems, teachers=teachers, ref_model=ref_model,
-                critic=critic, env=env, watch=FailureWatch(cfg.reward.max_failing_steps))
+    # (sampling ahead runs in a thread: never the run's generator, which the update draws from)
+    generator = job.generator if not cfg.rollout.max_staleness else torch.Generator().manual_seed(cfg.seed)
+    sampling = Sampling(cfg=cfg, engine=engine, tokenizer=tokenizer, scorer=scorer, prompts=prompts,
+                        env=env, world=job.world, generator=generator)
+    run = RLJob(**job.parts(), learner=learner, sampling=sampling, eval_problems=task.eval_problems,
+                watch=FailureWatch(cfg.reward.max_failing_steps))
     if job.ckpt is not None:
         restore(run, job.state)
-    run.batches = batch_source(run, job.ckpt)
+    sampling.start(run.start_step, job.ckpt / "in_flight" if job.ckpt is not None else None)
     return run
-
-
-def batch_source(run: RLJob, ckpt: Path | None):
-    """Where each step's batch comes from (rl/batch_source.py): sampled in turn, or ahead by the
-    engine from the step resumed at, with the checkpoint's batches sampled and not trained on."""
-    cfg = run.cfg
-    # (sampling ahead runs in a thread: never the run's generator, which the update draws from)
-    generator = run.generator if not cfg.rollout.max_staleness else torch.Generator().manual_seed(cfg.seed)
-
-    def collect(timings, tallies):
-        return generate_and_score(run.engine, run.tokenizer, run.sampler, run.scorer, cfg, run.algo,
-                                  generator, timings, run.world, run.env, tallies)
-    source = make_batch_source(cfg.rollout, collect, run.engine, run.sampler, run.start_step)
-    if ckpt is not None and hasattr(source, "restore"):
-        source.restore(ckpt / "in_flight")
-    elif ckpt is not None:   # (an asynchronous run resumed in turn: its batches' prompts again)
-        run.sampler.give_back(prompts_in_flight(ckpt / "in_flight"))
-    return source

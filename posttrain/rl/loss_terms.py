@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posttrain.rl.batch import ScoredBatch
+from posttrain.sampling.batch import ScoredBatch
 from posttrain.config.commands import TrainConfig
 from posttrain.config.presets import AlgorithmConfig
 from posttrain.rl.critic import Critic
@@ -168,11 +168,22 @@ def update_terms(batch: ScoredBatch, cfg: TrainConfig, algo: AlgorithmConfig,
 # One micro-batch
 # ---------------------------------------------------------------------------------------------
 
-def policy_terms(batch: ScoredBatch, rows: Tensor, fwd: PolicyForward, w_micro: Tensor,
-                 terms: UpdateTerms, cfg: TrainConfig, teachers: Teachers | None,
-                 metrics: Metrics, first_update: bool) -> Tensor:
+@dataclass
+class MicroBatch:
+    """One micro-batch of an update: its rows, their aggregation weights (the policy's; the value
+    loss's, PPO), where its metrics go, and whether it is in the update's first minibatch."""
+    rows: Tensor
+    weights: Tensor
+    value_weights: Tensor | None
+    metrics: Metrics
+    first_update: bool = False
+
+
+def policy_terms(batch: ScoredBatch, micro: MicroBatch, fwd: PolicyForward, terms: UpdateTerms,
+                 cfg: TrainConfig, teachers: Teachers | None) -> Tensor:
     """The policy's share of one micro-batch's loss (§5-§8, §11): the sum of its per-token terms,
-    aggregated; each term's metrics added to `metrics`."""
+    aggregated by the micro-batch's weights; each term's metrics added to its `metrics`."""
+    rows, metrics = micro.rows, micro.metrics
     m, n = batch.loss_mask_B_T[rows], len(rows)
     old = fwd.logp.detach() if terms.single_update else terms.old_logp_B_T[rows]
     x = PolicyInputs(fwd.logp, old, batch.adv_B_T[rows], m, terms.group_size, terms.generator,
@@ -187,7 +198,7 @@ def policy_terms(batch: ScoredBatch, rows: Tensor, fwd: PolicyForward, w_micro: 
     if terms.correction is not None:
         loss_t = loss_t * correction_weights(batch, rows, old, terms, metrics)
     if terms.distill is not None:   # §8: the full-vocabulary reverse KL is itself the loss
-        loss_t = loss_t + distill_term(batch, rows, fwd.logits, terms, cfg, teachers, metrics)
+        loss_t = loss_t + distill_term(batch, micro, fwd.logits, terms, cfg, teachers)
     if terms.kl_fn is not None:
         kl_t = terms.kl_fn(fwd.logp, batch.ref_logp_B_T[rows])
         if terms.kl_in_loss:
@@ -196,9 +207,9 @@ def policy_terms(batch: ScoredBatch, rows: Tensor, fwd: PolicyForward, w_micro: 
         metrics.per_token(rows, kl_ref=kl_t)
     if terms.entropy_coef > 0:
         loss_t = loss_t + entropy_bonus_loss(fwd.entropy, terms.entropy_coef)
-    loss = aggregate(loss_t, w_micro)
+    loss = aggregate(loss_t, micro.weights)
     metrics.update("loss/policy", loss)
-    drift_metrics(batch, rows, fwd, old, metrics, first_update)
+    drift_metrics(batch, micro, fwd, old)
     return loss
 
 
@@ -214,9 +225,10 @@ def correction_weights(batch: ScoredBatch, rows: Tensor, old: Tensor, terms: Upd
     return w
 
 
-def distill_term(batch: ScoredBatch, rows: Tensor, logits: Tensor, terms: UpdateTerms,
-                 cfg: TrainConfig, teachers: Teachers, metrics: Metrics) -> Tensor:
+def distill_term(batch: ScoredBatch, micro: MicroBatch, logits: Tensor, terms: UpdateTerms,
+                 cfg: TrainConfig, teachers: Teachers) -> Tensor:
     """The exact (full-vocabulary) distillation loss per token (§8), its KL per teacher domain."""
+    rows, metrics = micro.rows, micro.metrics
     m, n = batch.loss_mask_B_T[rows], len(rows)
     temperature = cfg.rollout.temperature
     with torch.no_grad():
@@ -235,12 +247,12 @@ def distill_term(batch: ScoredBatch, rows: Tensor, logits: Tensor, terms: Update
     return distill_t
 
 
-def drift_metrics(batch: ScoredBatch, rows: Tensor, fwd: PolicyForward, old: Tensor, metrics: Metrics,
-                  first_update: bool) -> None:
+def drift_metrics(batch: ScoredBatch, micro: MicroBatch, fwd: PolicyForward, old: Tensor) -> None:
     """Whatever the objective: the drift from pi_old, the entropy, and (first update) the
     sampler's numerics against the trainer's."""
+    rows, metrics = micro.rows, micro.metrics
     m, n = batch.loss_mask_B_T[rows], len(rows)
-    if first_update:   # the policy has not moved yet: sampler vs trainer numerics only
+    if micro.first_update:   # the policy has not moved yet: sampler vs trainer numerics only
         diff = fwd.logp.detach() - batch.rollout.logp_B_T[rows]
         metrics.rows("_mismatch", masked_mean(diff.abs(), m), n)
         big = torch.where(m > 0, diff, torch.full_like(diff, -1e9)).max()
@@ -252,15 +264,16 @@ def drift_metrics(batch: ScoredBatch, rows: Tensor, fwd: PolicyForward, old: Ten
     metrics.rows("policy/entropy", masked_mean(fwd.entropy.detach(), m), n)
 
 
-def value_terms(critic: Critic, batch: ScoredBatch, rows: Tensor, hidden: Tensor | None,
-                vw_micro: Tensor, cfg: TrainConfig, metrics: Metrics) -> Tensor:
+def value_terms(critic: Critic, batch: ScoredBatch, micro: MicroBatch, hidden: Tensor | None,
+                cfg: TrainConfig) -> Tensor:
     """The critic's share of one micro-batch's loss (§5): V regressed on the GAE returns,
     clipped around V_old, times vf_coef."""
+    rows, metrics = micro.rows, micro.metrics
     m = batch.loss_mask_B_T[rows]
     values = critic.values(batch.rollout, rows, cfg.model.autocast, hidden if critic.shared else None)
     v_loss_t, v_clipped = value_loss(values, batch.old_values_B_T[rows], batch.returns_B_T[rows],
                                      cfg.critic.clip)
-    v_loss = aggregate(v_loss_t, vw_micro)
+    v_loss = aggregate(v_loss_t, micro.value_weights)
     metrics.update("loss/value", v_loss)
     metrics.rows("critic/clip_frac", masked_mean(v_clipped.float(), m), len(rows))
     return cfg.critic.vf_coef * v_loss

@@ -69,9 +69,7 @@ class Teachers:
         for domain in sorted(set(row_domains)):
             sel = torch.tensor([k for k, d in enumerate(row_domains) if d == domain])
             sub = rows[sel]
-            logits = response_logits(self.model_for(domain), view.prompt_ids_B_L[sub],
-                                     view.prompt_mask_B_L[sub], view.response_ids_B_T[sub],
-                                     view.response_mask_B_T[sub], autocast, view.group_size)
+            logits = response_logits(self.model_for(domain), view, sub, autocast=autocast)
             if out is None:
                 out = logits.new_empty((len(rows), *logits.shape[1:]))
             out[sel] = logits

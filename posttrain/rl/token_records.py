@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posttrain.rl.batch import ScoredBatch
+from posttrain.sampling.batch import ScoredBatch
 from posttrain.logs.metrics import TOKENS_DIR
 
 

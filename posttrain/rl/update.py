@@ -16,22 +16,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from posttrain.rl.batch import ScoredBatch
+from posttrain.sampling.batch import ScoredBatch
 from posttrain.config.commands import TrainConfig
-from posttrain.config.presets import AlgorithmConfig
 from posttrain.rl.critic import Critic
-from posttrain.model.distributed import (SINGLE, World, average_gradients, clip_grad_norm,
-                                   global_aggregation_weights, global_max)
-from posttrain.util.errors import NonFiniteError
+from posttrain.model.distributed import World, global_aggregation_weights, global_max
+from posttrain.rollout.base import seed_key
 from posttrain.rollout.forward import group_chunks, micro_rows, sequence_logprobs
 from posttrain.losses.aggregation import AGGREGATIONS
-from posttrain.rl.teachers import Teachers
+from posttrain.rl.learner import PolicyLearner
 from posttrain.rl.token_records import TokenTrace
-from posttrain.rl.loss_terms import Metrics, UpdateTerms, policy_terms, update_terms, value_terms
+from posttrain.rl.loss_terms import (Metrics, MicroBatch, UpdateTerms, policy_terms, update_terms,
+                                     value_terms)
 
 log = logging.getLogger("posttrain")
 
@@ -82,134 +82,115 @@ def minibatch_rows(n_groups: int, group_size: int, cfg: TrainConfig, generator: 
 # The update
 # ---------------------------------------------------------------------------------------------
 
-def step_if_finite(params: list[Tensor], optimizer, scheduler, max_grad_norm: float,
-                   world: World) -> tuple[Tensor, bool]:
-    """Clip the (averaged) gradients to max_grad_norm and step Adam and the schedule, unless the
-    gradient norm is not finite (a NaN or Inf loss, an overflow): then the gradients are dropped
-    and weights, optimizer state and schedule stay untouched. Returns (norm, stepped). The
-    finiteness test is the step's one host sync; the norm is global, so every rank agrees."""
-    norm = clip_grad_norm(params, max_grad_norm, world)
-    if not torch.isfinite(norm):
-        optimizer.zero_grad(set_to_none=True)
-        log.warning("non-finite gradient norm (%s): optimizer step skipped", norm.item())
-        return norm, False
-    optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
-    return norm, True
-
-
-def check_nonfinite_streak(streak: int, limit: int) -> None:
-    """Stop after `limit` consecutive skipped steps, with what to try (the weights are those of
-    the last good step; the latest checkpoint is intact)."""
-    if limit and streak >= limit:
-        raise NonFiniteError(
-            f"{streak} optimizer steps in a row had a non-finite loss or gradient norm and were "
-            "skipped; stopping (the latest checkpoint is intact). Try a lower optim.lr, "
-            "model.autocast none, or optim.max_grad_norm; optim.max_nonfinite_steps sets the limit")
-
-
-def optimizer_step(model, optimizer, scheduler, cfg: TrainConfig, any_rows: bool, world: World,
-                   metrics: Metrics) -> bool:
+def optimizer_step(learner: PolicyLearner, any_rows: bool, metrics: Metrics) -> bool:
     """Average the gradients over ranks, clip them to max_grad_norm, step Adam and the schedule
-    (`step_if_finite`: skipped on a non-finite gradient). Returns whether it stepped."""
+    (skipped on a non-finite gradient: run/learner.py). Returns whether it stepped."""
     if not any_rows:   # keep the optimizer step (Adam momentum, decay) as it would be
-        for p in model.parameters():
+        for p in learner.model.parameters():
             # (FSDP: a padding pass already holds the other ranks' reduced shards)
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
-    average_gradients(list(model.parameters()), world)
-    norm, stepped = step_if_finite(list(model.parameters()), optimizer, scheduler,
-                                   cfg.optim.max_grad_norm, world)
+    norm, stepped = learner.optimizer_step()
     if stepped:
         metrics.update("policy/grad_norm", norm)
     return stepped
 
 
-def micro_batch_loss(model, batch: ScoredBatch, rows: Tensor, terms, cfg: TrainConfig,
-                     teachers: Teachers | None, critic: Critic | None, policy_forward: bool,
-                     train_policy: bool, weights: Tensor, value_weights: Tensor, into,
-                     first_update: bool) -> Tensor:
+def micro_batch_loss(learner: PolicyLearner, batch: ScoredBatch, micro: MicroBatch,
+                     terms: UpdateTerms, *, train_policy: bool = True) -> Tensor:
     """One micro-batch's loss: the policy's terms on its forward (one pass, which also gives a
-    shared value head its hidden states) and, PPO, the value model's terms."""
+    shared value head its hidden states) and, PPO, the value model's terms. Without
+    `train_policy` (the critic's warm-up) the policy forward runs only for a shared head."""
+    cfg, critic = learner.cfg, learner.critic
     loss, hidden, fwd = torch.zeros(()), None, None
-    if policy_forward:
+    shared_head = critic is not None and critic.shared
+    if train_policy or shared_head:
         fwd = sequence_logprobs(
-            model, batch.rollout, rows, cfg.rollout.temperature, with_entropy=True,
+            learner.model, batch.rollout, micro.rows, cfg.rollout.temperature, with_entropy=True,
             autocast=cfg.model.autocast, keep_logits=terms.distill is not None,
-            keep_hidden=critic is not None and critic.shared, entropy_grad=terms.entropy_coef > 0)
+            keep_hidden=shared_head, entropy_grad=terms.entropy_coef > 0)
         hidden = fwd.hidden
     if train_policy:
-        loss = policy_terms(batch, rows, fwd, weights, terms, cfg, teachers, into,
-                            first_update=first_update)
+        loss = policy_terms(batch, micro, fwd, terms, cfg, learner.teachers)
     if critic is not None:
-        loss = loss + value_terms(critic, batch, rows, hidden, value_weights, cfg, into)
+        loss = loss + value_terms(critic, batch, micro, hidden, cfg)
     return loss
 
 
-def update_policy(model, optimizer, scheduler, batch: ScoredBatch, cfg: TrainConfig,
-                  algo: AlgorithmConfig, generator: torch.Generator,
-                  teachers: Teachers | None = None, critic: Critic | None = None,
-                  train_policy: bool = True, world: World = SINGLE,
+@dataclass
+class UpdateCounts:
+    """What an update went through: rows seen (all passes, and the first minibatch's), rows
+    skipped for having no signal, minibatch updates and optimizer steps taken."""
+    rows: int = 0
+    first: int = 0
+    skipped: int = 0
+    updates: int = 0
+    steps: int = 0
+
+
+def update_policy(learner: PolicyLearner, batch: ScoredBatch, *, train_policy: bool = True,
                   tokens: TokenTrace | None = None) -> dict[str, float]:
     """Epochs x minibatches of clipped updates on `batch` and its advantages (`batch.adv_B_T`);
     the critic (PPO) learns on the same minibatches from `batch.returns_B_T`. With
     train_policy=False (critic warm-up) only the critic is updated. Returns the metrics, read
     from the device once; `tokens` receives the per-token values of its rows (token_records)."""
+    cfg, critic, world = learner.cfg, learner.critic, learner.world
     check_update_inputs(batch, critic)
-    G, mask = batch.rollout.group_size, batch.loss_mask_B_T
-    n_groups = len(batch.rewards_B) // G
-    # an objective's random draws: a function of the seed, the optimizer steps so far and the rank
-    draw_seed = (cfg.seed * 1_000_003 + getattr(scheduler, "last_epoch", 0)) * 4096 + world.rank
-    terms = update_terms(batch, cfg, algo, teachers, draw_seed)
+    G = batch.rollout.group_size
+    terms = update_terms(batch, cfg, learner.algo, learner.teachers,
+                         draw_seed(cfg.seed, learner.scheduler, world))
     signal = rows_with_signal(batch.adv_B_T, G, terms, critic, world)
-    # the policy forward is needed for its loss, or for the hidden states a shared value head reads
-    policy_forward = train_policy or (critic is not None and critic.shared)
-    metrics, n_rows, n_first, n_skipped, n_updates, n_steps = Metrics(tokens), 0, 0, 0, 0, 0
-    model.train()
+    metrics, n = Metrics(tokens), UpdateCounts()
+    learner.model.train()
     if critic is not None:
         critic.train()
-    for rows_mb in minibatch_rows(n_groups, G, cfg, generator, world):
-        weights, value_weights, kept, micros = minibatch_plan(batch, rows_mb, signal, cfg, algo,
-                                                              critic is not None, world)
-        n_skipped += len(rows_mb) - len(kept)
-        for micro in micros:
-            padding = micro is None   # the same collectives, no gradient and no metrics
-            rows = torch.arange(G) if padding else rows_mb[kept[micro]]
-            zeros = torch.zeros_like(mask[rows])
-            loss = micro_batch_loss(
-                model, batch, rows, terms, cfg, teachers, critic, policy_forward, train_policy,
-                zeros if padding else weights[kept[micro]],
-                zeros if padding or critic is None else value_weights[kept[micro]],
-                Metrics() if padding else metrics, first_update=n_updates == 0)
+    for rows_mb in minibatch_rows(len(batch.rewards_B) // G, G, cfg, learner.generator, world):
+        weights, value_weights, kept, micros = minibatch_plan(learner, batch, rows_mb, signal)
+        n.skipped += len(rows_mb) - len(kept)
+        for idx in micros:
+            padding = idx is None   # the same collectives, no gradient and no metrics
+            micro = (padding_micro(batch) if padding else
+                     MicroBatch(rows_mb[kept[idx]], weights[kept[idx]],
+                                None if critic is None else value_weights[kept[idx]], metrics,
+                                first_update=n.updates == 0))
+            loss = micro_batch_loss(learner, batch, micro, terms, train_policy=train_policy)
             (loss * 0.0 if padding else loss).backward()
-            n_rows += 0 if padding else len(rows)
-            n_first += 0 if padding or n_updates else len(rows)
+            n.rows += 0 if padding else len(micro.rows)
+            n.first += 0 if padding or n.updates else len(micro.rows)
         if train_policy:
-            n_steps += optimizer_step(model, optimizer, scheduler, cfg, len(kept) > 0, world, metrics)
-        optimizer.zero_grad(set_to_none=True)   # warm-up: a shared body's value grads dropped
+            n.steps += optimizer_step(learner, len(kept) > 0, metrics)
+        learner.optimizer.zero_grad(set_to_none=True)   # warm-up: a shared body's value grads dropped
         if critic is not None:
             metrics.update("critic/grad_norm", critic.step())
-        n_updates += 1
-    out = finish_metrics(metrics, n_rows, n_first, n_skipped, n_updates, train_policy, scheduler)
-    if train_policy:   # optimizer steps skipped for a non-finite gradient (weights untouched)
-        out["optim/steps"], out["optim/nonfinite_steps"] = n_updates, n_updates - n_steps
-        out["policy/grad_norm"] = out.get("policy/grad_norm", 0.0) * n_updates / max(n_steps, 1)
-    return out
+        n.updates += 1
+    return finish_metrics(metrics, n, train_policy, learner.scheduler)
 
 
-def minibatch_plan(batch: ScoredBatch, rows_mb: Tensor, signal: Tensor, cfg: TrainConfig,
-                   algo: AlgorithmConfig, with_critic: bool, world: World
+def draw_seed(seed: int, scheduler, world: World) -> int:
+    """An objective's random draws (Clip-Cov): a function of the seed, the optimizer steps so
+    far and the rank."""
+    return seed_key(seed, getattr(scheduler, "last_epoch", 0)) * 4096 + world.rank
+
+
+def padding_micro(batch: ScoredBatch) -> MicroBatch:
+    """A zero-weight pass over the first group (FSDP: a rank with fewer micro-batches)."""
+    rows = torch.arange(batch.rollout.group_size)
+    zeros = torch.zeros_like(batch.loss_mask_B_T[rows])
+    return MicroBatch(rows, zeros, zeros, Metrics())
+
+
+def minibatch_plan(learner: PolicyLearner, batch: ScoredBatch, rows_mb: Tensor, signal: Tensor
                    ) -> tuple[Tensor, Tensor | None, Tensor, list[Tensor | None]]:
     """A minibatch's aggregation weights (over the whole minibatch, so its micro-batches sum to
     its loss; several ranks: normalised over the global minibatch, see
     global_aggregation_weights), the value loss's token-mean weights, the rows with a signal, and
     the micro-batches of whole groups over them."""
+    cfg, world = learner.cfg, learner.world
     mask, G = batch.loss_mask_B_T[rows_mb], batch.rollout.group_size
-    weights = global_aggregation_weights(AGGREGATIONS[algo.aggregation], mask,
+    weights = global_aggregation_weights(AGGREGATIONS[learner.algo.aggregation], mask,
                                          response_budget(cfg, batch), world)
     value_weights = (global_aggregation_weights(AGGREGATIONS["token_mean"], mask, 1.0, world)
-                     if with_critic else None)
+                     if learner.critic is not None else None)
     kept = signal[rows_mb].nonzero().squeeze(-1)
     micros: list[Tensor | None] = list(group_chunks(len(kept), G, micro_rows(cfg.optim, batch.rollout)))
     if world.strategy == "fsdp" and world.distributed and len(batch.rewards_B) // G:
@@ -229,22 +210,25 @@ def check_update_inputs(batch: ScoredBatch, critic: Critic | None) -> None:
                          "(rl/loop.py::compute_advantages sets them when a value model is configured)")
 
 
-def finish_metrics(metrics: Metrics, n_rows: int, n_first: int, n_skipped: int, n_updates: int,
-                   train_policy: bool, scheduler) -> dict[str, float]:
+def finish_metrics(metrics: Metrics, n: UpdateCounts, train_policy: bool,
+                   scheduler) -> dict[str, float]:
     """The update's metrics as floats (one transfer), normalised as they are logged: per-row
     means over the rows seen, per-step values over the optimizer steps."""
     row_sums, update_sums, maxima = metrics.read()
     mismatch = row_sums.pop("_mismatch", None)
-    out = {k: v / max(n_rows, 1) for k, v in row_sums.items()}
-    out.update({k: v / max(n_updates, 1) for k, v in update_sums.items() if not k.startswith("_")})
+    out = {k: v / max(n.rows, 1) for k, v in row_sums.items()}
+    out.update({k: v / max(n.updates, 1) for k, v in update_sums.items() if not k.startswith("_")})
     for key in [k for k in update_sums if k.startswith("_kl@")]:   # MOPD: per teacher, per token
         d = key[len("_kl@"):]
         out[f"distill/reverse_kl_exact@{d}"] = update_sums[key] / max(update_sums[f"_tokens@{d}"], 1)
     out.update(maxima)
     if mismatch is not None:   # mean |log pi_trainer - log pi_sampler| of the first update's tokens
-        out["rollout/logp_mismatch"] = mismatch / max(n_first, 1)
+        out["rollout/logp_mismatch"] = mismatch / max(n.first, 1)
     if train_policy:
         out.setdefault("policy/ratio_max", 0.0)   # (every group skipped: nothing moved)
-    out["policy/skipped_rows_frac"] = n_skipped / max(n_skipped + n_rows, 1)
+    out["policy/skipped_rows_frac"] = n.skipped / max(n.skipped + n.rows, 1)
     out["optim/lr"] = scheduler.get_last_lr()[0]
+    if train_policy:   # optimizer steps skipped for a non-finite gradient (weights untouched)
+        out["optim/steps"], out["optim/nonfinite_steps"] = n.updates, n.updates - n.steps
+        out["policy/grad_norm"] = out.get("policy/grad_norm", 0.0) * n.updates / max(n.steps, 1)
     return out

@@ -8,11 +8,21 @@ know which backend produced a `Rollout`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+
+
+SEED_PRIME = 1_000_003
+
+
+def seed_key(seed, k):
+    """The one seed rule: a key derived from `seed` for its k-th use (a prompt's index, an
+    episode's turn, an update's optimizer step), as `seed * 1_000_003 + k` (a prime, so keys of
+    different seeds and k do not collide in practice). Ints or int64 tensors alike."""
+    return seed * SEED_PRIME + k
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,11 @@ class Rollout:
             run = (run + 1) * col
             best = torch.maximum(best, run)
         return best
+
+    def to(self, device: torch.device | str) -> Rollout:
+        """The same rollout with every tensor on `device`."""
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if isinstance(getattr(self, f.name), Tensor)})
 
     def select(self, rows: Tensor) -> Rollout:
         """Keep responses `rows` (whole groups, for dynamic sampling)."""
@@ -140,7 +155,7 @@ class RolloutEngine(Protocol):
 
 
 class PublishesWeights(Protocol):
-    """An engine that samples ahead of the trainer (rl/batch_source.py): a version of the weights
+    """An engine that samples ahead of the trainer (sampling/sources.py): a version of the weights
     is written while it samples, and loaded between two of its batches."""
 
     def publish(self) -> Any: ...          # write the trainer's weights as the next version

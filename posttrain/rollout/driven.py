@@ -242,7 +242,7 @@ class DrivenBatch:
 
 
 def drive_batch(engine: RolloutEngine, tokenizer, env: Environment, problems: list[Problem],
-                params: SamplingParams, settings, generator: torch.Generator | None = None,
+                params: SamplingParams, settings, *, generator: torch.Generator | None = None,
                 seeds: Tensor | None = None, units: list[dict[str, int]] | None = None) -> DrivenBatch:
     """Every row's episode (`problems`: one per row) driven by the environment in a daemon
     thread of its own; a failed episode gets reward 0 and is counted (env_errors), as a
@@ -256,9 +256,10 @@ def drive_batch(engine: RolloutEngine, tokenizer, env: Environment, problems: li
     for u, rows in enumerate(units):
         for r in rows.values():
             unit_of[r] = u
-    batcher = TurnBatcher(engine, params, B, generator, seeds,
-                          getattr(settings, "turn_timeout_s", None),
-                          getattr(settings, "episode_timeout_s", None), unit_of)
+    batcher = TurnBatcher(engine, params, B, generator=generator, seeds=seeds,
+                          turn_timeout_s=getattr(settings, "turn_timeout_s", None),
+                          episode_timeout_s=getattr(settings, "episode_timeout_s", None),
+                          units=unit_of)
     recorder = Recorder(tokenizer, ReplyEncoder(tokenizer, settings.chat_template,
                                                 settings.template_kwargs),
                         dict(settings.template_kwargs or {}))

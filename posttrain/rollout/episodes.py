@@ -27,8 +27,10 @@ from posttrain.envs.base import (DescribesTools, DrivesPolicy, Environment, Envi
 from posttrain.util.health import Tally
 from posttrain.util.usercode import as_reward
 from posttrain.model.prompts import ReplyEncoder, encode_prompts, left_pad
-from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams, runs_episodes
-from posttrain.rollout.sessions import generate_queued, opened, refuse_untaskable_groups
+from posttrain.rollout.base import (Rollout, RolloutEngine, SamplingParams, runs_episodes,
+                                    seed_key)
+from posttrain.rollout.sessions import (EpisodeRows, generate_queued, opened,
+                                        refuse_untaskable_groups)
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,8 @@ class Episodes:
 
 
 def run_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems: list[Problem],
-                 group_size: int, params: SamplingParams, settings: EpisodeSettings,
+                 group_size: int, params: SamplingParams, *,
+                 settings: EpisodeSettings = EpisodeSettings(),
                  generator: torch.Generator | None = None, seeds: Tensor | None = None) -> Episodes:
     """`group_size` episodes from each problem; `seeds` as for `RolloutEngine.generate`. Every
     episode is reset before its first turn, so that what reset showed opens its prompt
@@ -96,18 +99,18 @@ def run_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems: l
     queue for one (rollout/sessions.py). Each episode's session is given back once the batch ends."""
     G = group_size
     if isinstance(env, DrivesPolicy):
-        return driven_episodes(engine, tokenizer, env, problems, G, params, settings, generator, seeds)
+        return driven_episodes(engine, tokenizer, env, problems, G, params, settings=settings,
+                               generator=generator, seeds=seeds)
     book = _Book(env, problems, G, tokenizer, settings)
     try:
-        return _episodes(engine, tokenizer, book, params, settings, generator, seeds)
+        return _episodes(engine, book, params, generator=generator, seeds=seeds)
     finally:
         book.end_all()
 
 
-def _episodes(engine: RolloutEngine, tokenizer, book: _Book, params: SamplingParams,
-              settings: EpisodeSettings, generator: torch.Generator | None,
-              seeds: Tensor | None) -> Episodes:
-    env, G = book.env, book.G
+def _episodes(engine: RolloutEngine, book: _Book, params: SamplingParams, *,
+              generator: torch.Generator | None = None, seeds: Tensor | None = None) -> Episodes:
+    env, G, tokenizer, settings = book.env, book.G, book.tokenizer, book.settings
     if env.max_turns > 1:
         params = replace(params, stop=tuple(dict.fromkeys(params.stop + env.stop)),
                          max_episode_tokens=settings.max_tokens)
@@ -116,8 +119,7 @@ def _episodes(engine: RolloutEngine, tokenizer, book: _Book, params: SamplingPar
         settings.template_kwargs, env.tool_schemas if isinstance(env, DescribesTools) else None)
     if not book.start_all():   # (the environment's sessions are fewer than the episodes)
         q = generate_queued(engine, book, encode, params, generator, seeds)
-        rollout = padded_rollout(q.prompts, G, q.ids, q.logps, q.policy, q.truncated,
-                                 tokenizer.pad_token_id, _device(engine))
+        rollout = padded_rollout(q, G, tokenizer.pad_token_id, _device(engine))
         texts = book.last_text if env.max_turns == 1 else _transcripts(tokenizer, rollout)
         return book.episodes(rollout, book.last_text, texts)
     prompts = encode([book.problem(i) for i in range(len(book.rows) // G)])
@@ -131,7 +133,7 @@ def _episodes(engine: RolloutEngine, tokenizer, book: _Book, params: SamplingPar
         rollout = engine.generate(prompts, G, params, generator, seeds=seeds, respond=book.respond)
     else:
         rollout = generate_by_turns(engine, prompts, G, params, book.respond, tokenizer.pad_token_id,
-                                    generator, seeds)
+                                    generator=generator, seeds=seeds)
     return book.episodes(rollout, book.last_text, _transcripts(tokenizer, rollout))
 
 
@@ -285,7 +287,7 @@ class _Book:
 
 
 def generate_by_turns(engine: RolloutEngine, prompts: list[list[int]], group_size: int,
-                      params: SamplingParams, respond, pad_id: int,
+                      params: SamplingParams, respond, pad_id: int, *,
                       generator: torch.Generator | None = None, seeds: Tensor | None = None) -> Rollout:
     """Episodes from an engine that samples one turn per call: each later turn is a new request
     holding the conversation so far (an engine with a prefix cache, such as vLLM, reuses the
@@ -318,15 +320,15 @@ def generate_by_turns(engine: RolloutEngine, prompts: list[list[int]], group_siz
                 going.append(r)
         rows, turn = going, turn + 1
         if rows:
-            turn_seeds = None if seeds is None else seeds[rows] * 1_000_003 + turn
+            turn_seeds = None if seeds is None else seed_key(seeds[rows], turn)
             out = engine.generate([prompts[r // G] + ids[r] for r in rows], 1, turn_params,
                                   generator, seeds=turn_seeds)
-    return padded_rollout(prompts, G, ids, logps, policy, truncated, pad_id,
+    return padded_rollout(EpisodeRows(prompts, ids, logps, policy, truncated), G, pad_id,
                           out.response_ids_B_T.device)
 
 
 def driven_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems: list[Problem],
-                    G: int, params: SamplingParams, settings: EpisodeSettings,
+                    G: int, params: SamplingParams, *, settings: EpisodeSettings = EpisodeSettings(),
                     generator: torch.Generator | None = None, seeds: Tensor | None = None) -> Episodes:
     """Episodes the environment drove (rollout/driven.py), as one Rollout: each group's rows
     must have started from the same prompt (they answer the same problem)."""
@@ -334,7 +336,8 @@ def driven_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems
     if isinstance(env, StartsBatch):
         env.start_batch()
     rows = [p for p in problems for _ in range(G)]
-    out = drive_batch(engine, tokenizer, env, rows, params, settings, generator, seeds)
+    out = drive_batch(engine, tokenizer, env, rows, params, settings, generator=generator,
+                      seeds=seeds)
     s = out.sessions
     for r, sess in enumerate(s):
         if sess.prompt is None:   # (an episode that never asked the policy: an empty answer)
@@ -347,9 +350,8 @@ def driven_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems
     for sess in s:
         if not sess.ids:   # (a row needs one token: the episode's end)
             sess.append([tokenizer.eos_token_id], None)
-    rollout = padded_rollout([s[i * G].prompt for i in range(len(problems))], G,
-                             [x.ids for x in s], [x.logps for x in s], [x.policy for x in s],
-                             [x.truncated for x in s], tokenizer.pad_token_id, _device(engine))
+    episode_rows = EpisodeRows.of_sessions([s[i * G].prompt for i in range(len(problems))], s)
+    rollout = padded_rollout(episode_rows, G, tokenizer.pad_token_id, _device(engine))
     rewards, counts, errors = driven_rewards(out)
     return Episodes(rollout, [x.last_text for x in s],
                     [tokenizer.decode(x.ids) for x in s], rewards,
@@ -379,21 +381,18 @@ def _device(engine) -> torch.device:
     return next(model.parameters()).device if model is not None else torch.device("cpu")
 
 
-def padded_rollout(prompts: list[list[int]], G: int, ids: list[list[int]], logps: list[list[float]],
-                   policy: list[list[float]], truncated: list[bool], pad_id: int,
-                   device: torch.device) -> Rollout:
+def padded_rollout(rows: EpisodeRows, G: int, pad_id: int, device: torch.device) -> Rollout:
     """Episodes held as per-row lists, as one right-padded Rollout after their left-padded prompts."""
-    B = len(ids)
-    p_ids, p_mask = left_pad(prompts, pad_id)
-    T = max(len(x) for x in ids)
+    B, T = len(rows.ids), max(len(x) for x in rows.ids)
+    p_ids, p_mask = left_pad(rows.prompts, pad_id)
     resp = torch.full((B, T), pad_id, dtype=torch.long)
     mask, lp, pol = (torch.zeros(B, T) for _ in range(3))
     for r in range(B):
-        n = len(ids[r])
-        resp[r, :n] = torch.tensor(ids[r], dtype=torch.long)
+        n = len(rows.ids[r])
+        resp[r, :n] = torch.tensor(rows.ids[r], dtype=torch.long)
         mask[r, :n] = 1.0
-        lp[r, :n] = torch.tensor(logps[r])
-        pol[r, :n] = torch.tensor(policy[r])
+        lp[r, :n] = torch.tensor(rows.logps[r])
+        pol[r, :n] = torch.tensor(rows.policy[r])
     return Rollout(p_ids.repeat_interleave(G, 0).to(device), p_mask.repeat_interleave(G, 0).to(device),
                    resp.to(device), mask.to(device), lp.to(device),
-                   torch.tensor(truncated, device=device), G, pol.to(device))
+                   torch.tensor(rows.truncated, device=device), G, pol.to(device))

@@ -61,13 +61,14 @@ def _autocast(device_type: str, mode: str):
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=mode == "bfloat16")
 
 
-def response_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-                    response_mask: Tensor, autocast: str = "none", group_size: int = 1) -> Tensor:
-    """Hidden states that predict each response token, i.e. of the state (x, y_<t): (b, T, H).
+def response_hidden(decoder, rollout: Rollout, rows: Tensor | slice = slice(None), *,
+                    autocast: str = "none") -> Tensor:
+    """Hidden states that predict each response token of `rows` (whole groups; default: all) of
+    `rollout`, i.e. of the state (x, y_<t): (b, T, H).
 
-    Rows come in whole groups of `group_size` responses to one prompt. The prompt is run once per
-    group and its KV cache repeated for the group's responses, with gradients flowing through
-    both (the same sharing the sampler uses); the leading tokens all prompts share (a chat
+    Rows come in whole groups of `rollout.group_size` responses to one prompt. The prompt is run
+    once per group and its KV cache repeated for the group's responses, with gradients flowing
+    through both (the same sharing the sampler uses); the leading tokens all prompts share (a chat
     template's system turn) run once for the whole micro-batch. With G = 4, a 40-token prompt of
     which 30 are shared, and 13-token answers, a micro-batch of 16 groups runs 30 + 16 x 10 +
     64 x 13 = 1022 tokens, against 16 x 40 + 64 x 13 = 1472 with the prompt shared per group only
@@ -76,16 +77,14 @@ def response_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_i
     precision.
     The LM head turns these into logits, a value head into V(x, y_<t) (§5).
     """
-    G, device_type = group_size, prompt_ids.device.type
+    G, device_type = rollout.group_size, rollout.prompt_ids_B_L.device.type
     if getattr(decoder, "gradient_checkpointing", False) and decoder.training:
         # recomputation in backward cannot share a KV cache: one full-sequence pass per row
-        return _full_sequence_hidden(decoder, prompt_ids, prompt_mask, response_ids,
-                                     response_mask, autocast)
-    p_ids, p_mask = prompt_ids[::G], prompt_mask[::G]                   # (n, L), left-padded
+        return _full_sequence_hidden(decoder, rollout, rows, autocast)
+    p_ids, p_mask = rollout.prompt_ids_B_L[rows][::G], rollout.prompt_mask_B_L[rows][::G]   # (n, L)
     if p_ids.shape[1] == 1:   # one-token prompts: a masked column in front keeps three passes
         p_ids, p_mask = torch.cat([p_ids, p_ids], 1), torch.cat([torch.zeros_like(p_mask), p_mask], 1)
     L = p_ids.shape[1]
-    lengths = p_mask.sum(-1)
     k = common_prefix_length(p_ids, p_mask)
     # Three passes over one growing KV cache, gradients through all of it: the prefix every
     # prompt shares (a chat template's system turn: 27 of the 40 prompt tokens of the default
@@ -99,27 +98,30 @@ def response_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_i
         prompt_out = decoder(input_ids=p_ids[:, cut:], attention_mask=mask,
                              position_ids=pos[:, mask.shape[1] - (L - cut):], use_cache=True,
                              **{cache_kwarg(decoder): cache})
-        hidden = _response_pass(decoder, cache, prompt_out.last_hidden_state, mask, lengths,
-                                response_ids, response_mask, G)                    # (b, T, H)
+        hidden = _response_pass(decoder, cache, prompt_out.last_hidden_state, mask,
+                                rollout, rows)                              # (b, T, H)
         # The first pass reaches the loss only through its KV cache. FSDP2 gathers a layer's
         # weights for backward when a gradient reaches that layer's *output*, so its output joins
         # the graph with weight 0 (otherwise the last layer's weights are gone in backward); the
         # state taken is a real token's (row 0 of the prefix, or the longest prompt's first one).
-        row = 0 if k else int(lengths.argmax())
+        row = 0 if k else int(p_mask.sum(-1).argmax())
         hidden = hidden + 0.0 * first.last_hidden_state[row, :1, :1].sum()
     return hidden.float() if autocast != "none" else hidden
 
 
-def _response_pass(decoder, cache: DynamicCache, prompt_h: Tensor, mask: Tensor, lengths: Tensor,
-                   response_ids: Tensor, response_mask: Tensor, G: int) -> Tensor:
-    """Every response after its group's prompt: the prompt's cache repeated G times, the responses
-    run through it; the states that predict each response token, (b, T, H): the prompt's last
-    state, then every response state but the last."""
+def _response_pass(decoder, cache: DynamicCache, prompt_h: Tensor, mask: Tensor, rollout: Rollout,
+                   rows: Tensor | slice) -> Tensor:
+    """Every response of `rows` after its group's prompt: the prompt's cache (attention `mask`,
+    whose sum is each prompt's length: where its responses' positions start) repeated G times,
+    the responses run through it; the states that predict each response token, (b, T, H): the
+    prompt's last state, then every response state but the last."""
+    G = rollout.group_size
+    response_ids, response_mask = rollout.response_ids_B_T[rows], rollout.response_mask_B_T[rows]
     T = response_ids.shape[1]
     last_prompt_h = prompt_h[:, -1:].repeat_interleave(G, 0)             # (b, 1, H)
     cache.batch_repeat_interleave(G)
+    r_pos = mask.sum(-1).repeat_interleave(G)[:, None] + torch.arange(T, device=response_ids.device)
     mask = torch.cat([mask.repeat_interleave(G, 0), response_mask.to(mask.dtype)], dim=1)
-    r_pos = lengths.repeat_interleave(G)[:, None] + torch.arange(T, device=response_ids.device)
     resp_h = decoder(input_ids=response_ids, attention_mask=mask, position_ids=r_pos,
                      use_cache=True, **{cache_kwarg(decoder): cache}).last_hidden_state
     return torch.cat([last_prompt_h, resp_h[:, :-1]], dim=1)
@@ -142,9 +144,10 @@ def _first_pass(decoder, p_ids: Tensor, p_mask: Tensor, k: int, cache: DynamicCa
     return first, 1, p_mask
 
 
-def _full_sequence_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-                          response_mask: Tensor, autocast: str) -> Tensor:
+def _full_sequence_hidden(decoder, rollout: Rollout, rows: Tensor | slice, autocast: str) -> Tensor:
     """The same hidden states from one pass over [prompt, response] per row (no cache)."""
+    prompt_ids, prompt_mask = rollout.prompt_ids_B_L[rows], rollout.prompt_mask_B_L[rows]
+    response_ids, response_mask = rollout.response_ids_B_T[rows], rollout.response_mask_B_T[rows]
     L, T = prompt_ids.shape[1], response_ids.shape[1]
     ids = torch.cat([prompt_ids, response_ids], dim=1)
     mask = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
@@ -155,14 +158,14 @@ def _full_sequence_hidden(decoder, prompt_ids: Tensor, prompt_mask: Tensor, resp
     return h.float() if autocast != "none" else h
 
 
-def response_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-                    response_mask: Tensor, autocast: str = "none", group_size: int = 1) -> Tensor:
-    """Logits predicting each response token: (b, T, V). Only response positions reach the LM
-    head, which runs in float32 even under bf16 autocast, so log-probs keep full precision."""
+def response_logits(model, rollout: Rollout, rows: Tensor | slice = slice(None), *,
+                    autocast: str = "none") -> Tensor:
+    """Logits predicting each response token of `rows` (whole groups; default: all): (b, T, V).
+    Only response positions reach the LM head, which runs in float32 even under bf16 autocast,
+    so log-probs keep full precision."""
     decoder, head = decoder_and_head(model)
-    hidden = response_hidden(decoder, prompt_ids, prompt_mask, response_ids, response_mask,
-                             autocast, group_size)
-    with torch.autocast(prompt_ids.device.type, enabled=False):
+    hidden = response_hidden(decoder, rollout, rows, autocast=autocast)
+    with torch.autocast(rollout.prompt_ids_B_L.device.type, enabled=False):
         return head(hidden)
 
 
@@ -173,16 +176,14 @@ class PolicyForward(NamedTuple):
     hidden: Tensor | None           # (b, T, H), when asked for (a value head on the policy body)
 
 
-def sequence_logprobs(model, rollout: Rollout, rows: Tensor, temperature: float,
+def sequence_logprobs(model, rollout: Rollout, rows: Tensor, temperature: float, *,
                       with_entropy: bool = False, autocast: str = "none", keep_logits: bool = False,
                       keep_hidden: bool = False, entropy_grad: bool = False) -> PolicyForward:
     """log pi(y_t | x, y_<t) for the response tokens of `rows` (whole groups), at the sampling
     temperature; optionally the entropy of each position's distribution (with its gradient when
     `entropy_grad`: an entropy bonus in the loss), the logits and the hidden states."""
     decoder, head = decoder_and_head(model)
-    hidden = response_hidden(decoder, rollout.prompt_ids_B_L[rows], rollout.prompt_mask_B_L[rows],
-                             rollout.response_ids_B_T[rows], rollout.response_mask_B_T[rows],
-                             autocast, rollout.group_size)
+    hidden = response_hidden(decoder, rollout, rows, autocast=autocast)
     with torch.autocast(hidden.device.type, enabled=False):
         logits = head(hidden)
     logp = token_logprobs(logits, rollout.response_ids_B_T[rows], temperature)

@@ -12,7 +12,6 @@ Written as a short loop instead of `model.generate` for three reasons, each meas
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from copy import deepcopy
 
 import torch
@@ -21,7 +20,8 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from posttrain.model.loading import decoder_and_head
 from posttrain.model.prompts import after_shared_prefix, common_prefix_length, left_pad
-from posttrain.rollout.base import Rollout, SamplingParams
+from posttrain.rollout.base import Rollout, SamplingParams, seed_key
+from posttrain.rollout.decoding import Decoding, Respond, Turns
 
 
 _MASK64 = (1 << 64) - 1
@@ -58,7 +58,7 @@ def hash_uniform(seeds_B: Tensor, t: int) -> Tensor:
 
 def row_seeds(seed: int, prompt_indices: list[int], group_size: int) -> Tensor:
     """One seed per response: a function of the run seed, the prompt's global index and g."""
-    base = torch.tensor([(seed * 1_000_003 + i) * group_size for i in prompt_indices], dtype=torch.int64)
+    base = torch.tensor([seed_key(seed, i) * group_size for i in prompt_indices], dtype=torch.int64)
     return (base[:, None] + torch.arange(group_size)).reshape(-1)
 
 
@@ -210,83 +210,76 @@ class HFRolloutEngine:
         T = params.max_new_tokens if respond is None else max(params.max_episode_tokens or 0,
                                                                params.max_new_tokens)
         row_seed = seeds.to(device) if seeds is not None else None
-        turns = _Turns(B, T, device) if respond is not None else None
-        tokens, logps, lengths, stopped, eos = self._decode(logits, cache, attn, next_pos, T, params,
-                                                            generator, row_seed, turns, respond)
-
+        turns = Turns(B, T, device) if respond is not None else None
+        state = Decoding.start(T, self.pad_id, self.eos_ids, cache, attn, next_pos, turns=turns)
+        self._decode(logits, state, params, generator=generator, row_seed=row_seed, respond=respond)
         model.train(was_training)
-        return self._rollout(ids_P_L, mask_P_L, G, tokens, logps, lengths, eos, stopped, turns)
+        return self._rollout(ids_P_L, mask_P_L, G, state)
 
-    def _decode(self, logits: Tensor, cache, attn: Tensor, next_pos: Tensor, T: int,
-                params: SamplingParams, generator: torch.Generator | None, row_seed: Tensor | None,
-                turns: _Turns | None, respond: Respond | None):
-        """Token by token from the prefilled cache: sample, end the rows that finish (dropping
-        them from the cache), feed the rest. Returns (tokens, log-probs, lengths, rows ended by a
-        stop string, the EOS ids)."""
-        B, device = logits.shape[0], logits.device
-        tokens = torch.full((B, T), self.pad_id, dtype=torch.long, device=device)
-        logps = torch.zeros((B, T), dtype=torch.float32, device=device)
-        lengths = torch.full((B,), T, dtype=torch.long, device=device)
-        eos = torch.tensor(sorted(self.eos_ids), device=device)
-        active = torch.arange(B, device=device)     # rows still writing, in cache order
-        stopped = torch.zeros(B, dtype=torch.bool, device=device)
+    def _decode(self, logits: Tensor, state: Decoding, params: SamplingParams, *,
+                generator: torch.Generator | None = None, row_seed: Tensor | None = None,
+                respond: Respond | None = None) -> None:
+        """Token by token from the prefilled cache (`logits`: the first step's), into `state`:
+        sample, end the rows that finish (dropping them from the cache), feed the rest."""
+        T = state.tokens.shape[1]
         for t in range(T):
+            active = state.active
             tok, logp = sample_next(logits, params, generator,
                                     row_seed[active] if row_seed is not None else None, t)
-            if turns is not None:
-                tok, logp = turns.force(active, tok, logp, t)
-            tokens[active, t] = tok
-            logps[active, t] = logp
-            done = self._ends_now(tok, tokens, active, t, params, eos, stopped, turns, respond)
+            if state.turns is not None:
+                tok, logp = state.turns.force(active, tok, logp, t)
+            state.tokens[active, t] = tok
+            state.logps[active, t] = logp
+            done = self._ends_now(state, tok, t, params, respond)
             if done.any():
-                lengths[active[done]] = t + 1
+                state.lengths[active[done]] = t + 1
                 keep = (~done).nonzero().squeeze(-1)
                 if keep.numel() == 0:
                     break
-                active, tok, attn, next_pos = active[keep], tok[keep], attn[keep], next_pos[keep]
-                cache.batch_select_indices(keep)
+                tok = tok[keep]
+                state.keep(keep)
             if t == T - 1:
-                if turns is not None:
-                    turns.cut_by_budget(active, t, tokens, respond)
+                if state.turns is not None:
+                    state.turns.cut_by_budget(state.active, t, state.tokens, respond)
                 break
-            attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
-            logits = self._last_logits(input_ids=tok[:, None], attention_mask=attn,
-                                       position_ids=next_pos[:, None], use_cache=True,
-                                       **{self.cache_kw: cache})
-            next_pos = next_pos + 1
-        return tokens, logps, lengths, stopped, eos
+            state.attn = torch.cat([state.attn, state.attn.new_ones(state.attn.shape[0], 1)], dim=1)
+            logits = self._last_logits(input_ids=tok[:, None], attention_mask=state.attn,
+                                       position_ids=state.next_pos[:, None], use_cache=True,
+                                       **{self.cache_kw: state.cache})
+            state.next_pos = state.next_pos + 1
 
-    def _ends_now(self, tok: Tensor, tokens: Tensor, active: Tensor, t: int, params: SamplingParams,
-                  eos: Tensor, stopped: Tensor, turns: _Turns | None, respond: Respond | None) -> Tensor:
-        """Which active rows end at token `t`: EOS, a stop string (marked in `stopped`), or, in an
-        episode, a turn after which the environment ends it."""
-        done = torch.isin(tok, eos)
+    def _ends_now(self, state: Decoding, tok: Tensor, t: int, params: SamplingParams,
+                  respond: Respond | None = None) -> Tensor:
+        """Which active rows end with token `tok` at step `t`: EOS, a stop string (recorded in
+        `state.stopped`), or, in an episode, a turn after which the environment ends it."""
+        active, turns = state.active, state.turns
+        done = torch.isin(tok, state.eos)
         if params.stop:
-            window = tokens[active, max(0, t + 1 - stop_window(params.stop)):t + 1]
+            window = state.tokens[active, max(0, t + 1 - stop_window(params.stop)):t + 1]
             if turns is not None:    # only this turn's own tokens can complete a stop string
                 window = turns.this_turn(window, active, t, self.pad_id)
             hit = self._stop_hits(window, params.stop)
-            stopped[active[hit]] = True
+            state.stopped[active[hit]] = True
             done |= hit
         if turns is not None:
-            done = turns.end_turns(active, done, t, tokens, params.max_new_tokens, respond)
+            done = turns.end_turns(active, done, t, state.tokens, params.max_new_tokens, respond)
         return done
 
-    def _rollout(self, ids_P_L: Tensor, mask_P_L: Tensor, G: int, tokens: Tensor, logps: Tensor,
-                 lengths: Tensor, eos: Tensor, stopped: Tensor, turns: _Turns | None) -> Rollout:
+    def _rollout(self, ids_P_L: Tensor, mask_P_L: Tensor, G: int, state: Decoding) -> Rollout:
         """The sampled rows cut to the longest, masked past each row's length."""
+        tokens, lengths, turns = state.tokens, state.lengths, state.turns
         device = tokens.device
         width = int(lengths.max())
         mask_B_T = (torch.arange(width, device=device)[None, :] < lengths[:, None]).float()
         if turns is None:
             rows = torch.arange(tokens.shape[0], device=device)
-            truncated = ~(torch.isin(tokens[rows, lengths - 1], eos) | stopped)
+            truncated = ~(torch.isin(tokens[rows, lengths - 1], state.eos) | state.stopped)
         return Rollout(
             prompt_ids_B_L=ids_P_L.repeat_interleave(G, 0),
             prompt_mask_B_L=mask_P_L.repeat_interleave(G, 0),
             response_ids_B_T=tokens[:, :width].masked_fill(mask_B_T == 0, self.pad_id),
             response_mask_B_T=mask_B_T,
-            logp_B_T=logps[:, :width] * mask_B_T,
+            logp_B_T=state.logps[:, :width] * mask_B_T,
             truncated_B=truncated if turns is None else turns.truncated,
             group_size=G,
             policy_mask_B_T=None if turns is None else turns.policy_B_T[:, :width] * mask_B_T,
@@ -318,71 +311,3 @@ class HFRolloutEngine:
         cache.batch_repeat_interleave(G)
         return (cache, logits.repeat_interleave(G, 0), mask.repeat_interleave(G, 0),
                 pos[:, -1].repeat_interleave(G, 0) + 1)
-
-
-# respond(row, the turn's token ids, 'end' (EOS or a stop string) | 'length') -> the environment's tokens, or None
-Respond = Callable[[int, list[int], str], "list[int] | None"]
-
-
-class _Turns:
-    """Book-keeping of multi-turn episodes inside one sampling loop (HFRolloutEngine.generate):
-    where each row's current turn began, the environment tokens still to feed it, and which
-    positions the policy wrote."""
-
-    def __init__(self, B: int, T: int, device) -> None:
-        self.T = T
-        self.start = [0] * B                      # column of each row's current turn
-        self.queue: list[list[int]] = [[] for _ in range(B)]   # environment tokens to feed
-        self.policy_B_T = torch.ones((B, T), dtype=torch.float32, device=device)
-        self.truncated = torch.ones(B, dtype=torch.bool, device=device)   # until an episode ends
-        self.forced_now: set[int] = set()         # rows that took an environment token this step
-
-    def force(self, active: Tensor, tok: Tensor, logp: Tensor, t: int) -> tuple[Tensor, Tensor]:
-        """Rows with environment tokens queued take the next one instead of their sample."""
-        rows = [i for i, r in enumerate(active.tolist()) if self.queue[r]]
-        self.forced_now = {int(active[i]) for i in rows}
-        if not rows:
-            return tok, logp
-        tok, logp = tok.clone(), logp.clone()
-        idx = torch.tensor(rows, device=tok.device)
-        tok[idx] = torch.tensor([self.queue[int(active[i])].pop(0) for i in rows], device=tok.device)
-        logp[idx] = 0.0
-        self.policy_B_T[active[idx], t] = 0.0
-        return tok, logp
-
-    def this_turn(self, window: Tensor, active: Tensor, t: int, pad_id: int) -> Tensor:
-        """The last columns of each row, with those before its current turn blanked out."""
-        first = t + 1 - window.shape[1]
-        cols = torch.arange(first, t + 1, device=window.device)[None, :]
-        starts = torch.tensor([self.start[r] for r in active.tolist()], device=window.device)
-        return window.masked_fill(cols < starts[:, None], pad_id)
-
-    def cut_by_budget(self, active: Tensor, t: int, tokens: Tensor, respond: Respond) -> None:
-        """Rows still writing a turn when the episode's token budget ends: the environment sees
-        the cut turn (reason 'length'; a reply has no room and is dropped), as
-        `episodes.generate_by_turns` does, so both engines grade the episode on the same turn."""
-        for r in active.tolist():
-            if r not in self.forced_now and self.start[r] <= t:
-                respond(r, tokens[r, self.start[r]:t + 1].tolist(), "length")
-
-    def end_turns(self, active: Tensor, ended: Tensor, t: int, tokens: Tensor, max_turn_tokens: int,
-                  respond: Respond) -> Tensor:
-        """Ask the environment about every row whose turn ended at t; return the rows whose
-        episode is over (the environment said so, or its next message would not fit)."""
-        done = torch.zeros_like(ended)
-        for i, (r, end) in enumerate(zip(active.tolist(), ended.tolist())):
-            if r in self.forced_now:
-                continue                              # the environment is writing this row
-            reason = "end" if end else ("length" if t + 1 - self.start[r] >= max_turn_tokens else None)
-            if reason is None:
-                continue
-            reply = respond(r, tokens[r, self.start[r]:t + 1].tolist(), reason)
-            if reply is None:
-                done[i] = True
-                self.truncated[r] = reason == "length"
-            elif t + 1 + len(reply) >= self.T:        # no room left for the reply and a turn
-                done[i] = True
-            else:
-                self.queue[r] = list(reply)
-                self.start[r] = t + 1 + len(reply)
-        return done

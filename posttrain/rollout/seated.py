@@ -25,8 +25,9 @@ from torch import Tensor
 from posttrain.data.tasks import Problem
 from posttrain.envs.base import Environment, Seated, StartsBatch
 from posttrain.rollout.base import RolloutEngine, SamplingParams
-from posttrain.rollout.driven import DrivenBatch, Session, drive_batch
+from posttrain.rollout.driven import Session, drive_batch
 from posttrain.rollout.episodes import Episodes, EpisodeSettings, _device, driven_rewards, padded_rollout
+from posttrain.rollout.sessions import EpisodeRows
 
 
 def seats_of(env: Environment, problems: list[Problem]) -> tuple[str, ...]:
@@ -79,7 +80,7 @@ def group_prompts(sessions: list[Session], G: int, eos_id: int) -> list[list[int
 
 
 def seated_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems: list[Problem],
-                    G: int, params: SamplingParams, settings: EpisodeSettings,
+                    G: int, params: SamplingParams, *, settings: EpisodeSettings = EpisodeSettings(),
                     generator: torch.Generator | None = None,
                     seeds: Tensor | None = None) -> Episodes:
     """`G` episodes of each problem, every seat a row (P*S*G rows, laid out as above)."""
@@ -90,13 +91,12 @@ def seated_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems
     rows = [p for p in seat_problems(problems, seats) for _ in range(G)]
     units = [{seat: (p * S + s) * G + g for s, seat in enumerate(seats)}
              for p in range(P) for g in range(G)]
-    out = drive_batch(engine, tokenizer, env, rows, params, settings, generator,
-                      seat_seeds(seeds, S, G), units)
+    out = drive_batch(engine, tokenizer, env, rows, params, settings, generator=generator,
+                      seeds=seat_seeds(seeds, S, G), units=units)
     prompts = group_prompts(out.sessions, G, tokenizer.eos_token_id)
     s = out.sessions
-    rollout = padded_rollout(prompts, G, [x.ids for x in s], [x.logps for x in s],
-                             [x.policy for x in s], [x.truncated for x in s],
-                             tokenizer.pad_token_id, _device(engine))
+    rollout = padded_rollout(EpisodeRows.of_sessions(prompts, s), G, tokenizer.pad_token_id,
+                             _device(engine))
     rewards, counts, errors = driven_rewards(out)
     return Episodes(rollout, [x.last_text for x in s], [tokenizer.decode(x.ids) for x in s],
                     rewards, [x.correct for x in out.results], counts, errors,

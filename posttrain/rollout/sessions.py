@@ -27,7 +27,7 @@ from torch import Tensor
 
 from posttrain.data.tasks import Problem
 from posttrain.envs.base import Environment, HoldsSessions, OpensEpisodes
-from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams
+from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams, seed_key
 
 
 def opened(problem: Problem, text: str | None) -> Problem:
@@ -61,8 +61,10 @@ def refuse_untaskable_groups(env: Environment, G: int) -> None:
 
 
 @dataclass
-class Queued:
-    """Queued episodes as per-row lists (episodes.padded_rollout makes them one Rollout)."""
+class EpisodeRows:
+    """Episodes as per-row lists (episodes.padded_rollout makes them one Rollout): each row's
+    tokens after its problem's prompt, their log-probs, 1 where the policy wrote them, whether
+    the episode was cut, and (queued episodes) the turns taken."""
 
     prompts: list[list[int]]                 # one per problem: what its episodes opened with
     ids: list[list[int]] = field(default_factory=list)
@@ -71,17 +73,23 @@ class Queued:
     truncated: list[bool] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
 
+    @classmethod
+    def of_sessions(cls, prompts: list[list[int]], sessions: list[Any]) -> EpisodeRows:
+        """Driven episodes' rows (rollout/driven.py `Session`s, one per row)."""
+        return cls(prompts, [s.ids for s in sessions], [s.logps for s in sessions],
+                   [s.policy for s in sessions], [s.truncated for s in sessions])
+
 
 def generate_queued(engine: RolloutEngine, book: Any,
                     encode: Callable[[list[Problem]], list[list[int]]], params: SamplingParams,
                     generator: torch.Generator | None = None,
-                    seeds: Tensor | None = None) -> Queued:
+                    seeds: Tensor | None = None) -> EpisodeRows:
     """The episodes of `book` (episodes._Book: some started, the rest waiting for a session),
     at most as many in flight as the environment has room for; `encode(problems)` their prompts."""
     B, G = len(book.rows), book.G
     budget = params.max_episode_tokens or params.max_new_tokens
     turn_params = replace(params, max_episode_tokens=None)
-    q = Queued([[] for _ in range(B // G)], [[] for _ in range(B)], [[] for _ in range(B)],
+    q = EpisodeRows([[] for _ in range(B // G)], [[] for _ in range(B)], [[] for _ in range(B)],
                [[] for _ in range(B)], [True] * B, [0] * B)
     waiting = deque(r for r in range(B) if not book.started[r])
     flight = [r for r in range(B) if book.started[r]]
@@ -95,7 +103,7 @@ def generate_queued(engine: RolloutEngine, book: Any,
             flight = []
             continue
         turn_seeds = None if seeds is None else torch.stack(
-            [seeds[r] if q.turns[r] == 0 else seeds[r] * 1_000_003 + q.turns[r] for r in rows])
+            [seeds[r] if q.turns[r] == 0 else seed_key(seeds[r], q.turns[r]) for r in rows])
         out = engine.generate([q.prompts[r // G] + q.ids[r] for r in rows], 1, turn_params,
                               generator, seeds=turn_seeds)
         flight = [r for j, r in enumerate(rows) if _turn(book, q, out, j, r, budget)]
@@ -121,7 +129,7 @@ def admit(book: Any, waiting: deque, in_flight: int) -> list[int]:
     return started
 
 
-def _ended_at_reset(book: Any, q: Queued, r: int) -> bool:
+def _ended_at_reset(book: Any, q: EpisodeRows, r: int) -> bool:
     """An episode whose reset timed out is over before its first turn: one end-of-text token,
     outside the policy's loss (as a driven episode that never asked the policy)."""
     if not book.timed_out[r]:
@@ -131,7 +139,7 @@ def _ended_at_reset(book: Any, q: Queued, r: int) -> bool:
     return True
 
 
-def _turn(book: Any, q: Queued, out: Rollout, j: int, r: int, budget: int) -> bool:
+def _turn(book: Any, q: EpisodeRows, out: Rollout, j: int, r: int, budget: int) -> bool:
     """Row j of an engine call was episode r's next turn: record it, tell the environment, add
     its reply; True while the episode goes on (else its session goes back)."""
     n = int(out.response_mask_B_T[j].sum())

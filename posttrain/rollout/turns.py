@@ -22,7 +22,7 @@ from torch import Tensor
 
 from posttrain.envs.base import no_limit_as_none
 from posttrain.envs.endpoint import RequestError
-from posttrain.rollout.base import RolloutEngine, SamplingParams
+from posttrain.rollout.base import RolloutEngine, SamplingParams, seed_key
 
 
 class EpisodeOver(RequestError):
@@ -43,8 +43,8 @@ class TurnBatcher:
     episode waits when one of its rows has asked (its other seats wait on that turn), its rows
     share the time limits, and a limit ends all of them. None: each row its own episode."""
 
-    def __init__(self, engine: RolloutEngine, params: SamplingParams, n: int,
-                 generator: torch.Generator | None, seeds: Tensor | None,
+    def __init__(self, engine: RolloutEngine, params: SamplingParams, n: int, *,
+                 generator: torch.Generator | None = None, seeds: Tensor | None = None,
                  turn_timeout_s: float | None = None, episode_timeout_s: float | None = None,
                  units: list[int] | None = None) -> None:
         self.engine, self.params, self.generator, self.seeds = engine, params, generator, seeds
@@ -198,7 +198,7 @@ class TurnBatcher:
         if self.seeds is not None:
             turn = torch.tensor([self.turn[r] for r in rows])
             base = self.seeds[rows]
-            seeds = torch.where(turn == 0, base, base * 1_000_003 + turn)
+            seeds = torch.where(turn == 0, base, seed_key(base, turn))
         out = self.engine.generate([self.pending[r][0] for r in rows], 1, self.params,
                                    self.generator, seeds=seeds)
         results = []

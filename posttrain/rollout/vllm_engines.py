@@ -332,10 +332,11 @@ def push_kind(cfg, local: bool) -> str:
 
 # -- the factory ----------------------------------------------------------------------------------
 
-def make_vllm_engine(model, tokenizer, model_path: str, rollout_cfg, dtype: str, seed: int,
-                     max_model_len: int, world=None) -> VLLMRolloutEngine:
+def make_vllm_engine(model, tokenizer, model_path: str, rollout_cfg, dtype: str, *, seed: int = 0,
+                     max_model_len: int = 4096, world=None) -> VLLMRolloutEngine:
     """The engines the config names (in process; launched servers; given servers), the push that
-    reaches them, and the RolloutEngine over both."""
+    reaches them, and the RolloutEngine over both. `seed`: the engines' sampling seed (a run's
+    `seed`); `max_model_len`: the longest sequence they hold (rollout.engine_context)."""
     from posttrain.model.distributed import SINGLE
     world = world or SINGLE
     try:

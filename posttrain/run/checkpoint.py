@@ -144,22 +144,29 @@ def step_folders(run_dir: Path) -> list[Path]:
                   key=step_of)
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler,
-                    generator: torch.Generator, extra: dict[str, Any], config: dict[str, Any],
-                    keep: int = 2, extra_models: dict[str, Any] | None = None,
-                    world=None) -> Path:
-    """`extra_models` maps a subfolder name to a function that saves into a folder (the critic).
+def trainer_state(model, optimizer, scheduler, generator: torch.Generator,
+                  extra: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint holds besides the weights: the optimizer state (gathered from FSDP
+    shards, keyed by parameter name, so it resumes on any number of ranks), the schedule, every
+    RNG, and `extra` (the command's own: data position, clock, ...). Collective under FSDP."""
+    from posttrain.model.distributed import optimizer_state
+    return {"optimizer": optimizer_state(model, optimizer), "scheduler": scheduler.state_dict(),
+            "rng": rng_state(generator), **extra}
 
-    Weights and optimizer state are saved full (gathered from FSDP shards) and the optimizer
-    state keyed by parameter name, so a checkpoint resumes on any number of ranks. Every rank
-    must call this (gathering is collective); rank 0 writes."""
-    from posttrain.model.distributed import SINGLE, barrier, full_state_dict, optimizer_state
+
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict[str, Any],
+                    config: dict[str, Any], *, keep: int = 2,
+                    extra_models: dict[str, Any] | None = None, world=None) -> Path:
+    """The checkpoint of `step`: the weights (full, gathered from FSDP shards), `state`
+    (trainer_state) and `config`, sealed and renamed into place; the newest `keep` kept.
+    `extra_models` maps a subfolder name to a function that saves into a folder (the critic).
+    Every rank must call this (gathering is collective); rank 0 writes."""
+    from posttrain.model.distributed import SINGLE, barrier, full_state_dict
     from posttrain.model.loading import is_lora
     world = world or SINGLE
     # LoRA: only the adapters are saved (the base model is the run's start)
     lora = is_lora(model)
     weights = full_state_dict(model, world, only=(lambda k: "lora_" in k) if lora else None)
-    optim_state = optimizer_state(model, optimizer)
     ckpt_root = run_dir / "checkpoints"
     final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f".step_{step:06d}.tmp"
@@ -179,9 +186,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, sched
     else:
         model.save_pretrained(tmp / "model", state_dict=weights)
         tokenizer.save_pretrained(tmp / "model")
-    torch.save({"step": step, "optimizer": optim_state,
-                "scheduler": scheduler.state_dict(), "rng": rng_state(generator), **extra},
-               tmp / _STATE)
+    torch.save({"step": step, **state}, tmp / _STATE)
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
     seal(tmp, step)
     put_in_place(tmp, final)

@@ -1,6 +1,7 @@
 """One run's lifecycle, the same for every command: `start_job` (threads, seed, world, the
 checkpoint a resumed run continues from), `open_folder` (config.json, the metrics writer and
-trackers), `run_steps` (the one training loop: time budget, checkpoint cadence, stop signals) and
+trackers), `Steps` (the frame of a command's own loop: time budget, checkpoint cadence, stop
+signals) and
 `finish_job` / `stop_job` (summary.json). What a command trains lives in its own parts, which
 extend `Job`.
 
@@ -27,7 +28,8 @@ import threading
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -139,70 +141,102 @@ def out_of_time(job: Job) -> bool:
     return minutes is not None and job.train_seconds >= minutes * 60
 
 
-def run_steps(job: Job, total: int, step_fn: Callable[[int], None], save: Callable[[int], None],
-              desc: str, after_step: Callable[[int], None] | None = None,
-              save_last: bool = True) -> str | None:
-    """The training loop of every command: `step_fn(step)` for steps start_step+1 .. `total`,
-    timed on the training clock (the slowest rank's), then `after_step(step)` (untimed: held-out
-    evaluations), and `save(step)` every `checkpoint.every_steps` steps or `every_minutes`
-    minutes (not after the last step unless `save_last`) and when SIGINT / SIGTERM arrives.
-    `max_minutes` of training ends the loop early, with a checkpoint a longer budget continues
-    from. Returns the name of the signal that stopped the run, or None (the caller finishes);
-    a step the signal's grace or a second signal abandoned is `job.abandoned_step`."""
-    cfg = job.cfg
-    bar = tqdm(total=total, initial=job.start_step, desc=desc, dynamic_ncols=True,
-               disable=not (job.show_progress and job.world.main))
-    grace = getattr(cfg.checkpoint, "stop_grace_s", None)   # (inf: None, no limit: Timer(inf) fails)
-    grace = None if grace is None or math.isinf(grace) else grace
-    lifecycle = Lifecycle(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes, job.world,
-                          grace, lambda signum: arm_hard_exit(job, signum, grace))
-    job.steps_done, job.bar = job.start_step, bar
-    try:
-        with lifecycle, bar:   # SIGINT / SIGTERM: finish the step, save a checkpoint, stop
-            return _loop(job, lifecycle, total, step_fn, save, after_step, save_last)
-    except StepAbandoned as e:
-        job.abandoned_step = job.steps_done + 1
-        kept = job.saved_step if job.saved_step >= 0 else "none written by this process"
-        log.warning("%s: step %d abandoned; the run exits with its last checkpoint (step %s)", e,
-                    job.abandoned_step, kept)
-        return lifecycle.stop_signal
-    finally:   # (the cleanup of a stopped run waits no longer than its grace: cleanup_wait_s)
-        job.stop_by = job.stop_by or lifecycle.deadline
+class Steps:
+    """The frame of a command's own training loop: its time budget, progress bar, checkpoint
+    cadence and stop signals. The command reads top to bottom:
 
+        with Steps(job, total, "train") as steps:
+            for step in steps:                      # ends at `total`, max_minutes or a signal
+                with steps.timed(step):             # the training clock (the slowest rank's)
+                    ...one step...
+                if steps.evaluation_due(step, every):
+                    ...evaluate (untimed)...
+                if steps.checkpoint_due(step):      # the cadence, a stop signal, max_minutes
+                    with steps.saving(step):
+                        ...save...
+        if steps.stop_signal: ...                   # summary.json says how to continue
 
-def _loop(job: Job, lifecycle: Lifecycle, total: int, step_fn: Callable[[int], None],
-          save: Callable[[int], None], after_step: Callable[[int], None] | None,
-          save_last: bool) -> str | None:
-    """run_steps' loop, inside the lifecycle's signal handlers. Once a stop signal has come
-    (before `after_step` or during it), the finished step is saved before anything else runs."""
-    cfg = job.cfg
-    for step in range(job.start_step + 1, total + 1):
-        if out_of_time(job):
-            log.info("max_minutes=%s reached after %d steps", cfg.max_minutes, step - 1)
-            if step - 1 > job.start_step and step - 1 != job.saved_step:
-                _save(job, lifecycle, save, step - 1)   # (a longer --max_minutes continues here)
-            return lifecycle.stop_signal
+    A stopped run saves its finished step before anything else (no evaluation after a signal;
+    a signal during one saves at once). `max_minutes` ends the loop early, the last step saved
+    so that a longer budget continues from it. A step the signal's grace or a second signal
+    abandoned ends the `with` block (StepAbandoned is caught there): `job.abandoned_step`."""
+
+    def __init__(self, job: Job, total: int, desc: str, *, save_last: bool = True) -> None:
+        self.job, self.total, self.save_last = job, total, save_last
+        cfg = job.cfg
+        grace = getattr(cfg.checkpoint, "stop_grace_s", None)   # (inf: None, Timer(inf) fails)
+        self.grace = None if grace is None or math.isinf(grace) else grace
+        self.lifecycle = Lifecycle(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes,
+                                   job.world, self.grace,
+                                   lambda signum: arm_hard_exit(job, signum, self.grace))
+        self.bar = tqdm(total=total, initial=job.start_step, desc=desc, dynamic_ncols=True,
+                        disable=not (job.show_progress and job.world.main))
+        self.want_save = self.stop = False
+
+    @property
+    def stop_signal(self) -> str | None:
+        """The signal that stopped the run, or None."""
+        return self.lifecycle.stop_signal
+
+    def __enter__(self) -> "Steps":
+        self.job.steps_done, self.job.bar = self.job.start_step, self.bar
+        self.lifecycle.__enter__()   # SIGINT / SIGTERM: finish the step, save, stop
+        return self
+
+    def __exit__(self, kind, error, tb) -> bool:
+        self.lifecycle.__exit__(kind, error, tb)
+        self.bar.close()
+        job = self.job   # (the cleanup of a stopped run waits no longer than its grace)
+        job.stop_by = job.stop_by or self.lifecycle.deadline
+        if isinstance(error, StepAbandoned):
+            job.abandoned_step = job.steps_done + 1
+            kept = job.saved_step if job.saved_step >= 0 else "none written by this process"
+            log.warning("%s: step %d abandoned; the run exits with its last checkpoint (step %s)",
+                        error, job.abandoned_step, kept)
+            return True
+        return False
+
+    def __iter__(self) -> Iterator[int]:
+        for step in range(self.job.start_step + 1, self.total + 1):
+            if self.stop:
+                return
+            if out_of_time(self.job):
+                log.info("max_minutes=%s reached after %d steps", self.job.cfg.max_minutes, step - 1)
+                return
+            yield step
+
+    @contextmanager
+    def timed(self, step: int) -> Iterator[None]:
+        """One step on the training clock; then whether the cadence wants a checkpoint and
+        whether a stop signal came (the same on every rank)."""
         t0 = _clock()
-        step_fn(step)
+        yield
+        job = self.job
         job.train_seconds += global_max(_clock() - t0, job.world)
         job.steps_done = step
-        job.bar.update(1)
-        want_save, stop = lifecycle.after_step(step)
-        if after_step is not None and not stop:   # (a stopped run is saved, not evaluated)
-            after_step(step)
-            stop = lifecycle.stop_agreed()        # (a signal during the evaluation: save now)
-        if (want_save and (save_last or step < total)) or stop:
-            _save(job, lifecycle, save, step)
-        if stop:
-            return lifecycle.stop_signal
-    return None
+        self.bar.update(1)
+        self.want_save, self.stop = self.lifecycle.after_step(step)
 
+    def evaluation_due(self, step: int, every: int) -> bool:
+        """Every `every` steps before the last (the command evaluates after its loop); never
+        once a stop signal has come (a stopped run is saved, not evaluated)."""
+        return bool(every) and step % every == 0 and step < self.total and not self.stop
 
-def _save(job: Job, lifecycle: Lifecycle, save: Callable[[int], None], step: int) -> None:
-    with lifecycle.saving():   # (the grace running out lets a checkpoint being written finish)
-        save(step)
-    job.saved_step = step
-    lifecycle.saved()
+    def checkpoint_due(self, step: int) -> bool:
+        """The cadence (after the last step only with `save_last`), a stop signal (also one
+        that came during an evaluation), or max_minutes ending the run after this step."""
+        self.stop = self.stop or self.lifecycle.stop_agreed()
+        last = step == self.total
+        out = out_of_time(self.job) and not last
+        return (self.want_save and (self.save_last or not last)) or self.stop or out
+
+    @contextmanager
+    def saving(self, step: int) -> Iterator[None]:
+        """A checkpoint being written: the grace running out lets it finish."""
+        with self.lifecycle.saving():
+            yield
+        self.job.saved_step = step
+        self.lifecycle.saved()
 
 
 def arm_hard_exit(job: Job, signum: int, seconds: float | None) -> None:

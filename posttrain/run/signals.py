@@ -20,14 +20,14 @@ log = logging.getLogger(__name__)
 class StepAbandoned(KeyboardInterrupt):
     """The step in flight is given up: it did not finish within checkpoint.stop_grace_s of a
     stop signal, or a second signal came. (A KeyboardInterrupt, so that no `except Exception`
-    on the way swallows it; run_steps catches it.)"""
+    on the way swallows it; lifecycle.Steps catches it.)"""
 
 
 class Lifecycle:
     """A run's checkpoint policy and its stop flag. Use as a context manager: inside it, SIGINT
     and SIGTERM ask the run to stop after the current step; a step still running `grace_s`
     after the signal, or at a second signal, is abandoned (StepAbandoned in the main thread),
-    and `on_abandon(signum)` is called (run_steps: arm_hard_exit)."""
+    and `on_abandon(signum)` is called (lifecycle.Steps: arm_hard_exit)."""
 
     def __init__(self, every_steps: int = 0, every_minutes: float | None = None,
                  world: World = SINGLE, grace_s: float | None = None,

@@ -323,7 +323,19 @@ class Spawned:
             self.group = None
 
 
-def spawn(argv: list[str], mode: Mode, limits: Limits, ro_paths: Sequence[str] = (),
+@dataclass(frozen=True)
+class _Program:
+    """What `spawn` starts: the command, the environment it gets, its folder, the paths bwrap
+    binds read-only, and the caller's other subprocess.Popen arguments (pipes, pass_fds)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str | None
+    ro_paths: Sequence[str]
+    popen: dict
+
+
+def spawn(argv: list[str], mode: Mode, limits: Limits, *, ro_paths: Sequence[str] = (),
           env: dict[str, str] | None = None, cwd: str | None = None, memory_cgroup: bool = True,
           **popen) -> Spawned:
     """Start `argv` (an interpreter and its arguments) in `mode`. bwrap: `ro_paths` are bound
@@ -341,14 +353,17 @@ def spawn(argv: list[str], mode: Mode, limits: Limits, ro_paths: Sequence[str] =
         if group is None:   # (a cgroup that could not be made: the one line, once)
             _say_memory_bound()
     try:
-        return _start(argv, mode, limits, ro_paths, env, cwd, nproc, group, popen)
+        return _start(_Program(argv, env, cwd, ro_paths, popen), mode, limits, nproc, group)
     except BaseException:
         if group is not None:
             group.remove()
         raise
 
 
-def _start(argv, mode, limits, ro_paths, env, cwd, nproc, group, popen) -> Spawned:
+def _start(program: _Program, mode: Mode, limits: Limits, nproc: int,
+           group: cgroup.Group | None) -> Spawned:
+    """Start `program` under `limits` ('bwrap' or 'fallback'), in `group` where there is one."""
+    argv, env, cwd, popen = program.argv, program.env, program.cwd, dict(program.popen)
     if mode == "fallback":
         proc = subprocess.Popen(argv, cwd=cwd, env=env, start_new_session=True, close_fds=True,
                                 preexec_fn=_preexec(limits, nproc, True, group), **popen)
@@ -359,7 +374,7 @@ def _start(argv, mode, limits, ro_paths, env, cwd, nproc, group, popen) -> Spawn
     fds = (write_end,) if filter_fd is None else (write_end, filter_fd)
     passed = tuple(popen.pop("pass_fds", ()))
     try:
-        full = bwrap_argv(limits, ro_paths, {k: v for k, v in env.items() if k != "HOME"},
+        full = bwrap_argv(limits, program.ro_paths, {k: v for k, v in env.items() if k != "HOME"},
                           filter_fd, write_end) + argv
         proc = subprocess.Popen(full, cwd=cwd, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
                                 start_new_session=True, close_fds=True, pass_fds=fds + passed,

@@ -1,4 +1,4 @@
-"""Layer 8: the commands besides `train`, one module each, on the common lifecycle (run/lifecycle.py;
+"""Layer 9: the commands besides `train`, one module each, on the common lifecycle (run/lifecycle.py;
 the offline stages' shared parts: `common.py`; TRL-format rows as token ids: `rows.py`):
 
     sft.py           posttrain sft             SFT on prompt-completion, messages or text rows (§8)

@@ -21,24 +21,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posttrain.run.checkpoint import restore_rng, save_checkpoint
 from posttrain.config.commands import StageConfig
 from posttrain.data.formats import chat_messages
 from posttrain.data.tasks import Problem
-from posttrain.model.distributed import (SINGLE, World, average_gradients, barrier, device_for,
-                                   full_state_dict, full_weights_for_generation, gather_objects,
-                                   load_optimizer_state, wrap)
-from posttrain.model.loading import (freeze_lower_layers, load_policy, load_tokenizer, resolve_model_path,
-                              save_model)
-from posttrain.run.lifecycle import Job, open_folder, run_steps, start_job, stop_job
-from posttrain.rl.evaluation import EvalSettings, evaluate
+from posttrain.model.distributed import SINGLE, World, device_for, gather_objects, wrap
+from posttrain.model.loading import freeze_lower_layers, load_model, load_policy
+from posttrain.run.lifecycle import Job, Steps, open_folder, start_job, stop_job
+from posttrain.sampling.evaluation import EvalSettings
+from posttrain.sampling.service import Sampling
 from posttrain.model.prompts import encode_prompts
 from posttrain.rewards.scorer import Scorer
 from posttrain.rollout.episodes import EpisodeSettings
 from posttrain.rollout import make_engine
 from posttrain.config.sections import RewardConfig
+from posttrain.run.learner import Learner
 from posttrain.run.optim import make_adamw, make_scheduler
-from posttrain.rl.update import check_nonfinite_streak, step_if_finite
 
 log = logging.getLogger("posttrain.stages")
 
@@ -78,67 +75,71 @@ def encode_prompts_of(tokenizer, cfg: StageConfig, prompts: list) -> list[list[i
 @dataclass(kw_only=True)
 class OfflineJob(Job):
     """An sft / dpo / reward-model run: the common lifecycle's fields (Job) and what
-    `start_offline` built: the rows and their encoded prompts, the model and its optimizer."""
+    `start_offline` built: the rows and their encoded prompts, and the learner (run/learner.py:
+    the model, its optimizer and schedule, the checkpoint and the final save)."""
 
     cfg: StageConfig
     rows: list[dict[str, Any]]
-    model: Any
-    tokenizer: Any
+    learner: Learner
     prompts: list[list[int]]
-    optimizer: torch.optim.Optimizer
     rng: random.Random
     device: torch.device
-    scheduler: Any = None
     saved: dict[str, Any] = field(default_factory=dict)   # the stage's state at the checkpoint resumed
-    nonfinite_streak: int = 0
+
+    @property
+    def model(self):
+        return self.learner.model
+
+    @property
+    def tokenizer(self):
+        return self.learner.tokenizer
 
     def schedule(self, total_steps: int) -> None:
         """Set the learning-rate schedule once the number of optimizer steps is known; on resume,
         restore the optimizer, schedule and RNG states of the checkpoint."""
         o = self.cfg.optim
-        self.scheduler = make_scheduler(self.optimizer, total_steps, o.warmup_steps, o.schedule)
-        state = self.state
-        if state is not None:
-            load_optimizer_state(self.model, self.optimizer, state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-            restore_rng(state["rng"], torch.Generator())
-            self.start_step, self.saved = state["step"], state["stage"]
-            self.train_seconds = state.get("train_s", 0.0)
+        self.learner.scheduler = make_scheduler(self.learner.optimizer, total_steps,
+                                                o.warmup_steps, o.schedule)
+        if self.state is not None:
+            self.learner.restore(self.state, self.generator)
+            self.start_step, self.saved = self.state["step"], self.state["stage"]
+            self.train_seconds = self.state.get("train_s", 0.0)
         self.steps_done = self.start_step
 
     def optimizer_step(self, loss: Tensor) -> float:
         """One optimizer step; `loss` is this rank's part of the global batch loss (times the world
         size, which the gradient average divides out). Returns the learning rate it used."""
         loss.backward()
-        params = list(self.model.parameters())   # after backward: FSDP2 has re-registered its shards
-        average_gradients(params, self.world)
-        lr = self.optimizer.param_groups[0]["lr"]
-        _, stepped = step_if_finite(params, self.optimizer, self.scheduler,
-                                    self.cfg.optim.max_grad_norm, self.world)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.nonfinite_streak = 0 if stepped else self.nonfinite_streak + 1
-        check_nonfinite_streak(self.nonfinite_streak, self.cfg.optim.max_nonfinite_steps)
+        lr = self.learner.optimizer.param_groups[0]["lr"]
+        _, stepped = self.learner.optimizer_step()
+        self.learner.optimizer.zero_grad(set_to_none=True)
+        self.learner.count_skipped(not stepped)
         return lr
 
 
 def train_batches(st: OfflineJob, batches: list, step_fn, state) -> dict[str, Any] | None:
-    """The common loop (lifecycle.run_steps) over the stage's batches: `step_fn(step, batch)` for
-    every batch after the ones a resumed run already took, and a checkpoint (weights, optimizer,
-    schedule, RNG and `state()`: what the stage needs to finish as if it had never stopped, its
-    before-training figures, a DPO reference's log-probs) on the configured cadence and when
-    SIGINT / SIGTERM arrives. Returns None, or the summary of a run a signal stopped."""
-    signal_name = run_steps(st, len(batches), lambda step: step_fn(step, batches[step - 1]),
-                            lambda step: save_stage(st, step, state), st.command, save_last=False)
-    if signal_name is None:
+    """The stage's loop over its batches: `step_fn(step, batch)` for every batch after the ones a
+    resumed run already took, and a checkpoint (weights, optimizer, schedule, RNG and `state()`:
+    what the stage needs to finish as if it had never stopped, its before-training figures, a
+    DPO reference's log-probs) on the configured cadence and when SIGINT / SIGTERM arrives.
+    Returns None, or the summary of a run a signal stopped."""
+    with Steps(st, len(batches), st.command, save_last=False) as steps:
+        for step in steps:
+            with steps.timed(step):
+                step_fn(step, batches[step - 1])
+            if steps.checkpoint_due(step):
+                with steps.saving(step):
+                    save_stage(st, step, state)
+    if steps.stop_signal is None:
         return None
-    return stop_job(st, signal_name, {"run_dir": str(st.run_dir)})
+    return stop_job(st, steps.stop_signal, {"run_dir": str(st.run_dir)})
 
 
 def save_stage(st: OfflineJob, step: int, state) -> None:
-    save_checkpoint(st.run_dir, step, st.model, st.tokenizer, st.optimizer, st.scheduler,
-                    torch.Generator(), {"stage": state(), "log_rows": st.logger.line_counts(),
-                                        "train_s": st.train_seconds},
-                    st.cfg.to_dict(), world=st.world, keep=st.cfg.checkpoint.keep)
+    """The learner's checkpoint with the stage's state, the log rows and the clock."""
+    extra = {"stage": state(), "log_rows": st.logger.line_counts(), "train_s": st.train_seconds}
+    st.learner.save(st.run_dir, step, st.generator, extra, st.cfg.to_dict(),
+                    keep=st.cfg.checkpoint.keep)
 
 
 def _load_lm(path: str | Path, resumed: bool = False):
@@ -149,15 +150,11 @@ def load_stage_model(job: Job, model, tokenizer, load):
     """The starting model (`load(path)`; resuming: the checkpoint's, `load(path, resumed=True)`),
     its attention kernel, pad token and frozen lower layers."""
     cfg = job.cfg
-    if job.ckpt is not None:
-        tokenizer, model = load_tokenizer(job.ckpt / "model"), load(job.ckpt / "model", resumed=True)
-    elif model is None:
-        path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-        tokenizer, model = load_tokenizer(path), load(path)
-    if cfg.model.attention != "auto":
-        model.set_attn_implementation(cfg.model.attention)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    if job.ckpt is not None:   # (the checkpoint's model, whatever was given)
+        model, tokenizer, _ = load_model(cfg.model, folder=job.ckpt / "model",
+                                         load=lambda path: load(path, resumed=True))
+    else:
+        model, tokenizer, _ = load_model(cfg.model, model, tokenizer, load=load)
     freeze_lower_layers(model, cfg.freeze_layers)
     return model, tokenizer
 
@@ -176,7 +173,7 @@ def stage_optimizer(cfg: StageConfig, model, world: World) -> torch.optim.Optimi
                       sharded=world.strategy == "fsdp")
 
 
-def start_offline(command: str, cfg: StageConfig, model, tokenizer, rows: list[dict],
+def start_offline(command: str, cfg: StageConfig, model, tokenizer, rows: list[dict], *,
                   load=None, resume: str | Path | None = None, show_progress: bool = True,
                   prompts_of: Callable[[Any], list[list[int]]] | None = None) -> OfflineJob:
     """The common start (threads, seed, world, resume point) on rows read and checked before any
@@ -194,8 +191,9 @@ def start_offline(command: str, cfg: StageConfig, model, tokenizer, rows: list[d
     open_folder(job, cfg.to_dict())
     prompts = (prompts_of(tokenizer) if prompts_of is not None else
                encode_prompts_of(tokenizer, cfg, [r[cfg.data.prompt_field] for r in rows]))
-    return OfflineJob(**job.parts(), rows=rows, model=model, tokenizer=tokenizer, prompts=prompts,
-                      optimizer=stage_optimizer(cfg, model, job.world),
+    learner = Learner(model=model, tokenizer=tokenizer, optimizer=stage_optimizer(cfg, model, job.world),
+                      optim=cfg.optim, world=job.world)
+    return OfflineJob(**job.parts(), rows=rows, learner=learner, prompts=prompts,
                       rng=random.Random(cfg.seed), device=device)
 
 
@@ -229,12 +227,7 @@ def sharded_rows(fn, n: int, chunk: int, world: World) -> tuple[Tensor, ...]:
 
 def save_final_model(st: OfflineJob, extra_files: dict[str, str] | None = None) -> str:
     """Save the final model once (rank 0; FSDP shards are gathered first)."""
-    folder = st.run_dir / "final_model"
-    weights = full_state_dict(st.model, st.world)
-    if st.world.main:
-        save_model(st.model, st.tokenizer, folder, weights, extra_files)
-    barrier(st.world)
-    return str(folder)
+    return st.learner.save_final(st.run_dir / "final_model", extra_files)
 
 
 @torch.no_grad()
@@ -244,11 +237,10 @@ def held_out_behaviour(model, tokenizer, task, cfg: StageConfig, world: World | 
     (evaluation.evaluate), with no stop string (the model must end its answer itself):
     eval/accuracy by the verifier and eval/length_mean. Under torchrun each rank answers its
     share (FSDP: with the full weights gathered once)."""
-    world = world or SINGLE
     settings = EvalSettings(max_new_tokens, (), 50, EpisodeSettings(cfg.data.system_prompt))
-    with full_weights_for_generation(model, world):
-        res = evaluate(model, tokenizer, make_engine("hf", model, tokenizer), task.eval_problems,
-                       Scorer(RewardConfig(), task.verifier), settings, world=world)
+    sampling = Sampling(cfg=cfg, engine=make_engine("hf", model, tokenizer), tokenizer=tokenizer,
+                        scorer=Scorer(RewardConfig(), task.verifier), world=world or SINGLE)
+    res = sampling.evaluate(model, task.eval_problems, settings)
     lengths = res.pop("_lengths")
     return {"eval/accuracy": res["eval/accuracy"],
             "eval/length_mean": sum(lengths) / max(len(lengths), 1)}

@@ -1,21 +1,20 @@
 """`posttrain eval`: a model's held-out accuracy (greedy) and pass@k (sampled) on a task, by the
-one evaluator (rl/evaluation.py), on the common lifecycle: threads, seed, a run folder (config.json,
+one evaluator (sampling/evaluation.py), on the common lifecycle: threads, seed, a run folder (config.json,
 metrics.jsonl, eval_samples.jsonl, summary.json; `--run_dir none`: none), the loop over batches
 of problems with its progress bar, `--max_minutes` and stop signals (the figures then cover the
 problems answered so far, and summary.json says how many)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-
 from posttrain.config.commands import TrainConfig
-from posttrain.envs import close_env, for_tokenizer
-from posttrain.rl.evaluation import (Answers, answer, answers_metrics, eval_settings,
-                                    sampling_params)
-from posttrain.run.lifecycle import finish_job, open_folder, run_steps, start_job
-from posttrain.rollout import close_engine
-from posttrain.rl.sampling import load_sampled_model, sampling_engine, sampling_inputs
+from posttrain.data.tasks import Problem
+from posttrain.run.lifecycle import Job, Steps, finish_job, open_folder, start_job
+from posttrain.sampling.evaluation import (Answers, answer, answers_metrics, eval_settings,
+                                           sampling_params)
+from posttrain.sampling.service import Sampling, open_sampling
 
 
 def evaluate_model(cfg: TrainConfig, k: int = 1, samples: int = 0, show_progress: bool = True,
@@ -24,44 +23,37 @@ def evaluate_model(cfg: TrainConfig, k: int = 1, samples: int = 0, show_progress
     k > 1 pass@k from max(samples, k) answers per problem at rollout.temperature (seeded by
     `seed`). Returns the summary: the metrics, `problems` answered of `of`, the run folder."""
     job = start_job("eval", cfg, None, show_progress)
-    task, env, scorer = sampling_inputs(cfg, judge=False)
-    engine = None
-    try:   # (the reward sandbox and the engine stop however the command ends)
-        model, tokenizer, path = load_sampled_model(cfg, model, tokenizer)
-        env = for_tokenizer(env, tokenizer)
-        engine = sampling_engine(cfg, path, model, tokenizer)
+    with open_sampling(job, model, tokenizer) as sampling:
         open_folder(job, cfg.to_dict())
-        greedy, sampled, signal_name = answer_held_out(job, engine, tokenizer, env, scorer,
-                                                       task.eval_problems, k, samples)
-    finally:
-        if engine is not None:
-            close_engine(engine)
-        scorer.close()
-        close_env(env)
-    return write_results(job, task.eval_problems, greedy, sampled, k, env, signal_name)
+        problems = sampling.prompts.task.eval_problems
+        greedy, sampled, signal_name = answer_held_out(job, sampling, problems, k=k,
+                                                       samples=samples)
+    return write_results(job, problems, greedy, sampled, sampling.env, signal_name, k=k)
 
 
-def answer_held_out(job, engine, tokenizer, env, scorer, problems, k: int, samples: int):
+def answer_held_out(job: Job, sampling: Sampling, problems: list[Problem], *, k: int = 1,
+                    samples: int = 0) -> tuple[Answers, Answers, str | None]:
     """The loop over batches of held-out problems: greedy answers, and with k > 1 `max(samples,
-    k)` sampled ones each. Returns (greedy, sampled, the signal that stopped it or None)."""
-    cfg = job.cfg
-    settings = eval_settings(cfg)
+    k)` sampled ones each (from the job's generator). Returns (greedy, sampled, the signal that
+    stopped it or None)."""
+    cfg, settings = job.cfg, eval_settings(job.cfg)
     n = max(samples, k) if k > 1 else 1
-    greedy, sampled = Answers(), Answers()
+    greedy, sampled, size = Answers(), Answers(), settings.batch_size
+    greedy_setup = replace(sampling, generator=None)   # (greedy: no draws)
+    with Steps(job, -(-len(problems) // size), "eval") as steps:
+        for step in steps:
+            with steps.timed(step):
+                chunk = problems[(step - 1) * size:step * size]
+                answer(greedy_setup, chunk, sampling_params(settings, 1, 1.0), greedy,
+                       episodes=settings.episodes)
+                if n > 1:
+                    answer(sampling, chunk, sampling_params(settings, n, cfg.rollout.temperature),
+                           sampled, samples=n, episodes=settings.episodes)
+    return greedy, sampled, steps.stop_signal
 
-    def answer_batch(step: int) -> None:
-        chunk = problems[(step - 1) * settings.batch_size:step * settings.batch_size]
-        answer(engine, tokenizer, env, chunk, scorer, settings, sampling_params(settings, 1, 1.0),
-               1, None, greedy)
-        if n > 1:
-            answer(engine, tokenizer, env, chunk, scorer, settings,
-                   sampling_params(settings, n, cfg.rollout.temperature), n, job.generator, sampled)
-    batches = -(-len(problems) // settings.batch_size)
-    return greedy, sampled, run_steps(job, batches, answer_batch, lambda step: None, "eval")
 
-
-def write_results(job, problems, greedy: Answers, sampled: Answers, k: int, env,
-                  signal_name: str | None) -> dict[str, Any]:
+def write_results(job, problems, greedy: Answers, sampled: Answers, env,
+                  signal_name: str | None, *, k: int = 1) -> dict[str, Any]:
     """metrics.jsonl's row, eval_samples.jsonl (greedy answers; sampled: each problem's first),
     summary.json."""
     res = answers_metrics(greedy, problems, 1, k, env)

@@ -7,16 +7,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from posttrain.data.source import Sampler
-from posttrain.envs import close_env, for_tokenizer
+from posttrain.data.tasks import Problem
 from posttrain.envs.base import Demonstrates
-from posttrain.run.lifecycle import finish_job, open_folder, run_steps, start_job
-from posttrain.rollout import SamplingParams, close_engine
-from posttrain.rl.sampling import load_sampled_model, sampling_engine, sampling_inputs
+from posttrain.run.lifecycle import Job, Steps, finish_job, open_folder, start_job
+from posttrain.rollout import SamplingParams
+from posttrain.sampling.collect import sample_and_score
+from posttrain.sampling.service import Sampling, open_sampling
+from posttrain.sampling.setup import SamplingSetup
 from posttrain.stages.common import write_jsonl
 
 
-def generate(cfg, n: int, out: str | Path | None = None, samples: int = 1,
+def generate(cfg, n: int, out: str | Path | None = None, *, samples: int = 1,
              only_correct: bool = True, model=None, tokenizer=None, demonstrate: bool = False,
              show_progress: bool = True) -> dict[str, Any]:
     """Teacher outputs for SFT (§8: a short SFT of the student on teacher outputs precedes
@@ -32,20 +33,10 @@ def generate(cfg, n: int, out: str | Path | None = None, samples: int = 1,
     if out is None and not cfg.writes_folder:
         raise ValueError("generate: no --out and --run_dir none: the rows need a file")
     job = start_job("generate", cfg, None, show_progress)
-    task, env, scorer = sampling_inputs(cfg, judge=False)
-    engine = None
-    try:   # (the reward sandbox and the engine stop however the command ends)
-        model, tokenizer, path = load_sampled_model(cfg, model, tokenizer, weights=not demonstrate)
-        env = for_tokenizer(env, tokenizer)
+    with open_sampling(job, model, tokenizer, sample=not demonstrate) as sampling:
         open_folder(job, cfg.to_dict())
-        engine = None if demonstrate else sampling_engine(cfg, path, model, tokenizer)
-        rows, signal_name = generate_rows(job, engine, tokenizer, env, Sampler(task, cfg.seed),
-                                          scorer, n, samples, only_correct, demonstrate)
-    finally:
-        if engine is not None:
-            close_engine(engine)
-        scorer.close()
-        close_env(env)
+        rows, signal_name = generate_rows(job, sampling, n, samples=samples,
+                                          only_correct=only_correct, demonstrate=demonstrate)
     out = Path(out) if out is not None else job.run_dir / "sft.jsonl"
     write_jsonl(out, rows)
     summary = {"written": len(rows), "generated": min(n, job.steps_done * cfg.eval_batch_size) * (
@@ -56,34 +47,36 @@ def generate(cfg, n: int, out: str | Path | None = None, samples: int = 1,
     return finish_job(job, summary)
 
 
-def generate_rows(job, engine, tokenizer, env, sampler, scorer, n: int, samples: int,
-                  only_correct: bool, demonstrate: bool) -> tuple[list[dict[str, Any]], str | None]:
-    """The loop over batches of `eval_batch_size` problems (the common one: its time budget,
-    progress bar and stop signals). Returns (the rows, the signal that stopped it or None)."""
+def generate_rows(job: Job, sampling: Sampling, n: int, *, samples: int = 1,
+                  only_correct: bool = True, demonstrate: bool = False
+                  ) -> tuple[list[dict[str, Any]], str | None]:
+    """The first `n` training problems in batches of `eval_batch_size` (the common frame: its
+    time budget, progress bar and stop signals). Returns (the rows, the signal that stopped it or
+    None)."""
     cfg, rows = job.cfg, []
     r, size = cfg.rollout, cfg.eval_batch_size
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, greedy=samples == 1, stop=r.stop)
+    with Steps(job, -(-n // size), "generate") as steps:
+        for step in steps:
+            with steps.timed(step):
+                problems = sampling.prompts.next(min(size, n - (step - 1) * size))
+                rows.extend(demonstration_rows(problems, sampling.env, sampling.tokenizer, cfg)
+                            if demonstrate else sample_rows(sampling, problems, params,
+                                                            samples=samples,
+                                                            only_correct=only_correct))
+    return rows, steps.stop_signal
 
-    def generate_batch(step: int) -> None:
-        problems = sampler.next(min(size, n - (step - 1) * size))
-        rows.extend(demonstration_rows(problems, env, tokenizer, cfg) if demonstrate else
-                    sample_rows(engine, tokenizer, env, problems, scorer, samples, params, cfg,
-                                only_correct, job.generator))
-    return rows, run_steps(job, -(-n // size), generate_batch, lambda step: None, "generate")
 
-
-def sample_rows(engine, tokenizer, env, problems, scorer, samples: int, params, cfg,
-                only_correct: bool, generator) -> list[dict[str, Any]]:
-    """`samples` scored episodes for each problem, as SFT rows (only the correct ones with
-    `only_correct`)."""
-    from posttrain.rollout import episode_settings
-    from posttrain.rollout.episodes import run_episodes
-    ep = run_episodes(engine, tokenizer, env, problems, samples, params, episode_settings(cfg),
-                      generator)
-    per_response = [p for p in problems for _ in range(samples)]
-    correct = ep.verdicts(scorer(per_response, ep.completions, with_model=False).correct_B).tolist()
+def sample_rows(sampling: SamplingSetup, problems: list[Problem], params: SamplingParams, *,
+                samples: int = 1, only_correct: bool = True) -> list[dict[str, Any]]:
+    """`samples` scored episodes for each problem (sampled with `params`, drawn from the
+    setup's generator), as SFT rows (only the correct ones with `only_correct`)."""
+    scored = sample_and_score(sampling, problems, samples, params, judged=False)
+    ep = scored.episodes
+    correct = ep.verdicts(scored.result.correct_B).tolist()
     return [{**row, "correct": ok}
-            for row, ok in zip(episode_rows(ep, per_response, env, tokenizer, cfg), correct)
+            for row, ok in zip(episode_rows(ep, scored.problems, sampling.env, sampling.tokenizer,
+                                            sampling.cfg), correct)
             if ok or not only_correct]
 
 

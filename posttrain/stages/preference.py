@@ -157,6 +157,17 @@ class PairReading:
 DPO = PairReading(command="dpo", prefix="dpo", answers=True, scores_before=False)
 
 
+@dataclass(frozen=True)
+class EncodedPairs:
+    """A run's preference pairs as token ids, each a (prompts, chosen, rejected) triple of
+    lists: the training pairs, the held-out pairs with their rows (a row's 'kind' splits the
+    metrics), and where the pairs came from."""
+    train: tuple[list, list, list]
+    held_out: tuple[list, list, list]
+    held_out_rows: list[dict]
+    source: str
+
+
 def dpo(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True, *,
         resume: str | Path | None = None) -> dict[str, Any]:
     """DPO (§9) on (prompt, chosen, rejected) pairs from --data.train_path or --data.synthetic TASK.
@@ -188,8 +199,8 @@ def train_on_pairs(cfg: StageConfig, reading: PairReading, model=None, tokenizer
     if st.state is not None:
         summary, (ref_train, ref_eval) = st.saved["summary"], st.saved["reference"]
     else:
-        summary, ref_train, ref_eval = _reference_and_before(st, cfg, reading, train_data, eval_data,
-                                                             eval_rows, source, task)
+        pairs = EncodedPairs(train_data, eval_data, eval_rows, source)
+        summary, ref_train, ref_eval = _reference_and_before(st, cfg, reading, pairs, task)
     acc = [float("nan")]
 
     def step_fn(step: int, batch: list[int]) -> None:
@@ -210,13 +221,15 @@ def train_on_pairs(cfg: StageConfig, reading: PairReading, model=None, tokenizer
     return summary
 
 
-def _reference_and_before(st: OfflineJob, cfg: StageConfig, reading: PairReading, train_data, eval_data,
-                          eval_rows: list[dict], source: str, task) -> tuple[dict, tuple, tuple]:
+def _reference_and_before(st: OfflineJob, cfg: StageConfig, reading: PairReading,
+                          pairs: EncodedPairs, task) -> tuple[dict, tuple, tuple]:
     """The reference's log-probs of every training and held-out pair (the starting model's), and
     the figures before training: (summary, reference of the training pairs, of the held-out)."""
+    eval_rows = pairs.held_out_rows
     t0 = time.perf_counter()
-    ref_train, ref_eval = _all_pair_logp(st, cfg, train_data), _all_pair_logp(st, cfg, eval_data)
-    summary = {"run_dir": str(st.run_dir), "source": source, "train_pairs": len(train_data[0]),
+    ref_train = _all_pair_logp(st, cfg, pairs.train)
+    ref_eval = _all_pair_logp(st, cfg, pairs.held_out)
+    summary = {"run_dir": str(st.run_dir), "source": pairs.source, "train_pairs": len(pairs.train[0]),
                "eval_pairs": len(eval_rows), "reference_s": time.perf_counter() - t0}
     if reading.scores_before:       # pi = pi_ref: every implicit reward is 0, every pair a tie
         summary["eval_before"] = public_metrics(_implicit_reward_metrics(*ref_eval, ref_eval, cfg.beta,

@@ -111,7 +111,7 @@ class ScoredPairs:
         from posttrain.rewards.model import pair_scores
         return pair_scores(self.st.model, [heads[i] for i in idx], [chosen[i] for i in idx],
                            [rejected[i] for i in idx], self.st.tokenizer.pad_token_id,
-                           self.cfg.model.autocast, chosen_nll)
+                           autocast=self.cfg.model.autocast, chosen_nll=chosen_nll)
 
     @torch.no_grad()
     def evaluate(self, parts: tuple, rows: list[dict]) -> dict[str, float]:

@@ -16,10 +16,10 @@ from typing import Any
 
 from posttrain.envs.endpoint import Endpoint
 from posttrain.model.prompts import _ids
-from posttrain.rl.sampling import load_sampled_model, sampling_engine
-from posttrain.rollout import SamplingParams, close_engine
+from posttrain.sampling.service import Sampling, load_sampled_model, sampling_engine
+from posttrain.rollout import SamplingParams
 from posttrain.rollout.driven import PolicyTurn, plain
-from posttrain.run.lifecycle import Job, open_folder, start_job
+from posttrain.run.lifecycle import Job, finish_job, open_folder, start_job
 
 
 class ServedModel:
@@ -29,10 +29,12 @@ class ServedModel:
     the penalties are accepted and not applied (samples come from the run's generator);
     `record(row)` gets each call."""
 
-    def __init__(self, engine, tokenizer, cfg, generator, record=None) -> None:
-        self.engine, self.tokenizer, self.cfg, self.generator = engine, tokenizer, cfg, generator
-        self.record = record
-        self.vocab_size = len(tokenizer)   # (the endpoint refuses a prompt id outside it)
+    def __init__(self, sampling: Sampling, record=None) -> None:
+        self.sampling = sampling
+        self.engine, self.tokenizer, self.cfg = sampling.engine, sampling.tokenizer, sampling.cfg
+        self.generator, self.record = sampling.generator, record
+        self.served = 0                    # requests answered
+        self.vocab_size = len(self.tokenizer)   # (the endpoint refuses a prompt id outside it)
         self.lock = threading.Lock()
 
     def chat(self, messages, tools=None, max_tokens=None, **sampling) -> PolicyTurn:
@@ -55,6 +57,7 @@ class ServedModel:
         with self.lock:   # (one request at a time; its record line whole)
             params = request_params(sampling, n, r.temperature, r.top_p)
             out = self.engine.generate([ids], 1, params, self.generator)
+            self.served += 1
             k = int(out.response_mask_B_T[0].sum())
             got, logps = out.response_ids_B_T[0, :k].tolist(), out.logp_B_T[0, :k].tolist()
             turn = PolicyTurn(self.tokenizer.decode(got, skip_special_tokens=True), ids, got,
@@ -85,15 +88,29 @@ def request_params(body: dict[str, Any], max_new: int, temperature: float,
 def serve_model(cfg, host: str = "127.0.0.1", port: int = 8000, name: str | None = None,
                 model=None, tokenizer=None) -> tuple[Endpoint, Job]:
     """Load the model (default: the embedded one), start the endpoint; returns it (its
-    `base_url`) and the job (its run folder) once it listens."""
+    `base_url`) and the job (its run folder) once it listens. `stop_serving` ends both."""
     job = start_job("serve", cfg, None, show_progress=False)
     model, tokenizer, path = load_sampled_model(cfg, model, tokenizer)
     open_folder(job, cfg.to_dict())
-    engine = sampling_engine(cfg, path, model, tokenizer)
+    sampling = Sampling(cfg=cfg, engine=sampling_engine(cfg, path, model, tokenizer),
+                        tokenizer=tokenizer, generator=job.generator)
     record = (lambda row: job.logger.append("served.jsonl", row)) if job.run_dir else None
-    backend = ServedModel(engine, tokenizer, cfg, job.generator, record)
-    endpoint = Endpoint(name or str(cfg.model.path), host, port, default=backend)
+    try:
+        endpoint = Endpoint(name or str(cfg.model.path), host, port,
+                            default=ServedModel(sampling, record))
+    except BaseException:   # (the port is taken: the engine stops too)
+        sampling.close()
+        raise
     return endpoint, job
+
+
+def stop_serving(endpoint: Endpoint, job: Job) -> dict[str, Any]:
+    """The endpoint closed, the engine stopped, summary.json written (the requests answered)."""
+    endpoint.close()
+    backend = endpoint.default
+    backend.sampling.close()
+    return finish_job(job, {"run_dir": str(job.run_dir) if job.run_dir else None,
+                            "model": endpoint.model, "served": backend.served})
 
 
 def serve_until_stopped(cfg, host: str, port: int, name: str | None) -> None:
@@ -109,5 +126,7 @@ def serve_until_stopped(cfg, host: str, port: int, name: str | None) -> None:
     try:
         threading.Event().wait()
     except KeyboardInterrupt:
-        endpoint.close()
-        close_engine(endpoint.default.engine)
+        pass
+    finally:
+        summary = stop_serving(endpoint, job)
+    print(f"posttrain serve: stopped after {summary['served']} request(s)", flush=True)

@@ -42,7 +42,7 @@ class ScoredBatch:
     returns_B_T: Tensor | None = None
     token_rewards_B_T: Tensor | None = None   # PPO: the per-token rewards GAE read (§5)
     # asynchronous training: the weight version (a step number) that sampled each response
-    # (rl/batch_source.py); None: the weights being trained
+    # (sampling/sources.py); None: the weights being trained
     version_B: Tensor | None = None
     # the LLM judge: False where it could not score a response (out of the baseline and loss)
     scored_B: Tensor | None = None

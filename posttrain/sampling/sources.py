@@ -28,14 +28,14 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from posttrain.rl.batch import ScoredBatch
+from posttrain.sampling.batch import ScoredBatch
 from posttrain.data.source import Sampler
 from posttrain.data.tasks import Problem
 from posttrain.util.health import Tally
@@ -59,11 +59,39 @@ class Sampled:
     tallies: dict[str, Tally] = field(default_factory=dict)
 
 
+class BatchSource(Protocol):
+    """Where a step's batch comes from: `InTurn` (sampled now) or `Ahead` (sampled while the
+    trainer updates). `version` is the trainer's weights (a step number)."""
+
+    version: int
+
+    def next(self, step: int, timings: Counter, tallies: dict[str, Tally]
+             ) -> tuple[ScoredBatch, dict[str, float]]:
+        """The batch step `step` trains on, and its sampling metrics."""
+
+    def after_update(self, step: int) -> None:
+        """The update of `step` is done: the engine gets the new weights (now or between two
+        batches)."""
+
+    def paused(self, load_latest: bool = True) -> AbstractContextManager[None]:
+        """The engine idle between two batches (an evaluation, a checkpoint)."""
+
+    def close(self, wait_s: float = 60.0) -> None:
+        """No new batch; the engine, its threads, processes and servers stopped."""
+
+    def save(self, folder: Path) -> None:
+        """The batches sampled and not yet trained on, into a checkpoint (call while paused)."""
+
+    def restore(self, folder: Path) -> None:
+        """A checkpoint's batches sampled and not trained on: trained on first, or their
+        prompts drawn again."""
+
+
 class InTurn:
     """Sample and score now; after the update, push the weights (rollout.max_staleness 0)."""
 
-    def __init__(self, collect: Collect, engine, version: int) -> None:
-        self.collect, self.engine = collect, engine
+    def __init__(self, collect: Collect, engine, sampler: Sampler, version: int) -> None:
+        self.collect, self.engine, self.sampler = collect, engine, sampler
         self.version = version              # the trainer's weights (a step number)
         self.idle_since: float | None = None
 
@@ -86,6 +114,13 @@ class InTurn:
 
     def close(self, wait_s: float = 60.0) -> None:   # (nothing in flight to wait for)
         close_engine(self.engine)
+
+    def save(self, folder: Path) -> None:   # (nothing sampled ahead)
+        pass
+
+    def restore(self, folder: Path) -> None:
+        """(An asynchronous run resumed in turn: its batches' prompts are drawn again.)"""
+        self.sampler.give_back(prompts_in_flight(folder))
 
 
 class Ahead:
@@ -279,10 +314,11 @@ def prompts_in_flight(folder: Path) -> list[tuple[int, int]]:
             for d in json.loads((folder / f"batch_{i:03d}" / "batch.json").read_text())["drawn"]]
 
 
-def make_batch_source(rollout_cfg, collect: Collect, engine, sampler: Sampler, version: int):
+def make_batch_source(rollout_cfg, collect: Collect, engine, sampler: Sampler,
+                      version: int) -> BatchSource:
     """`InTurn` for rollout.max_staleness 0, else `Ahead` from `version` (the step resumed at)."""
     if rollout_cfg.max_staleness == 0:
-        return InTurn(collect, engine, version)
+        return InTurn(collect, engine, sampler, version)
     return Ahead(collect, engine, sampler, rollout_cfg.max_staleness, rollout_cfg.ahead, version)
 
 

@@ -1,5 +1,5 @@
-"""Held-out evaluation, the same for every command: greedy accuracy (split by each boolean field of
-the problems' meta, e.g. 'carry', and by domain), or pass@k from sampled answers."""
+"""Held-out evaluation, the same for every command: greedy accuracy (split by domain and by each
+boolean field of the problems' meta, such as 'carry'), or pass@k from sampled answers."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from torch import Tensor
 from posttrain.config.commands import TrainConfig
 from posttrain.data.tasks import Problem
 from posttrain.model.distributed import SINGLE, World, gather_objects
-from posttrain.envs import Environment, SingleTurn
-from posttrain.rewards.scorer import Scorer
-from posttrain.rollout import EpisodeSettings, RolloutEngine, SamplingParams, episode_settings
-from posttrain.rollout.episodes import run_episodes
+from posttrain.envs import Environment
+from posttrain.rollout import EpisodeSettings, SamplingParams, episode_settings
+from posttrain.sampling.collect import sample_and_score
+from posttrain.sampling.setup import SamplingSetup
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -53,54 +53,56 @@ class Answers:
     counts: dict[str, float] = field(default_factory=dict)
 
 
-def answer(engine: RolloutEngine, tokenizer, env: Environment, chunk: list[Problem], scorer: Scorer,
-           settings: EvalSettings, params: SamplingParams, samples: int, generator,
-           into: Answers) -> None:
-    """`samples` episodes for each problem of `chunk`, scored by the verifier (no reward model),
-    added to `into`."""
-    episodes = run_episodes(engine, tokenizer, env, chunk, samples, params, settings.episodes,
-                            generator)
-    res = scorer([p for p in chunk for _ in range(samples)], episodes.completions, with_model=False,
-                 completion_ids=episodes.rollout.policy_ids())
-    into.correct.append(episodes.verdicts(res.correct_B).reshape(len(chunk), samples))
-    into.texts.extend(episodes.transcripts[::samples])
-    into.lengths.extend(episodes.rollout.lengths_B[::samples].tolist())
-    for key, v in episodes.counts.items():
+def answer(setup: SamplingSetup, chunk: list[Problem], params: SamplingParams, into: Answers, *,
+           samples: int = 1, episodes: EpisodeSettings = EpisodeSettings()) -> None:
+    """`samples` episodes for each problem of `chunk` (the setup's generator draws, if sampled),
+    scored by the verifier (no reward model, no judge), added to `into`."""
+    scored = sample_and_score(setup, chunk, samples, params, episodes=episodes, judged=False)
+    ep = scored.episodes
+    into.correct.append(ep.verdicts(scored.result.correct_B).reshape(len(chunk), samples))
+    into.texts.extend(ep.transcripts[::samples])
+    into.lengths.extend(ep.rollout.lengths_B[::samples].tolist())
+    for key, v in ep.counts.items():
         into.counts[key] = into.counts.get(key, 0) + v
-    if env.max_turns > 1:   # the environment's own reward (a verifiers rubric's, guess-number's)
-        into.counts["env_reward"] = into.counts.get("env_reward", 0) + float(episodes.env_rewards_B.sum())
+    if setup.env.max_turns > 1:   # the environment's own reward (a verifiers rubric's, guess-number's)
+        into.counts["env_reward"] = into.counts.get("env_reward", 0) + float(ep.env_rewards_B.sum())
 
 
-def gathered(answers: Answers, problems: list[Problem], samples: int,
-             world: World) -> tuple[Tensor, list[str], list[int]]:
+@dataclass
+class Gathered:
+    """Every rank's answers in problem order: verdicts (problems x samples), first texts, lengths."""
+    correct: Tensor
+    texts: list[str]
+    lengths: list[int]
+
+
+def gathered(answers: Answers, problems: list[Problem], samples: int, world: World) -> Gathered:
     """Every rank's answers back in problem order (problem i was answered by rank i % W)."""
     c = torch.cat(answers.correct) if answers.correct else torch.zeros(0, samples, dtype=torch.bool)
     if not world.distributed:
-        return c, answers.texts, answers.lengths
+        return Gathered(c, answers.texts, answers.lengths)
     parts = gather_objects((c, answers.texts, answers.lengths), world)
     c = torch.zeros(len(problems), samples, dtype=torch.bool)
     texts, lengths = [""] * len(problems), [0] * len(problems)
     for r, (c_r, t_r, n_r) in enumerate(parts):
         c[r::world.size], texts[r::world.size], lengths[r::world.size] = c_r, t_r, n_r
-    return c, texts, lengths
+    return Gathered(c, texts, lengths)
 
 
-def evaluate(model, tokenizer, engine: RolloutEngine, problems: list[Problem], scorer: Scorer,
-             settings: EvalSettings, samples: int = 1, k: int = 1, temperature: float = 1.0,
-             generator: torch.Generator | None = None, world: World = SINGLE,
-             env: Environment | None = None) -> dict[str, Any]:
-    """Greedy accuracy (samples=1), or pass@k from `samples` sampled answers per problem; each
-    answer is an episode in `env` (a tool-using or multi-turn task is evaluated as it trains).
-    Under torchrun each rank answers every W-th problem. The one evaluator: `train` before,
-    during and after training, the offline stages' synthetic tasks, `posttrain eval`."""
-    env = env or SingleTurn()
+def evaluate(setup: SamplingSetup, problems: list[Problem], settings: EvalSettings, *,
+             samples: int = 1, k: int = 1, temperature: float = 1.0) -> dict[str, Any]:
+    """Greedy accuracy (samples=1), or pass@k from `samples` sampled answers per problem (the
+    setup's generator draws); each answer is an episode in the setup's environment (a
+    tool-using or multi-turn task is evaluated as it trains). Under torchrun each rank answers
+    every W-th problem. The one evaluator: `train` before, during and after training, the
+    offline stages' synthetic tasks, `posttrain eval`."""
     params = sampling_params(settings, samples, temperature)
     answers = Answers()
-    mine = problems[world.rank::world.size]
+    mine = problems[setup.world.rank::setup.world.size]
     for start in range(0, len(mine), settings.batch_size):
-        answer(engine, tokenizer, env, mine[start:start + settings.batch_size], scorer, settings,
-               params, samples, generator, answers)
-    return answers_metrics(answers, problems, samples, k, env, world)
+        answer(setup, mine[start:start + settings.batch_size], params, answers, samples=samples,
+               episodes=settings.episodes)
+    return answers_metrics(answers, problems, samples, k, setup.env, setup.world)
 
 
 def answers_metrics(answers: Answers, problems: list[Problem], samples: int, k: int,
@@ -109,7 +111,7 @@ def answers_metrics(answers: Answers, problems: list[Problem], samples: int, k: 
     per episode are this rank's own)."""
     episodes_here = max(len(answers.texts) * samples, 1)
     counts = {key: v / episodes_here for key, v in answers.counts.items()}
-    return eval_metrics(problems, *gathered(answers, problems, samples, world), k, env, counts)
+    return eval_metrics(problems, gathered(answers, problems, samples, world), k, env, counts)
 
 
 def sampling_params(settings: EvalSettings, samples: int, temperature: float) -> SamplingParams:
@@ -119,11 +121,12 @@ def sampling_params(settings: EvalSettings, samples: int, temperature: float) ->
                           greedy=greedy, stop=settings.stop)
 
 
-def eval_metrics(problems: list[Problem], c: Tensor, texts: list[str], lengths: list[int],
-                 k: int, env: Environment, counts: dict[str, float]) -> dict[str, Any]:
+def eval_metrics(problems: list[Problem], answers: Gathered, k: int, env: Environment,
+                 counts: dict[str, float]) -> dict[str, Any]:
     """eval/accuracy (and pass@k when sampled), split by domain and by every boolean field of the
     problems' meta (e.g. 'carry' for addition); multi-turn: the episodes' counts; the answers'
     mean length; `_samples`: each problem's first answer."""
+    c, texts, lengths = answers.correct, answers.texts, answers.lengths
     out: dict[str, Any] = {"eval/accuracy": c.float().mean().item() if len(c) else float("nan")}
     if c.shape[1] > 1:
         out[f"eval/pass@{k}"] = float(np.mean([pass_at_k(c.shape[1], int(row.sum()), k) for row in c]))
