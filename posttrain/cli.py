@@ -214,17 +214,35 @@ def cmd_view(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+class CommandParser(argparse.ArgumentParser):
+    """argparse with no prefix abbreviations (a mistyped option is refused, never read as
+    another one), which records the options it declares (`flags`) and, once it has parsed a
+    command, names them in the result (`own_flags`, the did-you-mean of an unknown option);
+    its subcommands are CommandParsers too."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.flags: list[str] = []   # (before argparse's own --help is added)
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
+    def add_argument(self, *names, **kwargs):
+        self.flags += [n for n in names if n.startswith("-")]
+        return super().add_argument(*names, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        if not hasattr(parsed, "own_flags"):   # (a subcommand's parser sets it first)
+            parsed.own_flags = tuple(self.flags)
+        return parsed, rest
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="posttrain", description="Post-train language models with RL (REINFORCE, RLOO, PPO, "
         "GRPO, DAPO, Dr. GRPO), on-policy distillation, SFT and DPO.",
-        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log every step")
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    # no prefix abbreviations anywhere: a mistyped option is refused, never read as another one
-    _add_parser = sub.add_parser
-    sub.add_parser = lambda *a, **kw: _add_parser(*a, allow_abbrev=False, **kw)
+    sub = parser.add_subparsers(dest="command", required=True)   # (CommandParsers too)
     for add in (_add_train, _add_eval, _add_stages, _add_generate, _add_serve, _add_experiment,
                 _add_tools):
         add(sub)
@@ -361,12 +379,6 @@ def _add_no_progress(p: argparse.ArgumentParser) -> None:
                    help="no progress bar; log lines instead")
 
 
-def _own_flags(parser: argparse.ArgumentParser, command: str) -> tuple[str, ...]:
-    """The options a command declares itself (for the did-you-mean of an unknown option)."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return tuple(o for a in sub.choices[command]._actions for o in a.option_strings)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -374,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose or getattr(args, "no_progress", False))
     try:
         if args.fn in (cmd_train, cmd_eval, cmd_generate, cmd_experiment, cmd_serve):   # the rest are config overrides
-            check_option_names(rest, TrainConfig, _own_flags(parser, args.command))
+            check_option_names(rest, TrainConfig, args.own_flags)
         elif args.fn in (cmd_prepare_model, cmd_plot, cmd_view) and rest:
             raise ConfigError(f"unexpected arguments {' '.join(rest)} (every option: "
                               f"posttrain {args.command} --help)")

@@ -42,14 +42,14 @@ def test_help_lists_every_config_field_once_and_each_listed_option_is_accepted(c
     """The option list of `posttrain CMD --help` is the config dataclass's fields, each once, in
     declaration order; every option it lists passes the check `main` runs on the command line
     (a field missing from --help, or one --help shows that `main` refuses, fails here)."""
-    from posttrain.cli import _own_flags, build_parser
+    from posttrain.cli import build_parser
     from posttrain.config.commands import StageConfig, TrainConfig
     from posttrain.config.options import check_option_names
     cls = TrainConfig if command == "train" else StageConfig
     out = _help(command, capsys)
     listed = re.findall(r"^  --([\w.]+) \(", out, re.M)
     assert listed == _fields(cls)
-    own = _own_flags(build_parser(), command)
+    own = build_parser().parse_known_args([command])[0].own_flags   # (what main reads)
     assert set(own) == {"-h", "--help", "--config", "--resume", "--no-progress"}
     usage = out.split("\n\n")[0]
     assert [f for f in own if f"[{f}" not in usage] == ["--help"]   # (shown as [-h])

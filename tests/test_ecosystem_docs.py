@@ -115,7 +115,6 @@ def quiet_parser():
 def refusal(line: str, parser=None) -> str | None:
     """What `posttrain` says when it refuses the line's command and options (None: accepted):
     the parser `main` builds, then the option check `main` runs before any job starts."""
-    from posttrain.cli import _own_flags
     from posttrain.config.commands import ConfigError, StageConfig, TrainConfig
     from posttrain.config.options import check_option_names
     args = shlex.split(line.rstrip("&"), comments=True)
@@ -126,7 +125,7 @@ def refusal(line: str, parser=None) -> str | None:
         if ns.command in ("prepare-model", "plot", "view"):
             return f"unexpected arguments {rest}" if rest else None
         config = StageConfig if ns.command in ("sft", "dpo", "reward-model") else TrainConfig
-        check_option_names(rest, config, _own_flags(parser, ns.command))
+        check_option_names(rest, config, ns.own_flags)
     except ConfigError as e:
         return str(e)
     return None

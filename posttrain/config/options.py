@@ -47,26 +47,36 @@ def option_names(cls: type, prefix: str = "") -> list[str]:
     return names
 
 
+def option_pairs(args: list[str]) -> list[tuple[str, str | None]]:
+    """The one walker of the `--section.field VALUE` grammar (also `--section.field=VALUE`):
+    [(the option as written, its value or None when the line ends)], in order; an argument
+    that is not an option is refused with the form an option takes."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; options look like --section.field VALUE")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else None
+            i += 1
+        pairs.append((key, value))
+        i += 1
+    return pairs
+
+
 def check_option_names(args: list[str], cls: type, flags: tuple[str, ...] = ()) -> None:
     """Refuse an option that is neither a config field of `cls` nor one of the command's own
     `flags`, naming the closest known one: a mistyped option never starts a job."""
     known = option_names(cls)
     mappings = {n for n in known if typing.get_origin(hint_path(cls, n)) is dict
                 or hint_path(cls, n) is dict}
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if arg.startswith("--"):
-            key = arg[2:].split("=", 1)[0].replace("-", "_")
-            ok = key in known or any(key.startswith(m + ".") for m in mappings)
-            if not ok:
-                everything = [f"--{n}" for n in known] + list(flags)
-                raise ConfigError(f"unknown option --{arg[2:].split('=', 1)[0]}"
-                                  f"{did_you_mean('--' + key, everything)} "
-                                  "(every option: --help)")
-            i += 1 if "=" in arg else 2
-        else:
-            i += 1
+    for written, _ in option_pairs(args):
+        key = written.replace("-", "_")
+        if key not in known and not any(key.startswith(m + ".") for m in mappings):
+            everything = [f"--{n}" for n in known] + list(flags)
+            raise ConfigError(f"unknown option --{written}{did_you_mean('--' + key, everything)} "
+                              "(every option: --help)")
 
 
 def hint_path(cls: type, dotted: str) -> Any:
@@ -112,33 +122,22 @@ def merge_dicts(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """['--optim.lr', '1e-5', '--preset=dapo'] -> {'optim': {'lr': '1e-5'}, 'preset': 'dapo'}."""
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """['--optim.lr', '1e-5', '--preset=dapo'] -> {'optim': {'lr': 1e-5}, 'preset': 'dapo'}:
+    YAML scalars (numbers, booleans, null) parse as such, everything else stays a string."""
     out: dict[str, Any] = {}
-    i = 0
-    while i < len(pairs):
-        arg = pairs[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.field VALUE")
-        key = arg[2:]
-        if "=" in key:
-            key, value = key.split("=", 1)
-        else:
-            if i + 1 >= len(pairs):
-                raise ConfigError(f"--{key} needs a value")
-            i += 1
-            value = pairs[i]
+    for key, value in option_pairs(args):
+        if value is None:
+            raise ConfigError(f"--{key} needs a value")
         node = out
         parts = key.replace("-", "_").split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        # YAML scalars: numbers, booleans and null parse as such; everything else stays a string.
         try:
             parsed = yaml.safe_load(value) if value.strip() else value
         except yaml.YAMLError:   # e.g. "{prompt} ..." is not YAML, just a string
             parsed = value
         node[parts[-1]] = parsed if isinstance(parsed, (int, float, bool, type(None))) else value
-        i += 1
     return out
 
 
@@ -208,15 +207,22 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return loaded
 
 
-def load_stage_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                      base: dict[str, Any] | None = None) -> StageConfig:
-    """The SFT / DPO / reward-model config: defaults < `base` (a resumed run's config.json) <
-    YAML file < overrides, type-checked."""
+def load_options(cls: type, path: str | Path | None = None, overrides: list[str] | None = None,
+                 base: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    """The one config loader: defaults < `base` (a resumed run's config.json) < YAML file <
+    command-line overrides, type-checked into `cls` and validated. Returns (the config, the
+    command line's own values)."""
     data: dict[str, Any] = dict(base or {})
     if path is not None:
         data = merge_dicts(data, read_yaml(path))
-    data = merge_dicts(data, parse_overrides(overrides or []))
-    return build_config(StageConfig, data, "").validate()
+    given = parse_overrides(overrides or [])
+    return build_config(cls, merge_dicts(data, given), "").validate(), given
+
+
+def load_stage_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                      base: dict[str, Any] | None = None) -> StageConfig:
+    """The SFT / DPO / reward-model config (load_options)."""
+    return load_options(StageConfig, path, overrides, base)[0]
 
 
 DEFAULT_RECIPE = "addition_grpo.yaml"   # what `posttrain train` runs without --config
@@ -263,11 +269,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Defaults < `base` < YAML file < overrides; validated before anything expensive happens.
     `path=None` gives TrainConfig's own defaults, not the default job: pass `recipe_path()` for
     that recipe, as `posttrain train` does without --config."""
-    data: dict[str, Any] = dict(base or {})
-    if path is not None:
-        data = merge_dicts(data, read_yaml(path))
-    given = parse_overrides(overrides or [])
-    cfg = build_config(TrainConfig, merge_dicts(data, given), "").validate()
+    cfg, given = load_options(TrainConfig, path, overrides, base)
     check_judge_key_source(cfg, given)
     return cfg
 
