@@ -93,7 +93,7 @@ def preset_row(label: str, runs: list[dict]) -> str:
             f"{median_step_s(runs):.1f} | {three} |")
 
 
-DEFAULT = "benchmarks/results/default-2026-12-03"
+DEFAULT = "benchmarks/results/default-2026-12-07"
 
 
 def default_table(root: Path) -> str:
@@ -118,6 +118,7 @@ def default_table(root: Path) -> str:
 
 
 OPD = "benchmarks/results/opd-2026-12-04"
+OPD_TEACHER = "benchmarks/results/default-2026-12-03"   # the default job whose seed 0 taught OPD
 
 
 def distill_table(runs: list[dict], label: str, footer: str) -> str:
@@ -137,13 +138,14 @@ def distill_table(runs: list[dict], label: str, footer: str) -> str:
 
 
 def opd_table(root: Path) -> str:
-    """On-policy distillation from the default job's seed-0 model: held-out every 2 student
-    steps (mean ± sd over seeds), training minutes, and the default GRPO job at step 30."""
-    runs, teacher = load_runs(root / OPD), load_runs(root / DEFAULT)[0]
+    """On-policy distillation from the default job's seed-0 model (the records of OPD_TEACHER,
+    which taught these runs): held-out every 2 student steps (mean ± sd over seeds), training
+    minutes, and that default GRPO job at step 30."""
+    runs, teachers = load_runs(root / OPD), load_runs(root / OPD_TEACHER)
     return distill_table(
-        runs, f"OPD ({len(runs)} seeds), teacher {100 * teacher['eval_accuracy'][-1]:.1f}%",
-        f"The default GRPO job at step 30: {pct([at_step(r, 30) for r in load_runs(root / DEFAULT)])}."
-        f" Records: `{OPD}/posttrain-s<seed>/bench.json` (the teacher: `{DEFAULT}`, seed 0).")
+        runs, f"OPD ({len(runs)} seeds), teacher {100 * teachers[0]['eval_accuracy'][-1]:.1f}%",
+        f"The default GRPO job at step 30: {pct([at_step(r, 30) for r in teachers])}."
+        f" Records: `{OPD}/posttrain-s<seed>/bench.json` (the teacher: `{OPD_TEACHER}`, seed 0).")
 
 
 OPSD = "benchmarks/results/opsd-2026-12-04"

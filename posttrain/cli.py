@@ -13,8 +13,9 @@ from pathlib import Path
 from posttrain import __version__
 from posttrain.util.errors import EngineError, FailingSourceError, NonFiniteError
 from posttrain.config.commands import ConfigError, StageConfig, TrainConfig
-from posttrain.config.options import (DEFAULT_RECIPE, STAGE_EPILOG, TRAIN_EPILOG, check_option_names,
-                                      command_epilog, load_config, load_stage_config, recipe_path)
+from posttrain.config.options import (DEFAULT_RECIPE, STAGE_EPILOG, TRAIN_EPILOG, CommandParser,
+                                      check_option_names, command_epilog, load_config,
+                                      load_stage_config, recipe_path)
 
 log = logging.getLogger("posttrain")
 
@@ -212,27 +213,6 @@ def cmd_view(args: argparse.Namespace, overrides: list[str]) -> int:
     from posttrain.view.server import view_until_stopped
     view_until_stopped(args.runs, args.host, args.port, args.open)
     return 0
-
-
-class CommandParser(argparse.ArgumentParser):
-    """argparse with no prefix abbreviations (a mistyped option is refused, never read as
-    another one), which records the options it declares (`flags`) and, once it has parsed a
-    command, names them in the result (`own_flags`, the did-you-mean of an unknown option);
-    its subcommands are CommandParsers too."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        self.flags: list[str] = []   # (before argparse's own --help is added)
-        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
-
-    def add_argument(self, *names, **kwargs):
-        self.flags += [n for n in names if n.startswith("-")]
-        return super().add_argument(*names, **kwargs)
-
-    def parse_known_args(self, args=None, namespace=None):
-        parsed, rest = super().parse_known_args(args, namespace)
-        if not hasattr(parsed, "own_flags"):   # (a subcommand's parser sets it first)
-            parsed.own_flags = tuple(self.flags)
-        return parsed, rest
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,9 +19,10 @@ HOUSE = """\
 *Generated from the tree by `python scripts/architecture.py` (tests/test_architecture.py fails
 when this page and the code disagree): edit the docstrings, not this page.*
 
-## The house: two services, one loop per command
+## The house: two services and the commands' loops
 
-Every command composes at most two services and writes its own loop:
+Every command composes at most two services; `train`, `eval` and `generate` write their own
+loop, the three offline stages share one (`stages/common.py::train_batches`):
 
 - **`Sampling`** (`posttrain/sampling/service.py`): the engine over the policy (built by the
   `rollout.ENGINES` registry in one place), the environment, the reward scorer, the prompts and
@@ -34,8 +35,9 @@ Every command composes at most two services and writes its own loop:
   the non-finite guard, the atomic checkpoint (save and restore) and the final save. `train`
   uses `PolicyLearner` (`posttrain/rl/learner.py`: with pi_ref, the teachers and PPO's value
   model); sft, dpo and reward-model use it as it is.
-- **The loop** is the command's own, in the frame of `run/lifecycle.py::Steps` (budget, stop
-  signals, checkpoint cadence) used as a context manager. `train`'s, in `posttrain/rl/loop.py`:
+- **The loop** is written in the frame of `run/lifecycle.py::Steps` (budget, stop signals,
+  checkpoint cadence), a context manager around a plain `for`. `train`'s, in
+  `posttrain/rl/loop.py`:
 
 ```python
 with Steps(run, cfg.steps, "train") as steps:
@@ -56,9 +58,9 @@ with Steps(run, cfg.steps, "train") as steps:
 | command | Sampling | Learner | loop |
 |---|---|---|---|
 | `train` | `Sampling` with a batch source (`rl/job.py`) | `PolicyLearner` | `rl/loop.py::run_training` |
-| `sft`, `dpo`, `reward-model` | held-out greedy answers of a synthetic task | `Learner` | `stages/common.py::train_batches` |
+| `sft`, `dpo`, `reward-model` | held-out greedy answers of a synthetic task | `Learner` | their one loop, `stages/common.py::train_batches` |
 | `eval`, `generate` | `open_sampling` | none | `stages/evaluate.py`, `stages/generate.py` |
-| `serve` | `Sampling` without a scorer | none | the endpoint's requests (`stages/serve.py`) |
+| `serve` | `Sampling` without a scorer (`serve_model`, `stop_serving`) | none | the endpoint's requests (`stages/serve.py`) |
 | `experiment NAME` | the `train` run's `Sampling` | its `PolicyLearner` | the experiment's own |
 
 Adding a rollout engine: one module and its registration in `rollout.ENGINES`

@@ -18,7 +18,7 @@ from posttrain.sampling.setup import SamplingSetup
 from posttrain.sampling.batch import ScoredBatch
 from posttrain.sampling.sources import Ahead, InTurn, load_sampled, make_batch_source, save_sampled
 from posttrain.config.commands import ConfigError
-from posttrain.data.source import Sampler
+from posttrain.data.source import PromptStream
 from posttrain.data.tasks import Problem, Task
 from posttrain.config.options import load_config
 from posttrain.rollout.base import Rollout
@@ -66,7 +66,7 @@ class ScriptedEngine:
         self.closed = True
 
 
-def collector(sampler: Sampler, engine: ScriptedEngine, gen_s: float, seen: list):
+def collector(sampler: PromptStream, engine: ScriptedEngine, gen_s: float, seen: list):
     """Sample a batch of P prompts x G answers, `gen_s` seconds; `seen` gets each draw's prompts."""
     def collect(timings: Counter, tallies):
         engine.use()
@@ -101,7 +101,7 @@ def train(ahead: Ahead, steps: int, update_s: float) -> list[tuple[int, ScoredBa
 
 
 def make(K: int, ahead: int | None = None, gen_s: float = 0.02, load_s: float = 0.0):
-    sampler = Sampler(numbered_task(), seed=0)
+    sampler = PromptStream(numbered_task(), seed=0)
     engine = ScriptedEngine(load_s)
     seen: list = []
     source = Ahead(collector(sampler, engine, gen_s, seen), engine, sampler, K, ahead or K, 0)
@@ -146,8 +146,8 @@ def test_a_slow_trainer_with_a_deeper_lead_drops_stale_batches_and_draws_their_p
     assert len(set(trained)) == len(trained)                    # none trained twice
     task = numbered_task()
     pending = ({p.prompt for s in source.ready for p in s.batch.problems}     # sampled, not trained
-               | {task.train_problem(0, i).prompt for i, _ in source.returned + source.sampler.redo})
-    stream = [p.prompt for p in Sampler(numbered_task(), seed=0).next(len(trained) + 4 * P)]
+               | {task.train_problem(0, i).prompt for i, _ in source.returned + source.prompts.redo})
+    stream = [p.prompt for p in PromptStream(numbered_task(), seed=0).next(len(trained) + 4 * P)]
     first_missing = next(p for p in stream if p not in trained)
     # none skipped: every prompt of the stream before the last trained one was trained, or is
     # still on its way (drawn again after its batch was dropped)
@@ -192,7 +192,7 @@ def test_a_pause_waits_for_the_batch_in_flight_and_loads_the_newest_weights():
 
 
 def test_an_engine_failure_reaches_the_trainer():
-    sampler = Sampler(numbered_task(), seed=0)
+    sampler = PromptStream(numbered_task(), seed=0)
 
     def collect(timings, tallies):
         raise RuntimeError("vLLM engine in-process died")
@@ -269,7 +269,7 @@ def real_pipeline(tokenizer, engine_of):
                              "--reward.workers", "0"])
     task, env, scorer = sampling_inputs(cfg)
     model = make_tiny_model(tokenizer)
-    engine, sampler = engine_of(model), Sampler(task, cfg.seed)
+    engine, sampler = engine_of(model), PromptStream(task, cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
 
     def collect(timings, tallies):
@@ -376,7 +376,7 @@ def test_async_options_are_checked_before_anything_loads(args, message):
 
 
 def test_a_dropped_batchs_prompts_are_drawn_again_first_and_no_longer_wait_for_a_retry():
-    sampler = Sampler(numbered_task(), seed=0, retries=1)
+    sampler = PromptStream(numbered_task(), seed=0, retries=1)
     sampler.drawn = []
     first, _ = sampler.draw(4)
     sampler.report([True, True, False, False])          # two wait to be asked again
@@ -387,7 +387,7 @@ def test_a_dropped_batchs_prompts_are_drawn_again_first_and_no_longer_wait_for_a
     again, _ = sampler.draw(4)
     assert [p.prompt for p in again] == [p.prompt for p in first]
     state = sampler.state()
-    restored = Sampler(numbered_task(), seed=0, retries=1)
+    restored = PromptStream(numbered_task(), seed=0, retries=1)
     restored.load_state({**state, "redo": [[9, 0]]})
     assert restored.redo == [(9, 0)]
 
@@ -456,7 +456,7 @@ def test_every_batch_reaches_the_policy_on_its_device(kind, tmp_path, monkeypatc
     monkeypatch.setattr(loop, "frozen_passes", first_pass)
     monkeypatch.setattr(loop, "check_health", lambda *a: None)
     if kind == "in turn":
-        sampler = Sampler(numbered_task(), seed=0)
+        sampler = PromptStream(numbered_task(), seed=0)
         source = InTurn(collector(sampler, ScriptedEngine(), 0.0, []), ScriptedEngine(), sampler, 0)
     else:
         source, _, _, _ = make(1, gen_s=0.0)

@@ -111,9 +111,9 @@ def test_file_task_splits_a_held_out_set_off_the_file(tmp_path):
 
 
 def test_unsolved_prompts_are_asked_again_first_up_to_the_retry_limit():
-    from posttrain.data.source import Sampler
+    from posttrain.data.source import PromptStream
     task = make_task("addition", 2)
-    s = Sampler(task, 0, retries=2, max_waiting=4)
+    s = PromptStream(task, 0, retries=2, max_waiting=4)
     stream = [task.train_problem(0, i) for i in range(12)]
     problems, keys = s.draw(4)
     assert problems == stream[:4] and keys == [0, 1, 2, 3]
@@ -133,9 +133,9 @@ def test_unsolved_prompts_are_asked_again_first_up_to_the_retry_limit():
 
 
 def test_without_retries_a_draw_is_the_stream_and_its_state_round_trips():
-    from posttrain.data.source import Sampler
+    from posttrain.data.source import PromptStream
     task = make_task("addition", 2)
-    plain, retrying = Sampler(task, 3), Sampler(task, 3, retries=1, max_waiting=2)
+    plain, retrying = PromptStream(task, 3), PromptStream(task, 3, retries=1, max_waiting=2)
     for _ in range(3):
         first = plain.position
         problems, keys = plain.draw(4)
@@ -146,9 +146,9 @@ def test_without_retries_a_draw_is_the_stream_and_its_state_round_trips():
         retrying.draw(4)
         retrying.report([True, False, True, True])
     assert retrying.waiting == [(6, 0), (7, 0)]   # 3 unsolved a round, capped at 2: the newest kept
-    copy = Sampler(task, 3, retries=1, max_waiting=2)
+    copy = PromptStream(task, 3, retries=1, max_waiting=2)
     copy.load_state(retrying.state())
     assert copy.draw(4) == retrying.draw(4)
-    old = Sampler(task, 3)
+    old = PromptStream(task, 3)
     old.load_state({"position": 8})                    # a checkpoint from before retries existed
     assert old.draw(2)[1] == [8, 9]

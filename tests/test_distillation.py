@@ -87,7 +87,7 @@ def test_opsd_teacher_logprobs_line_up_under_a_longer_privileged_context(tmp_pat
     from posttrain.rollout import make_engine
     from posttrain.sampling.collect import generate_and_score
     from posttrain.rl.frozen import teacher_view
-    from posttrain.data.source import Sampler, build_task
+    from posttrain.data.source import PromptStream, build_task
     from posttrain.model.prompts import encode_prompts
     from posttrain.rollout.forward import frozen_logprobs
     cfg = load_config(None, [*OPD, "--teacher.path", "self", "--teacher.context_template",
@@ -97,7 +97,7 @@ def test_opsd_teacher_logprobs_line_up_under_a_longer_privileged_context(tmp_pat
     batch, _ = generate_and_score(SamplingSetup(cfg=cfg,
                                                 engine=make_engine("hf", model, tokenizer),
                                                 tokenizer=tokenizer, scorer=Scorer(cfg.reward),
-                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                prompts=PromptStream(build_task(cfg.data), 0),
                                                 generator=torch.Generator().manual_seed(0)), Counter())
     view = teacher_view(batch, cfg, tokenizer)
     assert view.prompt_ids_B_L.shape[1] > batch.rollout.prompt_ids_B_L.shape[1]
@@ -146,7 +146,7 @@ def test_mopd_routes_each_domain_to_its_teacher_loaded_lazily_and_shared(tmp_pat
     from posttrain.rollout import make_engine
     from posttrain.rl.teachers import Teachers
     from posttrain.sampling.collect import generate_and_score
-    from posttrain.data.source import Sampler, build_task
+    from posttrain.data.source import PromptStream, build_task
     from posttrain.rollout.forward import frozen_logprobs
     a = make_tiny_model(tokenizer, seed=11)
     b = make_tiny_model(tokenizer, seed=12)
@@ -166,7 +166,7 @@ def test_mopd_routes_each_domain_to_its_teacher_loaded_lazily_and_shared(tmp_pat
     batch, _ = generate_and_score(SamplingSetup(cfg=cfg,
                                                 engine=make_engine("hf", student, tokenizer),
                                                 tokenizer=tokenizer, scorer=Scorer(cfg.reward),
-                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                prompts=PromptStream(build_task(cfg.data), 0),
                                                 generator=torch.Generator().manual_seed(0)), Counter())
     domains = [p.domain for p in batch.problems]
     assert set(domains) == {"addition", "countdown"}
@@ -225,7 +225,7 @@ def test_exact_loss_targets_the_teacher_at_its_own_temperature(tmp_path, tokeniz
     from posttrain.rl.teachers import Teachers
     from posttrain.sampling.collect import generate_and_score
     from posttrain.rl.update import update_policy
-    from posttrain.data.source import Sampler, build_task
+    from posttrain.data.source import PromptStream, build_task
     extra = ["--teacher.temperature", str(teacher_temperature)] if teacher_temperature else []
     cfg = load_config(None, [*OPD, "--teacher.path", "t", "--algorithm.distill_loss", "exact",
                              "--rollout.temperature", "0.8", *extra])
@@ -233,7 +233,7 @@ def test_exact_loss_targets_the_teacher_at_its_own_temperature(tmp_path, tokeniz
     batch, _ = generate_and_score(SamplingSetup(cfg=cfg,
                                                 engine=make_engine("hf", student, tokenizer),
                                                 tokenizer=tokenizer, scorer=Scorer(cfg.reward),
-                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                prompts=PromptStream(build_task(cfg.data), 0),
                                                 generator=torch.Generator().manual_seed(0)), Counter())
     r, m = batch.rollout, batch.loss_mask_B_T
     with torch.no_grad():

@@ -29,7 +29,7 @@ def test_every_docs_table_is_what_its_records_render():
 
 
 @pytest.mark.parametrize("name, record", [
-    ("default", "default-2026-12-03/posttrain-s1/bench.json"),
+    ("default", "default-2026-12-07/posttrain-s1/bench.json"),
     ("presets", "presets-2026-12-02/ppo/posttrain-s2/bench.json"),
     ("opd", "opd-2026-12-04/posttrain-s0/bench.json"),
     ("opsd", "opsd-2026-12-04/posttrain-s2/bench.json"),

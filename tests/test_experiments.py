@@ -445,3 +445,14 @@ def test_answer_collapse_is_the_share_of_problems_given_the_commonest_answer(tmp
     got = answer_collapse(path)
     assert got[0]["top_share"] == 0.5 and got[0]["step"] == 0
     assert got[1] == {"step": 5, "top_completion": "100", "top_share": 0.75}   # stripped alike
+
+
+def test_an_experiments_budget_ends_its_loops_and_names_them_for_the_record():
+    """Progress.range: past the deadline a loop ends after its first item and is named in
+    `cut` (the record's max_minutes_cut); without one every item runs. No module globals: two
+    experiments in one process have budgets of their own."""
+    import time
+    from posttrain.experiments.common import Progress
+    spent, free = Progress(False, deadline=time.monotonic() - 1), Progress(False)
+    assert list(spent.range(5, "arm a")) == [0] and spent.cut == ["arm a: 1 of 5"]
+    assert list(free.range(3, "arm b")) == [0, 1, 2] and free.cut == [] and not free

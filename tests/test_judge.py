@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from posttrain.config.options import load_config
-from posttrain.data.source import Sampler, build_task
+from posttrain.data.source import PromptStream, build_task
 from posttrain.losses.advantages import (ADVANTAGES, AdvantageInputs, AdvantageParams,
                                          excluding_unscored, grpo_advantage, rloo_advantage)
 from posttrain.rewards import Scorer
@@ -224,7 +224,7 @@ def test_a_half_failing_judge_trains_with_its_failures_out_of_the_baseline_and_l
         batch, stats = generate_and_score(SamplingSetup(cfg=cfg,
                                                         engine=make_engine("hf", make_tiny_model(tokenizer), tokenizer),
                                                         tokenizer=tokenizer, scorer=scorer,
-                                                        prompts=Sampler(build_task(cfg.data), 0),
+                                                        prompts=PromptStream(build_task(cfg.data), 0),
                                                         generator=torch.Generator().manual_seed(0)), Counter())
         odd = torch.tensor([len(c) % 2 == 1 for c in batch.completions])
         assert odd.any() and (~odd).any()

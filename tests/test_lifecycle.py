@@ -397,3 +397,20 @@ def test_the_budget_ends_the_loop_with_its_last_step_saved_and_a_second_signal_a
                     _kill_self()
                     _kill_self()       # (the second signal: the step is abandoned at once)
     assert (job.abandoned_step, job.steps_done, steps.stop_signal) == (2, 1, "SIGTERM")
+
+
+def test_a_run_whose_model_fails_to_load_stops_what_its_inputs_started(tmp_path, monkeypatch):
+    """The inputs are checked (the reward sandbox started) before any model loads; a model that
+    then fails to load stops the sampling service (sandbox, environment) and leaves no folder."""
+    import posttrain.rl.job as job_mod
+    closed = []
+
+    def no_model(*args, **kwargs):
+        raise RuntimeError("no model here")
+    monkeypatch.setattr(job_mod, "load_models", no_model)
+    monkeypatch.setattr(job_mod.Sampling, "close",
+                        lambda self, wait_s=60.0: closed.append(self.scorer is not None))
+    cfg = toy_config(tmp_path, *COMMON)
+    with pytest.raises(RuntimeError, match="no model here"):
+        job_mod.start_training(cfg, None, None, None, None, show_progress=False)
+    assert closed == [True] and not (tmp_path / "run").exists()

@@ -72,7 +72,7 @@ def test_one_critic_update_lowers_the_value_loss_on_fixed_returns(tmp_path, toke
     a wrong sign or a critic whose step does not reach its weights fails it."""
     from collections import Counter
 
-    from posttrain.data.source import Sampler
+    from posttrain.data.source import PromptStream
     from posttrain.rewards import Scorer
     from posttrain.sampling.collect import generate_and_score
     from posttrain.rl.update import update_policy
@@ -82,7 +82,7 @@ def test_one_critic_update_lowers_the_value_loss_on_fixed_returns(tmp_path, toke
     batch, _ = generate_and_score(SamplingSetup(cfg=cfg,
                                                 engine=make_engine("hf", model, tokenizer),
                                                 tokenizer=tokenizer, scorer=Scorer(cfg.reward),
-                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                prompts=PromptStream(build_task(cfg.data), 0),
                                                 generator=torch.Generator().manual_seed(0)), Counter())
     critic = Critic(cfg.critic, model)
     mask = batch.loss_mask_B_T

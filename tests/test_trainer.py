@@ -17,7 +17,7 @@ from posttrain.sampling.setup import SamplingSetup
 from posttrain.rl.loop import train
 from posttrain.losses.policy import POLICY_LOSSES, objective_reads
 from posttrain.rl.update import update_policy
-from posttrain.data.source import Sampler, build_task
+from posttrain.data.source import PromptStream, build_task
 from posttrain.model.prompts import encode_prompts
 from posttrain.rollout.forward import frozen_logprobs
 from tests.conftest import make_tiny_model, learner_for
@@ -60,7 +60,7 @@ def test_every_preset_moves_the_policy_toward_its_own_advantages(tmp_path, token
     batch, _ = generate_and_score(SamplingSetup(cfg=cfg,
                                                 engine=make_engine("hf", model, tokenizer),
                                                 tokenizer=tokenizer, scorer=Scorer(cfg.reward),
-                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                prompts=PromptStream(build_task(cfg.data), 0),
                                                 generator=torch.Generator().manual_seed(0)), Counter())
     G = batch.rollout.group_size
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0] * (len(batch.rewards_B) // 4))   # every group mixed
@@ -122,13 +122,12 @@ def test_recorded_old_logprobs_match_a_recomputed_forward(tokenizer, tiny_model)
 
 def test_one_update_has_ratio_one_and_clipped_equals_vanilla(tmp_path, tokenizer):
     cfg = toy_config(tmp_path, "--steps", "1", "--optim.lr", "1e-2")
-    algo = cfg.algo
     model_a = make_tiny_model(tokenizer, seed=3)
     engine = make_engine("hf", model_a, tokenizer)
     task = build_task(cfg.data)
     batch, _ = generate_and_score(SamplingSetup(cfg=cfg, engine=engine, tokenizer=tokenizer,
                                                 scorer=Scorer(cfg.reward),
-                                                prompts=Sampler(task, 0),
+                                                prompts=PromptStream(task, 0),
                                                 generator=torch.Generator().manual_seed(0)), Counter())
     adv = torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T
     start = torch.cat([p.detach().flatten() for p in model_a.parameters()])
@@ -163,7 +162,7 @@ def test_several_epochs_move_the_ratio_and_clip(tmp_path, tokenizer):
     engine = make_engine("hf", model, tokenizer)
     batch, _ = generate_and_score(SamplingSetup(cfg=cfg, engine=engine, tokenizer=tokenizer,
                                                 scorer=Scorer(cfg.reward),
-                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                prompts=PromptStream(build_task(cfg.data), 0),
                                                 generator=torch.Generator().manual_seed(0)), Counter())
     adv = torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T
     opt = torch.optim.AdamW(model.parameters(), lr=5e-2)
@@ -187,7 +186,7 @@ def test_each_objective_moves_the_policy_toward_its_advantages(tmp_path, tokeniz
     engine = make_engine("hf", model, tokenizer)
     batch, _ = generate_and_score(SamplingSetup(cfg=cfg, engine=engine, tokenizer=tokenizer,
                                                 scorer=Scorer(cfg.reward),
-                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                prompts=PromptStream(build_task(cfg.data), 0),
                                                 generator=torch.Generator().manual_seed(0)), Counter())
     g = torch.Generator().manual_seed(1)
     adv = torch.randn(len(batch.rewards_B), 1, generator=g).expand_as(batch.loss_mask_B_T) * batch.loss_mask_B_T
@@ -259,7 +258,7 @@ def test_dynamic_sampling_never_trains_on_an_all_equal_group(tmp_path, tokenizer
                              "--algorithm.overlong", "none", "--rollout.group_size", "4"])
     model = make_tiny_model(tokenizer, seed=5)
     engine = make_engine("hf", model, tokenizer)
-    sampler = Sampler(build_task(cfg.data), 0)
+    sampler = PromptStream(build_task(cfg.data), 0)
     for _ in range(3):
         batch, stats = generate_and_score(SamplingSetup(cfg=cfg, engine=engine,
                                                         tokenizer=tokenizer,
@@ -358,7 +357,7 @@ def test_skipping_zero_advantage_groups_gives_the_same_update(tmp_path, tokenize
     engine = make_engine("hf", model, tokenizer)
     batch, _ = generate_and_score(SamplingSetup(cfg=cfg, engine=engine, tokenizer=tokenizer,
                                                 scorer=Scorer(cfg.reward),
-                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                prompts=PromptStream(build_task(cfg.data), 0),
                                                 generator=torch.Generator().manual_seed(0)), Counter())
     adv = torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T
     adv[:4] = 0.0                                     # the first group carries no signal
@@ -384,7 +383,7 @@ def test_a_batch_without_any_signal_still_steps(tmp_path, tokenizer):
     engine = make_engine("hf", model, tokenizer)
     batch, _ = generate_and_score(SamplingSetup(cfg=cfg, engine=engine, tokenizer=tokenizer,
                                                 scorer=Scorer(cfg.reward),
-                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                prompts=PromptStream(build_task(cfg.data), 0),
                                                 generator=torch.Generator().manual_seed(0)), Counter())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     before = [p.detach().clone() for p in model.parameters()]
@@ -399,7 +398,7 @@ def test_retry_if_picks_the_unsolved_or_the_mixed_groups(retry_if, expected):
     from posttrain.data.tasks import make_task
     from posttrain.sampling.collect import report_solved
     correct = torch.tensor([1, 1, 1, 0, 0, 0], dtype=torch.bool)   # G=2: solved, mixed, all wrong
-    sampler = Sampler(make_task("addition", 2), 0, retries=1)
+    sampler = PromptStream(make_task("addition", 2), 0, retries=1)
     sampler.draw(3)
     report_solved(sampler, correct, 2, retry_if, SINGLE)
     assert [i for i, _ in sampler.waiting] == expected

@@ -14,7 +14,7 @@ import posttrain
 from tests.conftest import make_tiny_model, learner_for
 from posttrain.sampling.batch import ScoredBatch, merge
 from posttrain.config.options import load_config
-from posttrain.data.source import Sampler, build_task
+from posttrain.data.source import PromptStream, build_task
 from posttrain.data.tasks import Problem
 from posttrain.rewards import Scorer
 from posttrain.rollout import Rollout, make_engine
@@ -73,7 +73,7 @@ def test_one_update_reads_its_metrics_from_the_device_once(tmp_path, tokenizer, 
     batch, _ = generate_and_score(SamplingSetup(cfg=cfg,
                                                 engine=make_engine("hf", model, tokenizer),
                                                 tokenizer=tokenizer, scorer=Scorer(cfg.reward),
-                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                prompts=PromptStream(build_task(cfg.data), 0),
                                                 generator=torch.Generator().manual_seed(0)), Counter())
     adv = torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -219,7 +219,7 @@ def test_a_token_budget_cuts_micro_batches_to_whole_groups_and_leaves_the_update
     batch, _ = generate_and_score(SamplingSetup(cfg=cfg,
                                                 engine=make_engine("hf", model, tokenizer),
                                                 tokenizer=tokenizer, scorer=Scorer(cfg.reward),
-                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                prompts=PromptStream(build_task(cfg.data), 0),
                                                 generator=torch.Generator().manual_seed(0)), Counter())
     batch = replace(batch, adv_B_T=torch.randn(batch.loss_mask_B_T.shape) * batch.loss_mask_B_T)
     per_group = batch.rollout.prompt_ids_B_L.shape[1] + 4 * batch.rollout.response_ids_B_T.shape[1]

@@ -16,7 +16,7 @@ import torch
 import verifiers.v1  # noqa: F401  (installed by scripts/install-cpu.sh: a broken install fails)
 
 from posttrain.config.options import load_config
-from posttrain.data.source import Sampler, build_task
+from posttrain.data.source import PromptStream, build_task
 from posttrain.envs import for_tokenizer, make_env
 from posttrain.losses.advantages import ADVANTAGES, AdvantageInputs, AdvantageParams
 from posttrain.rewards import Scorer
@@ -100,7 +100,7 @@ def test_an_infinite_taskset_draws_only_what_a_step_needs(tokenizer):
     each step's draw reads only its prompts; 3 held out are drawn from the first 15 read."""
     _, task, _ = loaded("kuhn-poker", tokenizer, "--data.eval_size", "0")
     assert len(task.stream.tasks) == 1 and task.eval_problems == []
-    sampler = Sampler(task, 0)
+    sampler = PromptStream(task, 0)
     for step in (1, 2):
         problems, _ = sampler.draw(2)
         assert [p.meta["verifiers_index"] for p in problems] == [2 * step - 2, 2 * step - 1]
@@ -152,7 +152,7 @@ def test_kuhn_poker_trains_each_seat_as_its_own_row(tokenizer):
     cfg, task, env = loaded("kuhn-poker", tokenizer)
     batch, _ = generate_and_score(SamplingSetup(cfg=cfg, engine=Scripted(tokenizer, kuhn_move),
                                                 tokenizer=tokenizer, scorer=Scorer(cfg.reward),
-                                                prompts=Sampler(task, 0),
+                                                prompts=PromptStream(task, 0),
                                                 generator=torch.Generator(), env=env), Counter())
     env.close()
     assert [p.meta["seat"] for p in batch.problems] == ["player0", "player0", "player1", "player1"]
@@ -231,7 +231,7 @@ def test_a_seat_that_runs_twice_trains_its_first_trace_and_an_untrainable_one_no
         batch, stats = generate_and_score(SamplingSetup(cfg=cfg, engine=engine,
                                                         tokenizer=tokenizer,
                                                         scorer=Scorer(cfg.reward),
-                                                        prompts=Sampler(task, 0),
+                                                        prompts=PromptStream(task, 0),
                                                         generator=torch.Generator(), env=env), Counter())
     env.close()
     assert engine.calls == 6   # (2 episodes x 3 answers)

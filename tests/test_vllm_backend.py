@@ -22,7 +22,7 @@ from posttrain.rollout.vllm import (Completion, completion_from_openai, completi
 from posttrain.sampling.collect import generate_and_score
 from posttrain.sampling.setup import SamplingSetup
 from posttrain.rl.update import update_policy
-from posttrain.data.source import Sampler, build_task
+from posttrain.data.source import PromptStream, build_task
 from tests.conftest import make_tiny_model, learner_for
 from tests.test_trainer import toy_config
 
@@ -78,7 +78,7 @@ def test_another_engines_logprobs_reweight_the_update_by_the_capped_ratio(tmp_pa
     batch, _ = generate_and_score(SamplingSetup(cfg=cfg,
                                                 engine=make_engine("hf", make_tiny_model(tokenizer, seed=11), tokenizer),
                                                 tokenizer=tokenizer, scorer=Scorer(cfg.reward),
-                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                prompts=PromptStream(build_task(cfg.data), 0),
                                                 generator=torch.Generator().manual_seed(0)), Counter())
     adv = torch.randn(batch.loss_mask_B_T.shape, generator=torch.Generator().manual_seed(1))
     adv = adv * batch.loss_mask_B_T
@@ -227,7 +227,7 @@ def test_the_bf16_copy_is_corrected_like_another_engine(tmp_path, tokenizer):
     batch, _ = generate_and_score(SamplingSetup(cfg=cfg,
                                                 engine=make_engine("hf", make_tiny_model(tokenizer, seed=11), tokenizer),
                                                 tokenizer=tokenizer, scorer=Scorer(cfg.reward),
-                                                prompts=Sampler(build_task(cfg.data), 0),
+                                                prompts=PromptStream(build_task(cfg.data), 0),
                                                 generator=torch.Generator().manual_seed(0)), Counter())
     adv = torch.randn(batch.loss_mask_B_T.shape, generator=torch.Generator().manual_seed(1))
     adv = adv * batch.loss_mask_B_T

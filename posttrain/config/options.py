@@ -13,6 +13,7 @@ is one line naming the field and the fix.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import inspect
@@ -30,6 +31,27 @@ from posttrain.util.checks import coerce, did_you_mean, type_hint
 from posttrain.config.commands import StageConfig, TrainConfig
 from posttrain.util.errors import ConfigError
 from posttrain.config.presets import PRESETS, AlgorithmConfig
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse with no prefix abbreviations (a mistyped option is refused, never read as
+    another one), which records the options it declares (`flags`) and, once it has parsed a
+    command, names them in the result (`own_flags`, the did-you-mean of an unknown option);
+    its subcommands are CommandParsers too."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.flags: list[str] = []   # (before argparse's own --help is added)
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
+    def add_argument(self, *names, **kwargs):
+        self.flags += [n for n in names if n.startswith("-")]
+        return super().add_argument(*names, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        if not hasattr(parsed, "own_flags"):   # (a subcommand's parser sets it first)
+            parsed.own_flags = tuple(self.flags)
+        return parsed, rest
 
 
 def option_names(cls: type, prefix: str = "") -> list[str]:

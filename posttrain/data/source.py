@@ -51,7 +51,7 @@ def build_task(d: DataConfig, needs_answer: bool = True) -> Task:
     return task
 
 
-class Sampler:
+class PromptStream:
     """Draws training prompts in a fixed order; its position (and the prompts waiting to be asked
     again) are saved in checkpoints.
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from posttrain.losses.advantages import (batch_mean_baseline_advantage, grpo_advantage,
                                   group_mean_baseline_advantage, reinforce_advantage,
                                   rloo_advantage)
-from posttrain.experiments.common import (CountSketch, flat_grad, jackknife, progress_range,
+from posttrain.experiments.common import (CountSketch, Progress, flat_grad, jackknife,
                                           sample_batch)
 from posttrain.rollout.forward import sequence_logprobs
 
@@ -101,12 +101,12 @@ def arm_statistics(g_K_R: Tensor, none_K_R: Tensor) -> dict[str, float | None]:
     return stats
 
 
-def run(run, out, repeats: int, progress: bool) -> dict:
+def run(run, out, repeats: int, progress: Progress) -> dict:
     dim = sum(p.numel() for p in run.learner.model.parameters() if p.requires_grad)
     sketch = CountSketch(dim, SKETCH, seed=run.cfg.seed)
     grads: dict[str, list[Tensor]] = {arm: [] for arm in ARMS}
     rewards, all_equal = [], 0
-    for _ in progress_range(repeats, "baselines: batch", progress):
+    for _ in progress.range(repeats, "baselines: batch"):
         g, r = arm_gradients(run, sketch)
         for arm, v in g.items():
             grads[arm].append(v)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from posttrain.experiments.common import mean_of, plot_per_step, train_arm
+from posttrain.experiments.common import Progress, mean_of, plot_per_step, train_arm
 from posttrain.config.presets import PRESETS, AlgorithmConfig
 
 CLAIM = ("a symmetric clip holds down rare tokens with positive advantage and the entropy "
@@ -59,7 +59,7 @@ def bound(algo: AlgorithmConfig) -> str:
     return BOUNDS.get(algo.policy_loss, other)(algo)
 
 
-def run(run, out, repeats: int, progress: bool) -> dict:
+def run(run, out, repeats: int, progress: Progress) -> dict:
     # each arm as it trains: the recipe's algorithm (and the user's overrides) with the arm's changes
     bounds = {arm: bound(replace(run.cfg, algorithm={**run.cfg.algorithm, **changes}).algo)
               for arm, changes in ARMS.items()}

@@ -11,7 +11,7 @@ import math
 import shutil
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,21 +59,30 @@ def sample_batch(run: RLJob) -> ScoredBatch:
     return batch
 
 
-_deadline = [math.inf]   # --max_minutes of an experiment: when its measurement loops stop
-_cut: list[str] = []     # the loops it cut short, said in the record
+@dataclass
+class Progress:
+    """How an experiment shows its progress (bars, or with --no-progress log lines) and its
+    --max_minutes: the measurement loops `range` draws end at `deadline` (time.monotonic()),
+    and `cut` names the loops cut short, for the record. True when bars are shown."""
 
+    shown: bool = True
+    deadline: float = math.inf
+    cut: list[str] = field(default_factory=list)
 
-def progress_range(n: int, desc: str, progress: bool):
-    """range(n) with a progress bar, or (--no-progress) a log line as each item starts; it ends
-    early once the experiment's --max_minutes have passed (the figures then cover fewer items)."""
-    for i in tqdm(range(n), desc=desc, dynamic_ncols=True, disable=not progress):
-        if i and time.monotonic() >= _deadline[0]:   # (the first item always runs)
-            log.warning("%s: max_minutes reached after %d of %d", desc, i, n)
-            _cut.append(f"{desc}: {i} of {n}")
-            return
-        if not progress:
-            log.info("%s: %d/%d", desc, i + 1, n)
-        yield i
+    def __bool__(self) -> bool:
+        return self.shown
+
+    def range(self, n: int, desc: str):
+        """range(n) with a progress bar or a log line as each item starts; it ends early once
+        the deadline has passed (the figures then cover fewer items; the first always runs)."""
+        for i in tqdm(range(n), desc=desc, dynamic_ncols=True, disable=not self.shown):
+            if i and time.monotonic() >= self.deadline:
+                log.warning("%s: max_minutes reached after %d of %d", desc, i, n)
+                self.cut.append(f"{desc}: {i} of {n}")
+                return
+            if not self.shown:
+                log.info("%s: %d/%d", desc, i + 1, n)
+            yield i
 
 
 def flat_grad(model) -> Tensor:
@@ -235,19 +244,20 @@ def run_experiment(name: str, overrides: list[str], out: Path | None, repeats: i
     if module.KEEP_FREED_MEMORY:   # same-sized buffers every batch: reuse them, no page faults
         tune_malloc()
     t0 = time.perf_counter()
-    _deadline[0] = time.monotonic() + cfg.max_minutes * 60 if cfg.max_minutes else math.inf
-    _cut.clear()
+    shown = Progress(progress, time.monotonic() + cfg.max_minutes * 60 if cfg.max_minutes
+                     else math.inf)
     run = None
     try:
         run = start_training(cfg, None, None, None, None, progress)
-        numbers = module.run(run, out, repeats, progress)
-    finally:   # (the next experiment in this process starts without a deadline)
-        _deadline[0] = math.inf
-        if run is not None:   # the run's engine, sandbox and environment stop; its logs close
-            close_sources(run)
-            run.logger.close()
-    if _cut:
-        numbers["max_minutes_cut"] = list(_cut)
+        numbers = module.run(run, out, repeats, shown)
+    finally:   # the run's engine, sandbox and environment stop; its logs close
+        if run is not None:
+            try:
+                close_sources(run)
+            finally:
+                run.logger.close()
+    if shown.cut:
+        numbers["max_minutes_cut"] = list(shown.cut)
     seconds = time.perf_counter() - t0
     record = write_record(out, name, module.CLAIM, numbers, command, seconds)
     figure = module.plot(numbers, out / f"{name}.png")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from posttrain.experiments.common import mean_of, plot_per_step, train_arm
+from posttrain.experiments.common import Progress, mean_of, plot_per_step, train_arm
 
 CLAIM = ("groups whose answers all earn the same reward teach nothing; dynamic sampling refills "
          "the batch with groups that carry a signal, which costs generation and buys learning "
@@ -30,7 +30,7 @@ MIN_REPEATS = 2
 ARMS = {"off": {"dynamic_sampling": False}, "on": {"dynamic_sampling": True}}
 
 
-def run(run, out, repeats: int, progress: bool) -> dict:
+def run(run, out, repeats: int, progress: Progress) -> dict:
     arms = {arm: train_arm(run, arm, algorithm, Path(out), repeats, progress)
             for arm, algorithm in ARMS.items()}
     for n in arms.values():

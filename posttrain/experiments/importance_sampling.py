@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from posttrain.losses.advantages import grpo_advantage
-from posttrain.experiments.common import progress_range, sample_batch
+from posttrain.experiments.common import Progress, sample_batch
 from posttrain.rollout.forward import frozen_logprobs, group_chunks, sequence_logprobs
 from posttrain.losses.common import masked_mean
 from posttrain.losses.correction import ratio_stats
@@ -95,7 +95,7 @@ def run_arm(start, data: ReusedBatch, arm: str, run, epochs: int, *,
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
                                   weight_decay=o.weight_decay)
     mask, rows = batch.loss_mask_B_T, []
-    for _ in progress_range(epochs, f"importance-sampling {arm}: epoch", progress):
+    for _ in progress.range(epochs, f"importance-sampling {arm}: epoch"):
         logp = epoch(model, optimizer, data, arm, run)
         rows.append(drift(logp, old, adv, mask, eps))
     after = frozen_logprobs(model, batch.rollout, run.cfg.rollout.temperature,
@@ -104,7 +104,7 @@ def run_arm(start, data: ReusedBatch, arm: str, run, epochs: int, *,
     return rows
 
 
-def run(run, out, repeats: int, progress: bool) -> dict:
+def run(run, out, repeats: int, progress: Progress) -> dict:
     cfg = run.cfg
     batch = sample_batch(run)
     old = frozen_logprobs(run.learner.model, batch.rollout, cfg.rollout.temperature,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posttrain.experiments.common import jackknife, mean_se, progress_range, sample_batch
+from posttrain.experiments.common import Progress, jackknife, mean_se, sample_batch
 from posttrain.rollout.base import Rollout
 from posttrain.rollout.forward import sequence_logprobs
 from posttrain.losses.common import token_logprobs
@@ -181,12 +181,12 @@ def _sd(xs: list[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / max(len(xs) - 1, 1))
 
 
-def run(run, out, repeats: int, progress: bool) -> dict:
+def run(run, out, repeats: int, progress: Progress) -> dict:
     refs = {d: drifted_copy(run.learner.model, d, seed=run.cfg.seed + i) for i, d in enumerate(DRIFTS)}
     acc = {d: {"errors": {n: [] for n in KL_ESTIMATORS}, "values": {n: [] for n in KL_ESTIMATORS},
                "exact": [], "products": {}} for d in DRIFTS}
     measured = 0
-    for _ in progress_range(repeats, "kl-estimators: batch", progress):
+    for _ in progress.range(repeats, "kl-estimators: batch"):
         measure_batch(run, refs, acc)
         measured += 1
     rows = {}

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from posttrain.losses.advantages import ADVANTAGES, AdvantageInputs, AdvantageParams
 from posttrain.config.commands import ConfigError
-from posttrain.experiments.common import jackknife, progress_range, sample_batch
+from posttrain.experiments.common import Progress, jackknife, sample_batch
 from posttrain.rollout.forward import group_chunks, sequence_logprobs
 from posttrain.losses.aggregation import AGGREGATIONS, aggregate
 from posttrain.losses.common import masked
@@ -234,7 +234,7 @@ def check_sampling(cfg) -> None:
                           "no overlong filter")
 
 
-def run(run, out, repeats: int, progress: bool) -> dict:
+def run(run, out, repeats: int, progress: Progress) -> dict:
     cfg, model = run.cfg, run.learner.model
     check_sampling(cfg)
     saved = [p.detach().clone() for p in model.parameters()]
@@ -242,7 +242,7 @@ def run(run, out, repeats: int, progress: bool) -> dict:
     data: dict[str, dict[str, list]] = {a: {"sums": [], "x": [], "y": [], "d": [], "twin": []}
                                         for a in ARMS}
     before = []
-    for _ in progress_range(repeats, "length-bias: pair of batches", progress):
+    for _ in progress.range(repeats, "length-bias: pair of batches"):
         arms, sums = measure_pair(run, saved, distance)
         before.append(sums)
         for arm, m in arms.items():

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from posttrain.experiments.common import mean_of, plot_per_step, train_arm
+from posttrain.experiments.common import Progress, mean_of, plot_per_step, train_arm
 from posttrain.config.presets import PRESETS
 
 CLAIM = ("under GRPO's 1/|o| aggregation wrong answers grow longer over training; token-mean and "
@@ -48,7 +48,7 @@ def quarters(values: list[float | None]) -> tuple[float | None, float | None]:
     return mean_of(values[:tail]), mean_of(values[-tail:])
 
 
-def run(run, out, repeats: int, progress: bool) -> dict:
+def run(run, out, repeats: int, progress: Progress) -> dict:
     arms = {arm: train_arm(run, arm, algorithm, Path(out), repeats, progress)
             for arm, algorithm in ARMS.items()}
     for n in arms.values():

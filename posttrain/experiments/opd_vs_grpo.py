@@ -23,7 +23,7 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from posttrain.experiments.common import train_arm
+from posttrain.experiments.common import Progress, train_arm
 from posttrain.config.options import load_config, recipe_path
 
 CLAIM = ("on-policy distillation learns from the teacher's judgement of every token, so the "
@@ -62,7 +62,7 @@ def first_reaching(steps: list[int], accuracy: list[float], minutes: list[float]
     return {"step": None, "minutes": None}
 
 
-def run(run, out, repeats: int, progress: bool) -> dict:
+def run(run, out, repeats: int, progress: Progress) -> dict:
     out = Path(out)
     rl = train_arm(run, "grpo", {}, out, repeats, progress,
                    eval_every=EVAL_EVERY_RL, keep_model=True)

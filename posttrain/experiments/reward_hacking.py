@@ -29,7 +29,7 @@ from pathlib import Path
 
 from posttrain.config.commands import StageConfig
 from posttrain.config.sections import ModelConfig, StageDataConfig
-from posttrain.experiments.common import mean_of, plot_per_step, train_arm
+from posttrain.experiments.common import Progress, mean_of, plot_per_step, train_arm
 from posttrain.stages.reward_model import reward_model
 
 CLAIM = ("a policy optimised against a learned reward model finds what the model rewards and "
@@ -67,7 +67,7 @@ def answer_collapse(eval_samples: Path) -> list[dict]:
     return out
 
 
-def run(run, out, repeats: int, progress: bool) -> dict:
+def run(run, out, repeats: int, progress: Progress) -> dict:
     out = Path(out)
     pairs = min(RM_PAIRS, RM_PAIRS_PER_STEP * repeats)
     rm = reward_model(reward_model_config(run, out, pairs), show_progress=progress)

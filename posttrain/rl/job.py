@@ -21,17 +21,18 @@ from posttrain.config.commands import ConfigError, TrainConfig
 from posttrain.config.presets import AlgorithmConfig
 from posttrain.util.errors import FailingSourceError
 from posttrain.util.health import FailureWatch, Tally
-from posttrain.data.source import Sampler
+from posttrain.data.source import PromptStream
 from posttrain.data.tasks import Problem
 from posttrain.sampling.evaluation import eval_settings
 from posttrain.logs.metrics import plot_run
 from posttrain.rl.token_records import drop_after
 from posttrain.model.memory import estimate as estimate_memory
-from posttrain.model.loading import add_lora, check_model_folder, load_model, load_policy
+from posttrain.model.loading import (add_lora, check_model_folder, load_model, load_policy,
+                                     resolve_model_path)
 from posttrain.rewards.scorer import Scorer
 from posttrain.envs import for_tokenizer
 from posttrain.rollout import async_core_split
-from posttrain.sampling.service import Sampling, isolation, sampling_engine, sampling_inputs
+from posttrain.sampling.service import Sampling, sampling_engine, sampling_inputs
 from posttrain.run.optim import make_adamw, make_scheduler
 from posttrain.rl.teachers import Teachers
 from posttrain.rl.critic import Critic
@@ -102,8 +103,10 @@ def load_models(cfg: TrainConfig, ckpt: Path | None, model, tokenizer, teacher):
     tokenizer and the distillation teachers, whose tokenizers are checked before the student's
     weights load. Returns (model, tokenizer, teachers, the folder the policy came from)."""
     lora = cfg.lora.rank > 0
-    # (LoRA: the base model never changes; checkpoints hold the adapters)
-    folder = ckpt / "model" if ckpt is not None and not lora and model is None else None
+    folder = None   # (LoRA: the base model never changes; checkpoints hold the adapters)
+    if model is None:
+        folder = (ckpt / "model" if ckpt is not None and not lora
+                  else resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     _, tokenizer, path = load_model(cfg.model, model, tokenizer, folder=folder, weights=False)
     teachers = (Teachers(cfg.teacher, tokenizer, cfg.model.cache_dir, teacher)
                 if cfg.algo.advantage in NEEDS_TEACHER else None)
@@ -148,9 +151,9 @@ def checkpoint(run: RLJob, step: int) -> None:
         return
     run.saved_step = step
     prompts = run.sampling.prompts
-    extra = {"data_position": prompts.position, "data": prompts.state(),
-             "train_seconds": run.train_seconds, "log_rows": run.logger.line_counts()}
-    with run.sampling.paused(load_latest=False):
+    with run.sampling.paused(load_latest=False):   # (read while the engine draws nothing)
+        extra = {"data_position": prompts.position, "data": prompts.state(),
+                 "train_seconds": run.train_seconds, "log_rows": run.logger.line_counts()}
         run.learner.save_checkpoint(run.run_dir, step, extra, {"in_flight": run.sampling.save})
 
 
@@ -244,35 +247,48 @@ def place_models(job: Job, model, tokenizer, teachers, scorer: Scorer, env):
 def start_training(cfg: TrainConfig, resume: str | Path | None, model, tokenizer, teacher,
                    show_progress: bool = True) -> RLJob:
     """The common start (threads, seed, world, resume point), the inputs checked before any model
-    loads; the policy, pi_ref, teachers and value model loaded, placed and wrapped; the learner
-    and the sampling service; the run folder opened and a checkpoint restored."""
+    loads, the sampling service over them; the run built (build_run); a checkpoint restored.
+    Anything failing on the way stops the sandbox and environment the inputs started."""
     split = async_core_split(cfg.rollout)   # (sampling ahead on a CPU: the lower half of the cores)
     job = start_job("train", cfg, resume, show_progress, threads=split[0] if split else None)
     task, env, scorer = check_inputs(job, teacher)
+    prompts = PromptStream(task, cfg.seed, retries=cfg.data.retry_unsolved,
+                           max_waiting=cfg.rollout.prompts_per_step)
+    # (sampling ahead runs in a thread: never the run's generator, which the update draws from)
+    generator = job.generator if not cfg.rollout.max_staleness else torch.Generator().manual_seed(cfg.seed)
+    sampling = Sampling(cfg=cfg, engine=None, tokenizer=None, scorer=scorer, prompts=prompts,
+                        env=env, world=job.world, generator=generator)
+    try:
+        run = build_run(job, sampling, model, tokenizer, teacher)
+        if job.ckpt is not None:
+            restore(run, job.state)
+        sampling.start(run.start_step, job.ckpt / "in_flight" if job.ckpt is not None else None)
+    except BaseException:
+        sampling.close()
+        raise
+    return run
+
+
+def build_run(job: Job, sampling: Sampling, model, tokenizer, teacher) -> RLJob:
+    """The policy, pi_ref, teachers and value model loaded, placed and wrapped; the engine
+    (the sampling service's); the learner; the run folder opened."""
+    cfg = job.cfg
     model, tokenizer, teachers, path = load_models(cfg, job.ckpt, model, tokenizer, teacher)
-    env = for_tokenizer(env, tokenizer)               # e.g. the template's tool-call format
+    sampling.tokenizer = tokenizer
+    sampling.env = for_tokenizer(sampling.env, tokenizer)   # e.g. the template's tool-call format
     make_folder(job)
-    ref_model, critic = place_models(job, model, tokenizer, teachers, scorer, env)
+    ref_model, critic = place_models(job, model, tokenizer, teachers, sampling.scorer, sampling.env)
     model = wrap(model, job.world)                    # FSDP2: shard the layers, in place
-    engine = sampling_engine(cfg, path, model, tokenizer, job.world)
+    sampling.engine = sampling_engine(cfg, path, model, tokenizer, job.world)
     optimizer, scheduler = optimizer_and_schedule(cfg, model, job.world)
     # config.json records where the model's text runs (not a config field)
-    open_folder(job, {**cfg.to_dict(), "_isolation": isolation(scorer, env)}, cfg.tensorboard)
+    open_folder(job, {**cfg.to_dict(), "_isolation": sampling.isolation()}, cfg.tensorboard)
     log.info("run folder %s; algorithm %s", job.run_dir, cfg.algo)
     for warning in cfg.start_warnings():
         log.warning(warning)
     learner = PolicyLearner(model=model, tokenizer=tokenizer, optimizer=optimizer, optim=cfg.optim,
                             scheduler=scheduler, world=job.world, cfg=cfg, generator=job.generator,
                             teachers=teachers, ref_model=ref_model, critic=critic)
-    prompts = Sampler(task, cfg.seed, retries=cfg.data.retry_unsolved,
-                      max_waiting=cfg.rollout.prompts_per_step)
-    # (sampling ahead runs in a thread: never the run's generator, which the update draws from)
-    generator = job.generator if not cfg.rollout.max_staleness else torch.Generator().manual_seed(cfg.seed)
-    sampling = Sampling(cfg=cfg, engine=engine, tokenizer=tokenizer, scorer=scorer, prompts=prompts,
-                        env=env, world=job.world, generator=generator)
-    run = RLJob(**job.parts(), learner=learner, sampling=sampling, eval_problems=task.eval_problems,
-                watch=FailureWatch(cfg.reward.max_failing_steps))
-    if job.ckpt is not None:
-        restore(run, job.state)
-    sampling.start(run.start_step, job.ckpt / "in_flight" if job.ckpt is not None else None)
-    return run
+    return RLJob(**job.parts(), learner=learner, sampling=sampling,
+                 eval_problems=sampling.prompts.task.eval_problems,
+                 watch=FailureWatch(cfg.reward.max_failing_steps))

@@ -51,7 +51,10 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, model=None, tokeni
     try:
         return run_training(run, time.perf_counter() - t_setup)
     except BaseException:     # (an error or Ctrl-C twice: vLLM's processes and servers stop too)
-        close_sources(run)
+        try:
+            close_sources(run)
+        except Exception:  # noqa: BLE001 - the run's own error is the one to raise
+            log.exception("closing the engine, sandbox and environment after the error failed")
         raise
 
 

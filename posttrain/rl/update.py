@@ -204,10 +204,10 @@ def check_update_inputs(batch: ScoredBatch, critic: Critic | None) -> None:
     """The stages before the update filled what it reads."""
     if batch.adv_B_T is None:
         raise ValueError("update_policy: batch.adv_B_T is None; the advantages stage "
-                         "(rl/loop.py::compute_advantages) sets it")
+                         "(rl/advantage.py::compute_advantages) sets it")
     if critic is not None and (batch.old_values_B_T is None or batch.returns_B_T is None):
         raise ValueError("update_policy: a critic needs batch.old_values_B_T and batch.returns_B_T "
-                         "(rl/loop.py::compute_advantages sets them when a value model is configured)")
+                         "(rl/advantage.py::compute_advantages sets them when a value model is configured)")
 
 
 def finish_metrics(metrics: Metrics, n: UpdateCounts, train_policy: bool,

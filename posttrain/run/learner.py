@@ -6,7 +6,7 @@ and its final save. `train` extends it with pi_ref, the teachers and PPO's value
     learner.optimizer_step()          average the gradients over ranks, clip, step if finite
     learner.count_skipped(skipped)    N updates in a row all skipped: stop (NonFiniteError)
     learner.save(run_dir, step, ...)  an atomic checkpoint (run/checkpoint.py)
-    learner.restore(state, rng)       optimizer, schedule and RNG as they were
+    learner.restore(state, generator) optimizer, schedule and RNG as they were
     learner.save_final(folder)        a plain Hugging Face model folder
 """
 

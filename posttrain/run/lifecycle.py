@@ -7,7 +7,8 @@ extend `Job`.
 
 Checkpoints: every N optimizer steps, every M minutes of wall time, when `max_minutes` ends the
 run, and when SIGINT or SIGTERM arrives: the first signal sets a flag the loop reads between
-steps (under torchrun, one all-reduce per step makes every rank agree), so the step in flight
+steps (under torchrun, an all-reduce after the step and one more before the checkpoint
+decision make every rank agree), so the step in flight
 finishes, is saved (before any evaluation) and the run exits with the command that resumes it.
 A step still running `checkpoint.stop_grace_s` after the signal, or at a second signal, is
 abandoned (StepAbandoned, raised in the main thread, whose waits signals interrupt): the run
@@ -224,7 +225,9 @@ class Steps:
 
     def checkpoint_due(self, step: int) -> bool:
         """The cadence (after the last step only with `save_last`), a stop signal (also one
-        that came during an evaluation), or max_minutes ending the run after this step."""
+        that came during an evaluation), or max_minutes ending the run after this step. Every
+        rank calls it once a step, after any evaluation: it agrees on a stop signal (an
+        all-reduce under torchrun) and a stop it finds ends the loop at its next step."""
         self.stop = self.stop or self.lifecycle.stop_agreed()
         last = step == self.total
         out = out_of_time(self.job) and not last

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from posttrain.config.presets import AlgorithmConfig
 from posttrain.util.health import Tally, merge_tallies
-from posttrain.data.source import Sampler
+from posttrain.data.source import PromptStream
 from posttrain.data.tasks import Problem
 from posttrain.rewards.scorer import RewardResult
 from posttrain.rewards.verifiers import overlong_penalty
@@ -204,21 +204,21 @@ def round_rewards(setup: SamplingSetup, scored: ScoredEpisodes,
     return rewards, correct, parts
 
 
-def report_solved(sampler: Sampler, correct_B: Tensor, G: int, retry_if: str, world: World,
+def report_solved(prompts: PromptStream, correct_B: Tensor, G: int, retry_if: str, world: World,
                   stats: Counter | None = None) -> None:
-    """Tell the sampler which of the step's prompts to ask again (all ranks' prompts, in draw
+    """Tell the prompt stream which of the step's prompts to ask again (all ranks' prompts, in draw
     order): those not solved by every answer ('unsolved'), or solved by some but not all
     ('mixed': the groups that taught something). `stats` counts the draw's retried prompts."""
-    if not sampler.retries:
-        sampler.report([False] * (len(correct_B) // G * world.size))
+    if not prompts.retries:
+        prompts.report([False] * (len(correct_B) // G * world.size))
         return
     if stats is not None:
-        stats["rollout/retried_prompts"] += sampler.last_retried
+        stats["rollout/retried_prompts"] += prompts.last_retried
     correct_P_G = correct_B.view(-1, G)
     again = ~correct_P_G.all(-1)
     if retry_if == "mixed":
         again &= correct_P_G.any(-1)
-    sampler.report([a for share in gather_objects(again.tolist(), world) for a in share])
+    prompts.report([a for share in gather_objects(again.tolist(), world) for a in share])
 
 
 def loss_mask(rollout: Rollout, algo: AlgorithmConfig, scored_B: Tensor | None = None) -> Tensor:

@@ -17,13 +17,13 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
 from posttrain.config.commands import TrainConfig
-from posttrain.data.source import Sampler, Task, build_task
-from posttrain.envs import Environment, SingleTurn, close_env, for_tokenizer, make_env
+from posttrain.data.source import PromptStream, Task, build_task
+from posttrain.envs import Environment, close_env, for_tokenizer, make_env
 from posttrain.model.distributed import SINGLE, World, full_weights_for_generation
 from posttrain.model.loading import load_model
 from posttrain.rewards.scorer import Scorer
@@ -89,6 +89,7 @@ class Sampling(SamplingSetup):
     """Sampling and scoring for a run; `source` (train) is where each step's batch comes from."""
 
     source: BatchSource | None = None
+    closed: bool = field(default=False, init=False, repr=False)
 
     def collect(self, timings: Counter, tallies: dict[str, Tally] | None = None
                 ) -> tuple[ScoredBatch, dict[str, float]]:
@@ -128,19 +129,27 @@ class Sampling(SamplingSetup):
     def evaluate(self, model, problems: list, settings: EvalSettings) -> dict[str, Any]:
         """Greedy held-out answers by the one evaluator, with the engine in its evaluation form
         (the weights in their own precision) and, under FSDP, the full weights gathered."""
-        parts = {f.name: getattr(self, f.name) for f in fields(SamplingSetup)}
-        view = SamplingSetup(**{**parts, "engine": evaluation_engine(self.engine),
-                                "generator": None})   # (greedy: no draws)
+        view = self.view(engine=evaluation_engine(self.engine), generator=None)   # (greedy)
         idle = self.paused() if self.source is not None else nullcontext()
         with full_weights_for_generation(model, self.world), idle:
             return evaluate(view, problems, settings)
+
+    def view(self, **changes: Any) -> SamplingSetup:
+        """The setup's parts with `changes` (another engine, no generator), as a plain
+        SamplingSetup: it owns nothing, the service still closes the engine."""
+        parts = {f.name: getattr(self, f.name) for f in fields(SamplingSetup)}
+        return SamplingSetup(**{**parts, **changes})
 
     def isolation(self) -> dict[str, str]:
         return isolation(self.scorer, self.env)
 
     def close(self, wait_s: float = 60.0) -> None:
         """The engine (its threads, processes and servers; a stopped run's waits no longer than
-        `wait_s`), the reward sandbox and judge, what the environment started."""
+        `wait_s`), the reward sandbox and judge, what the environment started. Once: a second
+        call (an error after the run closed) does nothing."""
+        if self.closed:
+            return
+        self.closed = True
         if self.source is not None:
             self.source.close(wait_s)
         elif self.engine is not None:
@@ -151,23 +160,23 @@ class Sampling(SamplingSetup):
 
 
 @contextmanager
-def open_sampling(job, model: Any = None, tokenizer: Any = None, *, score: bool = True,
+def open_sampling(job, model: Any = None, tokenizer: Any = None, *,
                   sample: bool = True) -> Iterator[Sampling]:
-    """What `eval`, `generate` and `serve` sample with, stopped however the command ends: the
-    task, environment and verifier checked before any model loads (`score` False: none, `serve`),
-    the model `model.path` names loaded (`sample` False: its tokenizer only, an environment
-    demonstrates) and its engine built. The training prompts are `prompts` (`prompts.task`
-    holds the held-out problems); samples draw from the job's generator."""
+    """What `eval` and `generate` sample with, stopped however the command ends: the task,
+    environment and verifier checked before any model loads, the model `model.path` names
+    loaded (`sample` False: its tokenizer only, an environment demonstrates) and its engine
+    built. The training prompts are `prompts` (`prompts.task` holds the held-out problems);
+    samples draw from the job's generator."""
     cfg = job.cfg
-    task, env, scorer = sampling_inputs(cfg, judge=False) if score else (None, SingleTurn(), None)
+    task, env, scorer = sampling_inputs(cfg, judge=False)
     sampling = Sampling(cfg=cfg, engine=None, tokenizer=None, scorer=scorer, env=env,
-                        prompts=Sampler(task, cfg.seed) if task is not None else None,
-                        world=job.world, generator=job.generator)
+                        prompts=PromptStream(task, cfg.seed), world=job.world,
+                        generator=job.generator)
     try:
         model, tokenizer, path = load_sampled_model(cfg, model, tokenizer, weights=sample)
         sampling.tokenizer, sampling.env = tokenizer, for_tokenizer(env, tokenizer)
         if sample:
-            sampling.engine = sampling_engine(cfg, path, model, tokenizer, job.world)
+            sampling.engine = sampling_engine(cfg, path, model, tokenizer)
         yield sampling
     finally:
         sampling.close()

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from posttrain.config.commands import TrainConfig
-from posttrain.data.source import Sampler
+from posttrain.data.source import PromptStream
 from posttrain.envs import Environment, SingleTurn
 from posttrain.model.distributed import SINGLE, World
 from posttrain.rewards.scorer import Scorer
@@ -28,7 +28,7 @@ class SamplingSetup:
     engine: RolloutEngine | None      # (None: nothing samples, an environment demonstrates)
     tokenizer: Any
     scorer: Scorer | None = None      # (None: nothing is scored, `posttrain serve`)
-    prompts: Sampler | None = None
+    prompts: PromptStream | None = None
     env: Environment = field(default_factory=SingleTurn)
     world: World = SINGLE
     generator: torch.Generator | None = None

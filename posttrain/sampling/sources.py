@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from posttrain.sampling.batch import ScoredBatch
-from posttrain.data.source import Sampler
+from posttrain.data.source import PromptStream
 from posttrain.data.tasks import Problem
 from posttrain.util.health import Tally
 from posttrain.rollout import Rollout, close_engine
@@ -54,7 +54,7 @@ class Sampled:
     batch: ScoredBatch
     metrics: dict[str, float]
     version: int                              # the weights that sampled it (a step number)
-    drawn: list[tuple[int, int]]              # its prompts, as the sampler drew them
+    drawn: list[tuple[int, int]]              # its prompts, as the prompt stream drew them
     timings: Counter = field(default_factory=Counter)       # generate, reward (the engine's time)
     tallies: dict[str, Tally] = field(default_factory=dict)
 
@@ -90,8 +90,8 @@ class BatchSource(Protocol):
 class InTurn:
     """Sample and score now; after the update, push the weights (rollout.max_staleness 0)."""
 
-    def __init__(self, collect: Collect, engine, sampler: Sampler, version: int) -> None:
-        self.collect, self.engine, self.sampler = collect, engine, sampler
+    def __init__(self, collect: Collect, engine, prompts: PromptStream, version: int) -> None:
+        self.collect, self.engine, self.prompts = collect, engine, prompts
         self.version = version              # the trainer's weights (a step number)
         self.idle_since: float | None = None
 
@@ -105,7 +105,7 @@ class InTurn:
         return batch, metrics
 
     def after_update(self, step: int) -> None:
-        self.engine.sync_weights()         # the sampler gets the new weights (vLLM: a push)
+        self.engine.sync_weights()         # the engine gets the new weights (vLLM: a push)
         self.version = step
 
     @contextmanager
@@ -120,15 +120,15 @@ class InTurn:
 
     def restore(self, folder: Path) -> None:
         """(An asynchronous run resumed in turn: its batches' prompts are drawn again.)"""
-        self.sampler.give_back(prompts_in_flight(folder))
+        self.prompts.give_back(prompts_in_flight(folder))
 
 
 class Ahead:
     """The engine samples ahead of the trainer in a thread (rollout.max_staleness K >= 1)."""
 
-    def __init__(self, collect: Collect, engine, sampler: Sampler, max_staleness: int,
+    def __init__(self, collect: Collect, engine, prompts: PromptStream, max_staleness: int,
                  ahead: int, version: int) -> None:
-        self.collect, self.engine, self.sampler = collect, engine, sampler
+        self.collect, self.engine, self.prompts = collect, engine, prompts
         self.K, self.ahead = max_staleness, ahead
         self.cond = threading.Condition()
         self.ready: deque[Sampled] = deque()
@@ -176,12 +176,12 @@ class Ahead:
         self._load_newest()
         self._return_prompts()
         timings, tallies = Counter(), {}
-        self.sampler.drawn = []
+        self.prompts.drawn = []
         try:
             batch, metrics = self.collect(timings, tallies)
-            drawn = self.sampler.drawn
+            drawn = self.prompts.drawn
         finally:
-            self.sampler.drawn = None
+            self.prompts.drawn = None
         version = self.engine_version
         batch = replace(batch, version_B=torch.full((len(batch.rewards_B),), version,
                                                     dtype=torch.long))
@@ -198,7 +198,7 @@ class Ahead:
         with self.cond:
             returned, self.returned = self.returned, []
         if returned:
-            self.sampler.give_back(returned)
+            self.prompts.give_back(returned)
 
     # -- the trainer's side ---------------------------------------------------------------------
 
@@ -314,12 +314,12 @@ def prompts_in_flight(folder: Path) -> list[tuple[int, int]]:
             for d in json.loads((folder / f"batch_{i:03d}" / "batch.json").read_text())["drawn"]]
 
 
-def make_batch_source(rollout_cfg, collect: Collect, engine, sampler: Sampler,
+def make_batch_source(rollout_cfg, collect: Collect, engine, prompts: PromptStream,
                       version: int) -> BatchSource:
     """`InTurn` for rollout.max_staleness 0, else `Ahead` from `version` (the step resumed at)."""
     if rollout_cfg.max_staleness == 0:
-        return InTurn(collect, engine, sampler, version)
-    return Ahead(collect, engine, sampler, rollout_cfg.max_staleness, rollout_cfg.ahead, version)
+        return InTurn(collect, engine, prompts, version)
+    return Ahead(collect, engine, prompts, rollout_cfg.max_staleness, rollout_cfg.ahead, version)
 
 
 # -- a sampled batch on disk (safetensors for its tensors, JSON for the rest) --------------------

@@ -6,7 +6,6 @@ problems answered so far, and summary.json says how many)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from posttrain.config.commands import TrainConfig
@@ -39,7 +38,7 @@ def answer_held_out(job: Job, sampling: Sampling, problems: list[Problem], *, k:
     cfg, settings = job.cfg, eval_settings(job.cfg)
     n = max(samples, k) if k > 1 else 1
     greedy, sampled, size = Answers(), Answers(), settings.batch_size
-    greedy_setup = replace(sampling, generator=None)   # (greedy: no draws)
+    greedy_setup = sampling.view(generator=None)   # (greedy: no draws)
     with Steps(job, -(-len(problems) // size), "eval") as steps:
         for step in steps:
             with steps.timed(step):

@@ -30,32 +30,32 @@ class ServedModel:
     `record(row)` gets each call."""
 
     def __init__(self, sampling: Sampling, record=None) -> None:
-        self.sampling = sampling
+        self.service = sampling            # (owns the engine: stop_serving closes it)
         self.engine, self.tokenizer, self.cfg = sampling.engine, sampling.tokenizer, sampling.cfg
         self.generator, self.record = sampling.generator, record
         self.served = 0                    # requests answered
         self.vocab_size = len(self.tokenizer)   # (the endpoint refuses a prompt id outside it)
         self.lock = threading.Lock()
 
-    def chat(self, messages, tools=None, max_tokens=None, **sampling) -> PolicyTurn:
+    def chat(self, messages, tools=None, max_tokens=None, **options) -> PolicyTurn:
         ids = _ids(self.tokenizer.apply_chat_template(
             [plain(m) for m in messages], add_generation_prompt=True, tokenize=True,
             **({"tools": tools} if tools else {}), **self.cfg.data.chat_template_kwargs))
-        return self.sample(ids, max_tokens, sampling)
+        return self.sample(ids, max_tokens, options)
 
     def shown_as(self, content: str | None) -> None:
         """Nothing to keep: each request is its own conversation."""
 
-    def complete(self, prompt, max_tokens=None, **sampling) -> PolicyTurn:
+    def complete(self, prompt, max_tokens=None, **options) -> PolicyTurn:
         ids = (self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
                if isinstance(prompt, str) else list(prompt))
-        return self.sample(ids, max_tokens, sampling)
+        return self.sample(ids, max_tokens, options)
 
-    def sample(self, ids: list[int], max_tokens: int | None, sampling: dict[str, Any]) -> PolicyTurn:
+    def sample(self, ids: list[int], max_tokens: int | None, options: dict[str, Any]) -> PolicyTurn:
         r = self.cfg.rollout
         n = min(max_tokens or r.max_new_tokens, r.max_new_tokens)
         with self.lock:   # (one request at a time; its record line whole)
-            params = request_params(sampling, n, r.temperature, r.top_p)
+            params = request_params(options, n, r.temperature, r.top_p)
             out = self.engine.generate([ids], 1, params, self.generator)
             self.served += 1
             k = int(out.response_mask_B_T[0].sum())
@@ -98,17 +98,22 @@ def serve_model(cfg, host: str = "127.0.0.1", port: int = 8000, name: str | None
     try:
         endpoint = Endpoint(name or str(cfg.model.path), host, port,
                             default=ServedModel(sampling, record))
-    except BaseException:   # (the port is taken: the engine stops too)
-        sampling.close()
+    except BaseException:   # (the port is taken: the engine stops, the logs close)
+        try:
+            sampling.close()
+        finally:
+            job.logger.close()
         raise
     return endpoint, job
 
 
 def stop_serving(endpoint: Endpoint, job: Job) -> dict[str, Any]:
     """The endpoint closed, the engine stopped, summary.json written (the requests answered)."""
-    endpoint.close()
     backend = endpoint.default
-    backend.sampling.close()
+    try:
+        endpoint.close()
+    finally:
+        backend.service.close()
     return finish_job(job, {"run_dir": str(job.run_dir) if job.run_dir else None,
                             "model": endpoint.model, "served": backend.served})
 
