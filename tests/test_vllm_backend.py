@@ -197,6 +197,16 @@ def test_the_weight_fingerprint_sees_every_matrix_and_not_vllms_fusing():
         stale = {**engine, name: engine[name] + 1e-4 * torch.randn(*engine[name].shape, generator=g)}
         assert not same_fingerprint(trainer, fingerprint(stale.items())), name
     assert not same_fingerprint(trainer, fingerprint({**engine, "norm": w["norm"] + 1e-6}.items()))
+    cheap = fingerprint(w.items(), whole=False)     # (between full checks: no whole-matrix sums)
+    assert cheap[4:] == [None, None] and same_fingerprint(cheap, fingerprint(engine.items()))
+    for name in ("down", "gate_up", "embed"):
+        stale = {**engine, name: engine[name] + 1e-4 * torch.randn(*engine[name].shape, generator=g)}
+        assert not same_fingerprint(cheap, fingerprint(stale.items(), whole=False)), name
+
+
+def test_pushes_are_checked_fully_first_and_every_tenth():
+    from posttrain.rollout.vllm_push import SharedMemoryPush
+    assert [v for v in range(25) if SharedMemoryPush.full(v)] == [0, 10, 20]
 
 
 def test_requests_are_shared_out_and_a_failing_server_is_dropped_by_name(tokenizer, caplog):

@@ -126,11 +126,15 @@ def test_a_skipped_push_is_caught(engine, tiny, monkeypatch):
         engine.sync_weights()
 
 
-def test_one_stale_linear_layer_is_caught(engine, tiny, monkeypatch):
+@pytest.mark.parametrize("full", [True, False])
+def test_one_stale_linear_layer_is_caught(engine, tiny, monkeypatch, full):
     """An update whose push the engine loads all but one matrix of (the layer keeps its old
     weights, as when the loader finds no tensor of that name): the engine's fingerprint, read
-    through the packed kernels the CPU backend multiplies with, is not the trainer's."""
+    through the packed kernels the CPU backend multiplies with (a full check) or from the
+    weights' own columns (the check between full ones), is not the trainer's."""
     import safetensors.torch
+    from posttrain.rollout.vllm_push import SharedMemoryPush
+    monkeypatch.setattr(SharedMemoryPush, "full", staticmethod(lambda version: full))
     model, _ = tiny
     stale = "model.layers.1.mlp.down_proj.weight"
     save = safetensors.torch.save_file

@@ -16,6 +16,7 @@ import torch
 
 from posttrain.rollout.vllm import EngineGone, Pushed, VLLMRolloutEngine, Written, free_port
 from posttrain.rollout.vllm_weights import WeightFolders
+from posttrain.rollout.vllm_worker import FULL_CHECK_EVERY
 
 log = logging.getLogger("posttrain")
 
@@ -28,6 +29,7 @@ class SharedMemoryPush:
         self.folders = WeightFolders(dtype, copies=copies)
         self.world = world
         self._folder = None
+        self.whole = True    # (False once a full check reports no whole-matrix sums)
 
     def write(self, model) -> Written | None:
         """The trainer's weights as the next version's folder (None on ranks other than 0, which
@@ -36,7 +38,8 @@ class SharedMemoryPush:
         state = full_state_dict(model, self.world)   # (every rank: FSDP gathers are collective)
         if not self.world.main:
             return None
-        return Written(*self.folders.write(state))
+        whole = self.whole and self.full(self.folders.version + 1)
+        return Written(*self.folders.write(state, whole))
 
     def load(self, engines: list, written: Written | None, owner: VLLMRolloutEngine) -> Pushed | None:
         """Every engine reloads `written` in place; the version and fingerprint they must report."""
@@ -44,12 +47,22 @@ class SharedMemoryPush:
             return None
         for engine in engines:
             try:
-                engine.reported = engine.rpc("posttrain_load", {"path": str(written.folder),
-                                                                "version": str(written.version)})
+                engine.reported = engine.rpc("posttrain_load", {
+                    "path": str(written.folder), "version": str(written.version),
+                    "full": str(int(self.full(written.version)))})
+                if self.full(written.version):
+                    self.whole = self.whole and all(s["fingerprint"][4] is not None
+                                                    for s in engine.reported)
             except EngineGone as e:
                 owner.drop(engine, str(e))
         self._folder = written.folder
         return Pushed(written.version, written.fingerprint)
+
+    @staticmethod
+    def full(version: int) -> bool:
+        """Whether the push of `version` is checked fully (vllm_worker.engine_fingerprint): the
+        first, then every FULL_CHECK_EVERY-th."""
+        return version % FULL_CHECK_EVERY == 0
 
     def send(self, model, engines: list, owner: VLLMRolloutEngine) -> Pushed | None:
         """Write the weights, then every engine loads them (`write`, `load`)."""

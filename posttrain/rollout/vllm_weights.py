@@ -64,9 +64,11 @@ class WeightFolders:
         self.current: Path | None = None
         self._remove = None
 
-    def write(self, full_state: dict[str, torch.Tensor]) -> tuple[Path, int, list[float]]:
+    def write(self, full_state: dict[str, torch.Tensor],
+              whole: bool = True) -> tuple[Path, int, list[float | None]]:
         """The next version's folder, its number and the fingerprint an engine must report
-        after loading it."""
+        after loading it (`whole` False: without the sums over whole matrices, which engines
+        that drop their weights after packing them cannot report)."""
         from safetensors.torch import save_file
         state = engine_state_dict(full_state, self.dtype)
         if self.dir is None:
@@ -79,7 +81,7 @@ class WeightFolders:
         folder = self.dir / f"v{self.version:06d}"
         folder.mkdir()
         save_file(state, str(folder / "model.safetensors"))
-        return folder, self.version, fingerprint(state.items())
+        return folder, self.version, fingerprint(state.items(), whole)
 
     def loaded(self, folder: Path) -> None:
         """Every engine holds `folder`'s weights: older folders go (a newer one, written while
