@@ -192,3 +192,27 @@ def test_recipe_path_runs_the_default_job_from_python(tmp_path):
     assert posttrain.load_config(None).optim.schedule != job.optim.schedule
     with pytest.raises(ConfigError, match="no packaged recipe 'nope.yaml'; known: .*addition_grpo.yaml"):
         posttrain.recipe_path("nope.yaml")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_autocast_auto_is_bf16_only_where_the_device_multiplies_bf16_natively(monkeypatch, native):
+    """The recipes say `autocast: auto`: bf16 on a GPU with bf16 or an AVX-512 CPU, float32 on an
+    AVX2-only CPU (whose bf16 matmul is a plain loop); the loaded config holds the choice."""
+    import posttrain.util.perf as perf
+    from posttrain.config.options import DEFAULT_RECIPE, recipe_path
+    monkeypatch.setattr(perf, "native_bf16", lambda device="auto": native)
+    recipe = recipe_path(DEFAULT_RECIPE)
+    assert load_config(recipe, []).model.autocast == ("bfloat16" if native else "none")
+    assert load_config(recipe, ["--model.autocast", "bfloat16"]).model.autocast == "bfloat16"
+    assert load_config(None, ["--model.autocast", "auto"]).model.autocast == ("bfloat16" if native else "none")
+    assert load_config(None, []).model.autocast == "none"      # (the dataclass default)
+
+
+def test_native_bf16_tells_a_cpu_without_bf16_kernels(monkeypatch):
+    import torch
+    from posttrain.util.perf import native_bf16
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert native_bf16() is False
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert native_bf16() is True

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import inspect
 import io
+import logging
 import tokenize
 import typing
 from dataclasses import fields, replace
@@ -31,6 +32,8 @@ from posttrain.util.checks import coerce, did_you_mean, type_hint
 from posttrain.config.commands import StageConfig, TrainConfig
 from posttrain.util.errors import ConfigError
 from posttrain.config.presets import PRESETS, AlgorithmConfig
+
+log = logging.getLogger("posttrain")
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -238,7 +241,20 @@ def load_options(cls: type, path: str | Path | None = None, overrides: list[str]
     if path is not None:
         data = merge_dicts(data, read_yaml(path))
     given = parse_overrides(overrides or [])
-    return build_config(cls, merge_dicts(data, given), "").validate(), given
+    return with_autocast(build_config(cls, merge_dicts(data, given), "").validate()), given
+
+
+def with_autocast(cfg: Any) -> Any:
+    """`model.autocast: auto` made bfloat16 or none for this machine's device (util/perf.py
+    native_bf16), said in one line; the run's config.json records what was chosen."""
+    model = getattr(cfg, "model", None)
+    if model is None or model.autocast != "auto":
+        return cfg
+    from posttrain.util.perf import native_bf16
+    chosen = "bfloat16" if native_bf16(model.device) else "none"
+    log.info("model.autocast auto: %s (%s)", chosen, "this device multiplies bf16 natively"
+             if chosen == "bfloat16" else "no native bf16 matmul here: float32 is faster")
+    return replace(cfg, model=replace(model, autocast=chosen))
 
 
 def load_stage_config(path: str | Path | None = None, overrides: list[str] | None = None,

@@ -24,8 +24,9 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"   # weights as loaded
     # bf16 autocast for the training forward/backward and the reference (LM head stays float32);
     # sampling runs in `dtype` unless rollout.autocast says otherwise. Faster on CPUs with
-    # AVX512-BF16 and on GPUs.
-    autocast: Literal["none", "bfloat16"] = "none"
+    # AVX512-BF16 and on GPUs; 'auto': bfloat16 where the device multiplies bf16 natively (a GPU
+    # with bf16, a CPU with AVX-512), else none (an AVX2-only CPU's bf16 matmul is ~80x slower)
+    autocast: Literal["none", "bfloat16", "auto"] = "none"
     # attention kernel: 'auto' (transformers' choice, SDPA), 'sdpa' or 'eager' (plain matmuls;
     # on a 2-core CPU neither is faster for a whole step, docs/learning-per-step.md)
     attention: Literal["auto", "sdpa", "eager"] = "auto"
