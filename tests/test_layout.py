@@ -28,7 +28,7 @@ LAYERS = [
     ["rewards"],                      # scores
     ["sampling"],                     # the Sampling service: sample, score, evaluate
     ["rl"],                           # the learner, the RL step pipeline and loop
-    ["stages"],                       # the other commands
+    ["stages", "tinker"],             # the other commands; the Tinker API server
     ["experiments"],                  # the lecture's claims, measured
     ["cli", ""],                      # entry points
 ]

@@ -279,3 +279,15 @@ def gmpo_objective(x: PolicyInputs, p: ObjectiveParams) -> PolicyTerm:
     loss = gmpo_loss(x.logp_B_T, x.old_logp_B_T, x.adv_B_T, x.mask_B_T, clip_low=p.clip_low,
                      clip_high=p.clip_high)
     return clipped_term(loss, _ratio(x), x, math.exp(-p.clip_low), math.exp(p.clip_high))
+
+
+def dro_loss(logp_B_T: Tensor, old_logp_B_T: Tensor, adv_B_T: Tensor, *, beta: float) -> Tensor:
+    """DRO, direct reward optimisation (Richemond et al. 2024, "Offline Regularised Reinforcement
+    Learning for Large Language Models Alignment"), per token, as Tinker's `dro` loss writes it.  §11.
+
+        L_t = -( A_t * logp_t - beta/2 * (logp_t - old_logp_t)^2 )
+
+    A policy-gradient term plus a squared log-ratio penalty that keeps pi near the policy that
+    sampled: off-policy samples without a clipped ratio.
+    """
+    return -(adv_B_T * logp_B_T - 0.5 * beta * (logp_B_T - old_logp_B_T) ** 2)

@@ -1,0 +1,73 @@
+"""`posttrain tinker-serve`: the Tinker API on this machine until Ctrl-C.
+
+    posttrain tinker-serve                               # the embedded SmolLM2, 127.0.0.1:8100
+    export TINKER_BASE_URL=http://127.0.0.1:8100 TINKER_API_KEY=tml-local TINKER_TELEMETRY=0
+    python -m tinker_cookbook.recipes.math_rl.train model_name=$(posttrain prepare-model) ...
+
+The base model is named by its path as given (`--model.path`) or by the folder it resolves to
+(clients such as tinker-cookbook load the tokenizer from the name they pass, so give them the
+folder). The run folder holds config.json, metrics.jsonl (every forward_backward and optim_step
+of every training client), the checkpoints under tinker/ and summary.json when it stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+from posttrain.config.sections import ModelConfig
+from posttrain.util.errors import ConfigError
+
+
+def add_command(sub) -> None:
+    p = sub.add_parser("tinker-serve", help="Tinker's training and sampling API on this machine, "
+                       "for code written with the tinker SDK (docs/tinker.md)")
+    p.add_argument("--model.path", dest="model_path", default=ModelConfig.path,
+                   help="base model: a local folder or the embedded name (default: embedded)")
+    p.add_argument("--model.cache_dir", dest="cache_dir", help="where the embedded model is converted")
+    p.add_argument("--port", type=int, default=8100, help="port (default 8100; 0: any free one)")
+    p.add_argument("--host", default="127.0.0.1", help="address (default 127.0.0.1: this machine only)")
+    p.add_argument("--api_key", default=os.environ.get("POSTTRAIN_TINKER_API_KEY"),
+                   help="the key every request must carry (needed off loopback; env "
+                   "POSTTRAIN_TINKER_API_KEY); clients send it as TINKER_API_KEY")
+    p.add_argument("--run_dir", type=Path, help="run folder (default runs/tinker-TIME)")
+    p.add_argument("--seed", type=int, default=0, help="seed of samples drawn without a seed")
+    p.set_defaults(fn=cmd_tinker_serve)
+
+
+def cmd_tinker_serve(args: argparse.Namespace, overrides: list[str]) -> int:
+    if overrides:
+        raise ConfigError(f"unexpected arguments {' '.join(overrides)} (posttrain tinker-serve --help)")
+    from posttrain.model.loading import load_model
+    from posttrain.tinker.server import start_server
+    cfg = ModelConfig(path=args.model_path, cache_dir=args.cache_dir)
+    model, tokenizer, folder = load_model(cfg)
+    run_dir = args.run_dir or Path("runs") / time.strftime("tinker-%Y%m%d-%H%M%S")
+    try:
+        server = start_server(model, tokenizer, args.model_path, run_dir, host=args.host,
+                              port=args.port, api_key=args.api_key, seed=args.seed,
+                              aliases=(str(folder),))
+    except OSError as e:
+        raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); choose another "
+                         "with --port (0: any free one)") from None
+    (run_dir / "config.json").write_text(json.dumps(
+        {"command": "tinker-serve", "model": args.model_path, "folder": str(folder),
+         "host": args.host, "port": server.server_address[1], "seed": args.seed}, indent=1))
+    print(f"posttrain tinker-serve: {args.model_path} ({folder}) at {server.base_url}; "
+          f"TINKER_BASE_URL={server.base_url}; run folder {run_dir}; Ctrl-C stops", flush=True)
+    started = time.monotonic()
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+        (run_dir / "summary.json").write_text(json.dumps(
+            {"requests": server.requests, "minutes": (time.monotonic() - started) / 60,
+             "training_clients": sorted(server.service.models.runs)}, indent=1))
+    print(f"posttrain tinker-serve: stopped after {server.requests} request(s)", flush=True)
+    return 0

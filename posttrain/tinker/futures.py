@@ -1,0 +1,142 @@
+"""Every Tinker request that does work is a future: its POST returns a request id at once, one
+worker thread runs the work (one model, one CPU: requests one at a time), and
+`POST /api/v1/retrieve_future` long-polls for the result (the SDK polls again at once on
+`try_again`, so a server that answered at once would make it spin).
+
+A training client's requests carry `seq_id`s; they run in that order (the SDK sends the chunks of
+one forward_backward concurrently, the first last), a retried POST with a seq_id already taken
+gets the same future, and a gap that no request fills within GAP_S is skipped with a warning (a
+request the client never managed to send).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+log = logging.getLogger("posttrain")
+
+POLL_S = 25.0        # a retrieve waits this long for a result (the SDK's timeout is 45 s)
+KEEP_S = 600.0       # a finished result stays this long for a client that polls late
+GAP_S = 10.0         # a missing seq_id is waited for this long
+
+
+@dataclass
+class Future:
+    request_id: str
+    done: bool = False
+    result: Any = None              # a dict (JSON) or bytes (protobuf)
+    error: dict[str, str] | None = None
+    finished_at: float = 0.0
+
+
+@dataclass(order=True)
+class _Held:
+    seq: int
+    since: float = field(compare=False)
+    task: Callable[[], Any] = field(compare=False)
+    future: Future = field(compare=False)
+
+
+class Worker:
+    """Runs submitted work one at a time, each training client's in seq_id order."""
+
+    def __init__(self, user_errors: tuple[type[BaseException], ...]) -> None:
+        self.user_errors = user_errors
+        self.futures: dict[str, Future] = {}
+        self.by_seq: dict[tuple[str, int], Future] = {}
+        self.next_seq: dict[str, int] = {}
+        self.held: dict[str, list[_Held]] = {}
+        self.ready: list[tuple[Callable[[], Any], Future]] = []
+        self.cond = threading.Condition()
+        self.stopped = False
+        self._count = itertools.count()
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="tinker-worker")
+        self.thread.start()
+
+    def submit(self, task: Callable[[], Any], model_id: str | None = None,
+               seq: int | None = None) -> Future:
+        """A future for `task`; with a model and seq_id, run after that model's earlier ones."""
+        with self.cond:
+            if model_id is not None and seq is not None and (model_id, seq) in self.by_seq:
+                return self.by_seq[(model_id, seq)]          # (the same POST, retried)
+            future = Future(f"req-{next(self._count)}-{uuid.uuid4().hex[:8]}")
+            self.futures[future.request_id] = future
+            if model_id is None or seq is None or model_id not in self.next_seq:
+                self.ready.append((task, future))
+            else:
+                self.by_seq[(model_id, seq)] = future
+                heapq.heappush(self.held.setdefault(model_id, []), _Held(seq, time.monotonic(), task, future))
+                self._release(model_id)
+            self.cond.notify_all()
+            return future
+
+    def expect(self, model_id: str, seq: int) -> None:
+        """`model_id`'s next request is `seq` (a new client: 1, after its creation's 0)."""
+        with self.cond:
+            self.next_seq[model_id] = seq
+
+    def _release(self, model_id: str, force: bool = False) -> None:
+        heap = self.held.get(model_id, [])
+        while heap and (heap[0].seq <= self.next_seq[model_id] or force):
+            held = heapq.heappop(heap)
+            if held.seq > self.next_seq[model_id]:
+                log.warning("tinker: %s's request seq_id %d runs without seq_id %d..%d, which "
+                            "never came", model_id, held.seq, self.next_seq[model_id], held.seq - 1)
+            self.next_seq[model_id] = max(self.next_seq[model_id], held.seq + 1)
+            self.ready.append((held.task, held.future))
+            force = False
+
+    def _next(self):
+        with self.cond:
+            while not self.ready and not self.stopped:
+                self.cond.wait(timeout=1.0)
+                now = time.monotonic()
+                for model_id, heap in self.held.items():
+                    if heap and now - heap[0].since > GAP_S:
+                        self._release(model_id, force=True)
+            return self.ready.pop(0) if self.ready else (None, None)
+
+    def _loop(self) -> None:
+        while not self.stopped:
+            task, future = self._next()
+            if task is None:
+                continue
+            try:
+                result, error = task(), None
+            except self.user_errors as e:
+                result, error = None, {"error": " ".join(str(e).split()), "category": "user"}
+            except Exception as e:   # (the server's fault: said to the client, logged here)
+                log.exception("tinker: request %s failed", future.request_id)
+                result, error = None, {"error": f"{type(e).__name__}: {e}", "category": "server"}
+            with self.cond:
+                future.result, future.error, future.done = result, error, True
+                future.finished_at = time.monotonic()
+                self._forget_old()
+                self.cond.notify_all()
+
+    def retrieve(self, request_id: str, timeout: float = POLL_S) -> Future | None:
+        """The future once done, or still pending after `timeout`; None when unknown."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            future = self.futures.get(request_id)
+            while future is not None and not future.done and time.monotonic() < deadline:
+                self.cond.wait(timeout=max(0.0, deadline - time.monotonic()))
+            return future
+
+    def _forget_old(self) -> None:
+        now = time.monotonic()
+        for key, f in list(self.futures.items()):
+            if f.done and now - f.finished_at > KEEP_S:
+                del self.futures[key]
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()

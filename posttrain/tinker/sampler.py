@@ -1,0 +1,102 @@
+"""Sampling for a Tinker server: a revision's weights copied into a sampling adapter (one per LoRA
+shape; the base model with adapters off), then posttrain's in-process engine (rollout/hf.py) draws
+the samples and records each token's log-prob at the sampling temperature (at temperature 1: the
+policy's own log-probs, those forward_backward computes for the same weights).
+
+Tinker's sampling fields: max_tokens, temperature (0: greedy), top_p, seed, stop (strings, or
+token ids that end a sample as EOS does). top_k other than -1 is refused in one line.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from posttrain.rollout.base import SamplingParams
+from posttrain.rollout.hf import HFRolloutEngine
+from posttrain.tinker.models import Models, lora_config
+from posttrain.tinker.revisions import Revision
+from posttrain.tinker.wire import Sequence, WireError
+
+DEFAULT_MAX_TOKENS = 128
+
+
+def sampling_params(fields: dict[str, Any]) -> tuple[SamplingParams, set[int]]:
+    """posttrain's SamplingParams for Tinker's fields, and the stop token ids besides EOS."""
+    if int(fields.get("top_k", -1)) != -1:
+        raise WireError(f"sampling_params top_k={fields['top_k']}: only -1 (no top-k) is served")
+    temperature = float(fields.get("temperature", 1.0))
+    top_p = float(fields.get("top_p", 1.0))
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise WireError(f"sampling_params temperature={temperature}, top_p={top_p}: "
+                        "temperature >= 0 and 0 < top_p <= 1")
+    stop = fields.get("stop")
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    strings = tuple(s for s in stop if isinstance(s, str))
+    ids = {int(s) for s in stop if not isinstance(s, str)}
+    n = int(fields.get("max_tokens") or DEFAULT_MAX_TOKENS)
+    if n < 1:
+        raise WireError(f"sampling_params max_tokens={n}: at least 1")
+    return SamplingParams(max_new_tokens=n, temperature=temperature or 1.0, top_p=top_p,
+                          greedy=temperature == 0, stop=strings), ids
+
+
+def slot_for(models: Models, revision: Revision) -> str | None:
+    """The sampling adapter holding `revision`'s weights (None: the base model)."""
+    from peft import set_peft_model_state_dict
+    if revision.lora is None:
+        return None
+    lora = revision.lora
+    slot = "sample_r{}_{}{}{}".format(int(lora["rank"]), *(int(bool(lora.get(k, True))) for k in
+                                      ("train_attn", "train_mlp", "train_unembed")))
+    if slot not in models.peft.peft_config:
+        models.peft.add_adapter(slot, lora_config(lora))
+    set_peft_model_state_dict(models.peft, revision.state, adapter_name=slot)
+    return slot
+
+
+@torch.no_grad()
+def sample(models: Models, revision: Revision, request: dict[str, Any],
+           generator: torch.Generator) -> tuple[list[Sequence], list[float] | None]:
+    """`num_samples` continuations of the request's prompt tokens, and its prompt log-probs
+    when asked (NaN at position 0, which nothing predicts)."""
+    prompt = prompt_tokens(request)
+    params, stop_ids = sampling_params(request.get("sampling_params") or {})
+    n = int(request.get("num_samples", 1))
+    if n < 1:
+        raise WireError(f"num_samples={n}: at least 1")
+    if request.get("sampling_params", {}).get("seed") is not None:
+        generator = torch.Generator().manual_seed(int(request["sampling_params"]["seed"]))
+    with models.use(slot_for(models, revision)) as model:
+        model.eval()
+        engine = HFRolloutEngine(model, models.tokenizer)
+        engine.eos_ids |= stop_ids
+        out = engine.generate([prompt], n, params, generator)
+        prompt_logp = prompt_logprobs(model, prompt) if request.get("prompt_logprobs") else None
+    sequences = []
+    for i in range(n):
+        keep = out.response_mask_B_T[i].bool()
+        sequences.append(Sequence(out.response_ids_B_T[i][keep].tolist(),
+                                  out.logp_B_T[i][keep].tolist(), not bool(out.truncated_B[i])))
+    return sequences, prompt_logp
+
+
+def prompt_tokens(request: dict[str, Any]) -> list[int]:
+    tokens: list[int] = []
+    for chunk in (request.get("prompt") or {}).get("chunks", []):
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise WireError(f"a prompt chunk of type {chunk.get('type')!r}: only encoded_text is served")
+        tokens += [int(t) for t in chunk.get("tokens", [])]
+    if not tokens:
+        raise WireError("the prompt has no tokens")
+    return tokens
+
+
+def prompt_logprobs(model, prompt: list[int]) -> list[float]:
+    """log pi(x_t | x_<t) for t >= 1, NaN at t = 0."""
+    from posttrain.losses.common import token_logprobs
+    ids = torch.tensor([prompt])
+    logits = model(input_ids=ids).logits[0, :-1].float()
+    return [math.nan] + token_logprobs(logits, ids[0, 1:]).tolist()

@@ -1,0 +1,223 @@
+"""`posttrain tinker-serve` driven by the real `tinker` SDK (0.38, as its authors publish it on
+PyPI) on a tiny random model with the real tokenizer: the numbers a Tinker client gets back are
+those posttrain's formulas give, computed here independently with peft and torch."""
+
+from __future__ import annotations
+
+import json
+import math
+import typing
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+import tinker
+from tinker import types
+
+from tests.conftest import make_tiny_model
+from posttrain.losses.common import token_logprobs
+
+RANK, SEED = 4, 3
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer, tmp_path_factory, monkeypatch_module):
+    from posttrain.tinker.server import start_server
+    srv = start_server(make_tiny_model(tokenizer), tokenizer, "tiny", tmp_path_factory.mktemp("tinker"))
+    monkeypatch_module.setenv("TINKER_BASE_URL", srv.base_url)
+    monkeypatch_module.setenv("TINKER_API_KEY", "tml-local")
+    monkeypatch_module.setenv("TINKER_TELEMETRY", "0")
+    yield srv
+    srv.shutdown()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.fixture(scope="module")
+def service(server):
+    return tinker.ServiceClient()
+
+
+def datum(tokenizer, text: str, **inputs) -> types.Datum:
+    ids = tokenizer(text)["input_ids"]
+    n = len(ids) - 1
+    fields = {"target_tokens": ids[1:], **{k: (v * n if isinstance(v, list) else v) for k, v in inputs.items()}}
+    return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs=fields)
+
+
+def local_lora(tokenizer):
+    """The client's model as peft builds it from the same seed: what the server must match."""
+    from peft import LoraConfig, get_peft_model
+    base = make_tiny_model(tokenizer)
+    with torch.random.fork_rng():
+        torch.manual_seed(SEED)
+        model = get_peft_model(base, LoraConfig(
+            r=RANK, lora_alpha=RANK, lora_dropout=0.0, target_modules=[
+                "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]))
+    return model.eval()
+
+
+def local_logp(model, d: types.Datum) -> torch.Tensor:
+    ids = torch.tensor([d.model_input.to_ints()])
+    logits = model(input_ids=ids).logits[0].float()
+    return token_logprobs(logits, torch.tensor(d.loss_fn_inputs["target_tokens"].tolist()))
+
+
+def logprobs(out) -> list[torch.Tensor]:
+    return [torch.tensor(o["logprobs"].tolist()) for o in out.loss_fn_outputs]
+
+
+def test_forward_backward_and_optim_step_give_posttrains_numbers(service, tokenizer):
+    """cross_entropy's loss:sum is -sum w logp; one AdamW step moves the adapter exactly as the
+    same step taken here with torch on a peft model built from the same seed."""
+    tc = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
+    data = [datum(tokenizer, "What is 2 + 3? 5", weights=[0.5]),
+            datum(tokenizer, "Say hi. Hi there!", weights=[1.0])]
+    out = tc.forward_backward(data, "cross_entropy").result()
+    model = local_lora(tokenizer)
+    logp = [local_logp(model, d) for d in data]
+    loss = sum(-(torch.tensor(d.loss_fn_inputs["weights"].tolist()) * lp).sum() for d, lp in zip(data, logp))
+    assert out.metrics["loss:sum"] == pytest.approx(float(loss), rel=1e-5)
+    for got, want in zip(logprobs(out), logp):
+        torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=0)
+    tc.optim_step(types.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)).result()
+    loss.backward()
+    torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.95),
+                      eps=1e-8, weight_decay=0.0).step()
+    after = tc.forward(data, "cross_entropy").result()
+    for got, before, want in zip(logprobs(after), logp, [local_logp(model, d) for d in data]):
+        assert not torch.allclose(got, before.detach(), atol=1e-4)         # it moved
+        torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=0)  # as it moves here
+
+
+def test_samples_carry_the_log_probs_the_trainer_computes(service, tokenizer):
+    tc = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
+    d = datum(tokenizer, "Count: one two three", weights=[1.0])
+    tc.forward_backward([d], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = tokenizer("Count: one")["input_ids"]
+    res = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=3,
+                         sampling_params=types.SamplingParams(max_tokens=5, temperature=1.0, seed=7)).result()
+    assert len(res.sequences) == 3 and all(s.stop_reason == "length" for s in res.sequences)
+    for s in res.sequences:
+        full = prompt + s.tokens
+        check = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                            loss_fn_inputs={"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)})
+        trained = logprobs(tc.forward([check], "cross_entropy").result())[0][len(prompt) - 1:]
+        torch.testing.assert_close(torch.tensor(s.logprobs), trained, atol=1e-4, rtol=0)
+    again = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=3,
+                           sampling_params=types.SamplingParams(max_tokens=5, temperature=1.0, seed=7)).result()
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in res.sequences]   # (the seed)
+
+
+def test_save_state_then_load_resumes_bit_identically(service, tokenizer):
+    a = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
+    data = [datum(tokenizer, "The sky is blue.", weights=[1.0])]
+    adam = types.AdamParams(learning_rate=1e-2)
+    for _ in range(2):
+        a.forward_backward(data, "cross_entropy").result()
+        a.optim_step(adam).result()
+    path = a.save_state("two").result().path
+    assert path.startswith("tinker://") and path.endswith("/weights/two")
+    b = service.create_training_client_from_state_with_optimizer(path).result()
+    for client in (a, b):     # the same third step: Adam's moments and step count came back
+        client.forward_backward(data, "cross_entropy").result()
+        client.optim_step(adam).result()
+    la, lb = (logprobs(c.forward(data, "cross_entropy").result())[0] for c in (a, b))
+    assert torch.equal(la, lb)
+    fresh = service.create_training_client_from_state(path).result()   # (weights only: Adam starts over)
+    fresh.forward_backward(data, "cross_entropy").result()
+    fresh.optim_step(adam).result()
+    assert not torch.equal(logprobs(fresh.forward(data, "cross_entropy").result())[0], la)
+
+
+def test_two_clients_on_one_base_see_neither_weights_nor_gradients_of_the_other(service, tokenizer):
+    a = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
+    b = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
+    data = [datum(tokenizer, "Apples are red.", weights=[1.0])]
+    base = logprobs(b.forward(data, "cross_entropy").result())[0]
+    a.forward_backward(data, "cross_entropy").result()        # a's gradient waits for a's step
+    b.forward_backward(data, "cross_entropy").result()
+    b.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    b_after = logprobs(b.forward(data, "cross_entropy").result())[0]
+    assert torch.equal(logprobs(a.forward(data, "cross_entropy").result())[0], base)   # a untouched
+    a.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert torch.equal(logprobs(a.forward(data, "cross_entropy").result())[0], b_after)  # same step
+    assert torch.equal(logprobs(b.forward(data, "cross_entropy").result())[0], b_after)  # b untouched
+
+
+def test_every_builtin_loss_is_served_with_its_formula_or_refused_in_one_line(service, tokenizer):
+    from posttrain.tinker.losses import REFUSED, TINKER_LOSSES
+    names = set(typing.get_args(types.LossFnType))
+    assert names == set(TINKER_LOSSES.names()) | set(REFUSED)
+    lp, s, adv = torch.tensor([math.log(1.5), math.log(0.5)]), torch.zeros(2), torch.tensor([1.0, -1.0])
+    x = {"logprobs": s, "advantages": adv}
+    # ppo: r = (1.5, 0.5) clipped to (1.2, 0.8): -min(1.5, 1.2) - min(-0.5, -0.8) = -1.2 + 0.8
+    assert float(TINKER_LOSSES["ppo"](lp, x, {}).sum()) == pytest.approx(-0.4)
+    assert float(TINKER_LOSSES["importance_sampling"](lp, x, {}).sum()) == pytest.approx(-1.0)
+    # cispo: -sg[clip r] A logp = -1.2 log 1.5 + 0.8 log 0.5
+    assert float(TINKER_LOSSES["cispo"](lp, x, {}).sum()) == pytest.approx(-1.2 * math.log(1.5) + 0.8 * math.log(0.5))
+    # dro: -(A logp - beta/2 (logp - s)^2)
+    want = -(math.log(1.5) - 0.05 * math.log(1.5) ** 2) - (-math.log(0.5) - 0.05 * math.log(0.5) ** 2)
+    assert float(TINKER_LOSSES["dro"](lp, x, {"beta": 0.1}).sum()) == pytest.approx(want)
+    tc = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
+    d = datum(tokenizer, "One more.", logprobs=[0.0], advantages=[1.0])
+    with pytest.raises(tinker.RequestFailedError, match="stable_reinforce.*not served"):
+        tc.forward_backward([d], "stable_reinforce").result()
+    out = tc.forward_backward([d], "ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}).result()
+    assert math.isfinite(out.metrics["loss:sum"])
+
+
+def test_a_wrong_request_is_one_line_naming_what_to_fix(service, tokenizer):
+    tc = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
+    bad = datum(tokenizer, "Too few weights.", weights=[1.0])
+    bad.loss_fn_inputs["weights"] = types.TensorData(data=[1.0], dtype="float32", shape=[1])
+    with pytest.raises(tinker.RequestFailedError, match="'weights' has 1 values for \\d+ input tokens"):
+        tc.forward_backward([bad], "cross_entropy").result()
+    with pytest.raises(Exception, match="base_model 'Qwen/Qwen3-8B' is not served here"):
+        service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=RANK).result()
+
+
+def _post(url: str, headers: dict[str, str]) -> int:
+    req = urllib.request.Request(url, data=b"{}", headers={"Content-Type": "application/json", **headers})
+    try:
+        return urllib.request.urlopen(req, timeout=10).status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_a_foreign_host_or_wrong_key_is_refused(server, tokenizer, tmp_path):
+    url = f"{server.base_url}/api/v1/create_session"
+    assert _post(url, {}) == 200
+    assert _post(url, {"Host": "evil.example:80"}) == 403
+    from posttrain.tinker.server import start_server
+    with pytest.raises(ValueError, match="not loopback.*needs --api_key"):
+        start_server(make_tiny_model(tokenizer), tokenizer, "tiny", tmp_path, host="0.0.0.0")
+    keyed = start_server(make_tiny_model(tokenizer), tokenizer, "tiny", tmp_path, api_key="tml-secret")
+    try:
+        assert _post(f"{keyed.base_url}/api/v1/create_session", {"X-API-Key": "tml-other"}) == 401
+        assert _post(f"{keyed.base_url}/api/v1/create_session", {"X-API-Key": "tml-secret"}) == 200
+    finally:
+        keyed.shutdown()
+
+
+def test_the_wire_messages_read_back_through_the_sdks_own_decoders():
+    from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
+    from posttrain.tinker.wire import Sequence, forward_backward_output, sample_response
+    out = deserialize_forward_backward_output(forward_backward_output(
+        [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])], {"loss:sum": 3.5}))
+    assert [o["logprobs"].tolist() for o in out.loss_fn_outputs] == [[-1.0, -2.0], [-0.5]]
+    assert out.metrics == {"loss:sum": 3.5}
+    res = deserialize_sample_response(sample_response(
+        [Sequence([5, 6], [-0.25, -0.5], True), Sequence([7], [-1.0], False)], [math.nan, -2.0]))
+    assert [(s.tokens, s.logprobs, s.stop_reason) for s in res.sequences] == [
+        ([5, 6], [-0.25, -0.5], "stop"), ([7], [-1.0], "length")]
+    assert res.prompt_logprobs == [None, -2.0]
+    assert json.loads(json.dumps(out.metrics)) == {"loss:sum": 3.5}
