@@ -319,24 +319,29 @@ def artifacts_table(root: Path) -> str:
                               f"Records: `{ARTIFACTS}/ARM-seedS/record.json`."]) + "\n"
 
 
-VLLM_IDLE = "benchmarks/results/vllm-idle-2026-12-06"   # (its table: docs/scaling.md)
+VLLM_IDLE = {   # (its table: docs/scaling.md) each record, and its CPU's vector units (PROVENANCE.md)
+    "benchmarks/results/vllm-idle-2026-12-06": "AVX-512 (bf16 autocast)",
+    "benchmarks/results/vllm-idle-2026-12-07": "AVX2 only (float32: autocast auto)",
+}
 PHASES = ("perf/generate_s", "perf/update_s", "perf/weight_push_s", "perf/step_s")
 
 
 def vllm_idle_table(root: Path) -> str:
     """Each phase of a step, median over steps 2-12 of each run (the first step warms up), for
-    `generate` and vLLM in process, two rounds back to back (benchmarks/vllm_idle.sh)."""
-    lines = ["| sampler, round | generation (s) | update (s) | weight push (s) | step (s) |",
-             "|---" * 5 + "|"]
-    for backend, label in (("hf", "`generate`, in the trainer"), ("vllm", "vLLM in process")):
-        for round_ in (1, 2):
-            folder = root / VLLM_IDLE / f"{backend}-round{round_}"
-            json.loads((folder / "record.json").read_text())   # (named in the provenance line)
-            steps = [r for r in metrics_of(folder) if "perf/step_s" in r][1:]
-            cells = [f"{statistics.median(r.get(k, 0.0) for r in steps):.2f}" for k in PHASES]
-            lines.append(f"| {label}, {round_} | " + " | ".join(cells) + " |")
-    return "\n".join(lines + ["", f"The default job, seed 0, 12 steps a run. Records: "
-                              f"`{VLLM_IDLE}/SAMPLER-roundN/record.json`."]) + "\n"
+    `generate` and vLLM in process, two rounds back to back (benchmarks/vllm_idle.sh), on each
+    machine."""
+    lines = ["| CPU | sampler, round | generation (s) | update (s) | weight push (s) | step (s) |",
+             "|---" * 6 + "|"]
+    for record, cpu in VLLM_IDLE.items():
+        for backend, label in (("hf", "`generate`, in the trainer"), ("vllm", "vLLM in process")):
+            for round_ in (1, 2):
+                folder = root / record / f"{backend}-round{round_}"
+                json.loads((folder / "record.json").read_text())   # (named in the provenance line)
+                steps = [r for r in metrics_of(folder) if "perf/step_s" in r][1:]
+                cells = [f"{statistics.median(r.get(k, 0.0) for r in steps):.2f}" for k in PHASES]
+                lines.append(f"| {cpu} | {label}, {round_} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + ["", "The default job, seed 0, 12 steps a run. Records: " + ", ".join(
+        f"`{r}/SAMPLER-roundN/record.json`" for r in VLLM_IDLE) + "."]) + "\n"
 
 
 def judge_row(label: str, runs: list[tuple[dict, list[dict]]]) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 import typing
 import urllib.error
 import urllib.request
@@ -221,3 +223,33 @@ def test_the_wire_messages_read_back_through_the_sdks_own_decoders():
         ([5, 6], [-0.25, -0.5], "stop"), ([7], [-1.0], "length")]
     assert res.prompt_logprobs == [None, -2.0]
     assert json.loads(json.dumps(out.metrics)) == {"loss:sum": 3.5}
+
+
+def test_concurrent_sample_requests_share_a_batch_and_get_what_each_gets_alone(service, tokenizer, server):
+    """The cookbook's RL loop sends one sample request per rollout; waiting requests with the same
+    sampler and settings run as one batch, and each sample is a function of its own seed."""
+    tc = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompts = [tokenizer(t)["input_ids"] for t in ("Hi", "What is 12 + 30?", "Name a colour.")]
+    params = [types.SamplingParams(max_tokens=4, temperature=1.0, seed=s) for s in (1, 2, 3)]
+    alone = [sampler.sample(types.ModelInput.from_ints(p), 2, sp).result() for p, sp in zip(prompts, params)]
+    calls = []
+    original = server.service.asample
+    server.service.asample = lambda bodies: calls.append(len(bodies)) or original(bodies)
+    gate = threading.Event()
+    server.worker.submit(gate.wait)            # (the worker busy until all three are queued)
+    try:
+        futures = [sampler.sample(types.ModelInput.from_ints(p), 2, sp) for p, sp in zip(prompts, params)]
+        deadline = time.monotonic() + 30
+        while len(server.worker.ready) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gate.set()
+        together = [f.result() for f in futures]
+    finally:
+        gate.set()
+        server.service.asample = original
+    assert calls == [3]
+    for a, b in zip(alone, together):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+        for x, y in zip(a.sequences, b.sequences):
+            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)

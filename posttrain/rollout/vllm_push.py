@@ -30,6 +30,7 @@ class SharedMemoryPush:
         self.world = world
         self._folder = None
         self.whole = True    # (False once a full check reports no whole-matrix sums)
+        self.seconds: dict[str, float] = {}   # the last load's reload, repack and check
 
     def write(self, model) -> Written | None:
         """The trainer's weights as the next version's folder (None on ranks other than 0, which
@@ -50,6 +51,7 @@ class SharedMemoryPush:
                 engine.reported = engine.rpc("posttrain_load", {
                     "path": str(written.folder), "version": str(written.version),
                     "full": str(int(self.full(written.version)))})
+                self.seconds = engine.reported[0].get("seconds", {})   # (a worker's parts)
                 if self.full(written.version):
                     self.whole = self.whole and all(s["fingerprint"][4] is not None
                                                     for s in engine.reported)

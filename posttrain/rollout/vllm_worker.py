@@ -164,11 +164,17 @@ class WeightSync:
 
     def posttrain_load(self, path: str, version: str, full: str = "1") -> dict:
         """Reload every weight from the safetensors folder `path`; remember `version`; the
-        state, fully checked or not (`full`: "1" or "0", strings: the server route's)."""
+        state, fully checked or not (`full`: "1" or "0", strings: the server route's), with the
+        seconds each part took (`seconds`: reload, repack, check)."""
+        t0 = time.perf_counter()
         self.model_runner.reload_weights(weights_path=str(path))
+        t1 = time.perf_counter()
         repack_kept_cpu_weights(self.model_runner.get_model())
+        t2 = time.perf_counter()
         self.posttrain_weights_version = int(version)
-        return self.posttrain_state(full)
+        state = self.posttrain_state(full)
+        state["seconds"] = {"reload": t1 - t0, "repack": t2 - t1, "check": time.perf_counter() - t2}
+        return state
 
     def posttrain_state(self, full: str = "1") -> dict:
         """The weight version this worker holds (-1: the folder it started from) and the

@@ -37,6 +37,15 @@ def _cpu_model() -> str:
                 platform.processor())
 
 
+def _cpu_features() -> list[str]:
+    """The vector instruction sets that decide CPU speed here (AVX-512 and its bf16, AMX): two
+    machines both named "AMD EPYC" can differ 80x on a bf16 matmul (util/perf.native_bf16)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return sorted(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
+
+
 def _gpu() -> str | None:
     """The first CUDA device's name, or None on a machine without one."""
     import torch     # here, not at the top: reading a record's provenance needs no torch
@@ -55,6 +64,6 @@ def provenance(command: str) -> dict:
         "versions": {name: importlib.metadata.version(name)
                      for name in ("posttrain", "torch", "transformers")},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu": _cpu_model(),
-                    "gpu": _gpu()},
+                    "cpu_features": _cpu_features(), "gpu": _gpu()},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

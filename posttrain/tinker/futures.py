@@ -25,6 +25,7 @@ log = logging.getLogger("posttrain")
 POLL_S = 25.0        # a retrieve waits this long for a result (the SDK's timeout is 45 s)
 KEEP_S = 600.0       # a finished result stays this long for a client that polls late
 GAP_S = 10.0         # a missing seq_id is waited for this long
+MAX_BATCH = 64       # requests run as one batch (sampling requests with the same settings)
 
 
 @dataclass
@@ -34,6 +35,14 @@ class Future:
     result: Any = None              # a dict (JSON) or bytes (protobuf)
     error: dict[str, str] | None = None
     finished_at: float = 0.0
+
+
+@dataclass
+class _Batched:
+    """One request of work that runs in batches: `run(items)` answers every item at once."""
+    key: str
+    item: Any
+    run: Callable[[list[Any]], list[Any]]
 
 
 @dataclass(order=True)
@@ -77,6 +86,11 @@ class Worker:
             self.cond.notify_all()
             return future
 
+    def submit_batched(self, key: str, item: Any, run: Callable[[list[Any]], list[Any]]) -> Future:
+        """A future for `item`, run with the other waiting items of the same `key` (up to
+        MAX_BATCH) by one call of `run`."""
+        return self.submit(_Batched(key, item, run))
+
     def expect(self, model_id: str, seq: int) -> None:
         """`model_id`'s next request is `seq` (a new client: 1, after its creation's 0)."""
         with self.cond:
@@ -101,23 +115,37 @@ class Worker:
                 for model_id, heap in self.held.items():
                     if heap and now - heap[0].since > GAP_S:
                         self._release(model_id, force=True)
-            return self.ready.pop(0) if self.ready else (None, None)
+            if not self.ready:
+                return None, None
+            task, future = self.ready.pop(0)
+            if not isinstance(task, _Batched):
+                return task, future
+            same = [(t, f) for t, f in self.ready
+                    if isinstance(t, _Batched) and t.key == task.key][:MAX_BATCH - 1]
+            self.ready = [e for e in self.ready if all(e is not s for s in same)]
+            batch = [(task, future), *same]
+            return _batch_call(batch), [f for _, f in batch]
 
     def _loop(self) -> None:
         while not self.stopped:
             task, future = self._next()
             if task is None:
                 continue
+            futures = future if isinstance(future, list) else [future]
             try:
-                result, error = task(), None
+                results, error = task(), None
+                results = results if isinstance(future, list) else [results]
             except self.user_errors as e:
-                result, error = None, {"error": " ".join(str(e).split()), "category": "user"}
+                results, error = [None] * len(futures), {"error": " ".join(str(e).split()),
+                                                         "category": "user"}
             except Exception as e:   # (the server's fault: said to the client, logged here)
-                log.exception("tinker: request %s failed", future.request_id)
-                result, error = None, {"error": f"{type(e).__name__}: {e}", "category": "server"}
+                log.exception("tinker: request %s failed", futures[0].request_id)
+                results, error = [None] * len(futures), {"error": f"{type(e).__name__}: {e}",
+                                                         "category": "server"}
             with self.cond:
-                future.result, future.error, future.done = result, error, True
-                future.finished_at = time.monotonic()
+                for f, result in zip(futures, results):
+                    f.result, f.error, f.done = result, error, True
+                    f.finished_at = time.monotonic()
                 self._forget_old()
                 self.cond.notify_all()
 
@@ -140,3 +168,8 @@ class Worker:
         with self.cond:
             self.stopped = True
             self.cond.notify_all()
+
+
+def _batch_call(batch: list) -> Callable[[], list[Any]]:
+    run, items = batch[0][0].run, [t.item for t, _ in batch]
+    return lambda: run(items)

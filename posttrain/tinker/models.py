@@ -168,6 +168,9 @@ def check_datum(i: int, d, needed: tuple[str, ...]) -> None:
 def datum_logprobs(model, data: list, pad_id: int) -> list[Tensor]:
     """log pi(target_t | tokens_<=t) for every position of every datum, one padded forward."""
     n = max(len(d.tokens) for d in data)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and n > limit:
+        raise WireError(f"a datum of {n} tokens: over the model's {limit} positions")
     ids = torch.full((len(data), n), pad_id, dtype=torch.long)
     mask = torch.zeros((len(data), n), dtype=torch.long)
     targets = torch.zeros((len(data), n), dtype=torch.long)

@@ -9,18 +9,20 @@ token ids that end a sample as EOS does). top_k other than -1 is refused in one 
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 import torch
 
-from posttrain.rollout.base import SamplingParams
+from posttrain.rollout.base import SamplingParams, seed_key
 from posttrain.rollout.hf import HFRolloutEngine
 from posttrain.tinker.models import Models, lora_config
 from posttrain.tinker.revisions import Revision
 from posttrain.tinker.wire import Sequence, WireError
 
 DEFAULT_MAX_TOKENS = 128
+MAX_SAMPLES = 1024   # samples of one request
 
 
 def sampling_params(fields: dict[str, Any]) -> tuple[SamplingParams, set[int]]:
@@ -57,30 +59,56 @@ def slot_for(models: Models, revision: Revision) -> str | None:
     return slot
 
 
-@torch.no_grad()
-def sample(models: Models, revision: Revision, request: dict[str, Any],
-           generator: torch.Generator) -> tuple[list[Sequence], list[float] | None]:
-    """`num_samples` continuations of the request's prompt tokens, and its prompt log-probs
-    when asked (NaN at position 0, which nothing predicts)."""
-    prompt = prompt_tokens(request)
-    params, stop_ids = sampling_params(request.get("sampling_params") or {})
+def sample_seeds(request: dict[str, Any], generator: torch.Generator) -> list[int]:
+    """One seed per sample: from the request's `seed` (seed_key(seed, i)), else drawn from the
+    server's generator. Each sample is a function of its seed alone (rollout/hf.py), whatever
+    else shares its batch."""
+    n = num_samples(request)
+    seed = (request.get("sampling_params") or {}).get("seed")
+    if seed is not None:
+        return [seed_key(int(seed), i) for i in range(n)]
+    return torch.randint(0, 2**62, (n,), generator=generator).tolist()
+
+
+def num_samples(request: dict[str, Any]) -> int:
     n = int(request.get("num_samples", 1))
-    if n < 1:
-        raise WireError(f"num_samples={n}: at least 1")
-    if request.get("sampling_params", {}).get("seed") is not None:
-        generator = torch.Generator().manual_seed(int(request["sampling_params"]["seed"]))
+    if not 1 <= n <= MAX_SAMPLES:
+        raise WireError(f"num_samples={n}: from 1 to {MAX_SAMPLES}")
+    return n
+
+
+def batch_key(request: dict[str, Any]) -> str:
+    """Requests that can share one batch: the same sampling session and sampling settings."""
+    fields = {k: v for k, v in (request.get("sampling_params") or {}).items() if k != "seed"}
+    return json.dumps([request.get("sampling_session_id"), fields], sort_keys=True)
+
+
+@torch.no_grad()
+def sample(models: Models, revision: Revision, requests: list[dict[str, Any]],
+           generator: torch.Generator) -> list[tuple[list[Sequence], list[float] | None]]:
+    """Every request's `num_samples` continuations of its prompt, in one batch (the requests
+    share a `batch_key`), and its prompt log-probs when asked (NaN at position 0)."""
+    params, stop_ids = sampling_params(requests[0].get("sampling_params") or {})
+    prompts = [prompt_tokens(r) for r in requests]
+    seeds = [sample_seeds(r, generator) for r in requests]
+    rows = [p for p, s in zip(prompts, seeds) for _ in s]
     with models.use(slot_for(models, revision)) as model:
-        model.eval()
         engine = HFRolloutEngine(model, models.tokenizer)
         engine.eos_ids |= stop_ids
-        out = engine.generate([prompt], n, params, generator)
-        prompt_logp = prompt_logprobs(model, prompt) if request.get("prompt_logprobs") else None
-    sequences = []
-    for i in range(n):
-        keep = out.response_mask_B_T[i].bool()
-        sequences.append(Sequence(out.response_ids_B_T[i][keep].tolist(),
-                                  out.logp_B_T[i][keep].tolist(), not bool(out.truncated_B[i])))
-    return sequences, prompt_logp
+        out = engine.generate(rows, 1, params, generator,
+                              seeds=torch.tensor([k for s in seeds for k in s]))
+        prompt_logp = [prompt_logprobs(model, p) if r.get("prompt_logprobs") else None
+                       for p, r in zip(prompts, requests)]
+    results, row = [], 0
+    for s, logp in zip(seeds, prompt_logp):
+        sequences = []
+        for i in range(row, row + len(s)):
+            keep = out.response_mask_B_T[i].bool()
+            sequences.append(Sequence(out.response_ids_B_T[i][keep].tolist(),
+                                      out.logp_B_T[i][keep].tolist(), not bool(out.truncated_B[i])))
+        results.append((sequences, logp))
+        row += len(s)
+    return results
 
 
 def prompt_tokens(request: dict[str, Any]) -> list[int]:

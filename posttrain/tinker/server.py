@@ -27,6 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 from posttrain.tinker.futures import Future, Worker
+from posttrain.tinker.sampler import batch_key
 from posttrain.tinker.service import TinkerService
 from posttrain.tinker.wire import WireError, decode_forward_backward
 from posttrain.util.hosts import host_allowed
@@ -187,9 +188,8 @@ def ordered(op: str) -> Callable[[TinkerServer, dict[str, Any]], dict[str, Any]]
 
 
 def asample(server: TinkerServer, body: dict[str, Any]) -> dict[str, Any]:
-    server.service.revisions.get(body.get("sampling_session_id", ""))   # (unknown: at once)
-    n = int(body.get("num_samples", 1))
-    f = server.worker.submit(lambda: server.service.asample(body))
+    n = server.service.check_sample(body)   # (a wrong request is said at once, not batched)
+    f = server.worker.submit_batched(batch_key(body), body, lambda bodies: server.service.asample(bodies))
     return submitted(f, sample_sequence_ids=[f"{f.request_id}:{i}" for i in range(n)])
 
 

@@ -19,7 +19,7 @@ import torch
 from posttrain.tinker.models import Models
 from posttrain.tinker.revisions import (Revision, Revisions, folder_of, list_checkpoints,
                                         read_checkpoint, tinker_path, write_checkpoint)
-from posttrain.tinker.sampler import sample
+from posttrain.tinker.sampler import num_samples, prompt_tokens, sample, sampling_params
 from posttrain.tinker.wire import ForwardBackward, WireError, forward_backward_output, sample_response
 
 
@@ -148,10 +148,21 @@ class TinkerService:
         run.steps = int(meta.get("steps", 0))
         return {"path": body["path"], "model_id": model_id, "type": "load_weights"}
 
-    def asample(self, body: dict[str, Any]) -> bytes:
-        revision = self.revisions.get(body.get("sampling_session_id", ""))
-        sequences, prompt_logp = sample(self.models, revision, body, self.generator)
-        return sample_response(sequences, prompt_logp)
+    def check_sample(self, body: dict[str, Any]) -> int:
+        """A sample request's fields, checked before it joins a batch; its number of samples."""
+        self.revisions.get(body.get("sampling_session_id", ""))
+        params, _ = sampling_params(body.get("sampling_params") or {})
+        length = len(prompt_tokens(body)) + params.max_new_tokens
+        limit = getattr(self.models.base.config, "max_position_embeddings", None)
+        if limit and length > limit:
+            raise WireError(f"prompt + max_tokens = {length} tokens: over the model's {limit} positions")
+        return num_samples(body)
+
+    def asample(self, bodies: list[dict[str, Any]]) -> list[bytes]:
+        """Sample requests that share a sampling session and settings, as one batch."""
+        revision = self.revisions.get(bodies[0].get("sampling_session_id", ""))
+        return [sample_response(seqs, logp)
+                for seqs, logp in sample(self.models, revision, bodies, self.generator)]
 
     # -- helpers -----------------------------------------------------------------------------
     def adapter_state(self, adapter: str) -> dict[str, torch.Tensor]:

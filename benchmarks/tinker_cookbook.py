@@ -1,0 +1,132 @@
+"""tinker-cookbook's arithmetic RL recipe, run unchanged (PyPI's tinker-cookbook 0.6.1,
+`tinker_cookbook/recipes/math_rl/train.py`) against `posttrain tinker-serve` on the embedded
+SmolLM2-135M-Instruct, on this CPU, one run at a time for `--minutes` each; then posttrain's own
+GRPO on the same problems for the same minutes. Rendered by benchmarks/tables.py (table
+tinker-cookbook in docs/tinker.md).
+
+    .venv/bin/python benchmarks/tinker_cookbook.py OUT [--runs 3] [--minutes 10]
+
+The cookbook lives in its own venv (.venv-cookbook, made on first use: its declared
+`tml-renderers>=0.4.1` is not on PyPI's index here and the arithmetic path never imports it, so
+the cookbook goes in with --no-deps and the packages that path imports are named). Its flags:
+the `role_colon` renderer (the recipe cannot look up a renderer for a local folder),
+`loss_fn=importance_sampling` (the recipe's default `stable_reinforce` is refused by the server:
+its formula is not published), 16 problems x 4 samples a step, LoRA rank 32, lr 1e-4, at most 5
+new tokens, as the recipe's own defaults except the batch (100 x 4) and the lr (1e-5).
+
+Each run's OUT/runK holds the cookbook's metrics.jsonl (per step: `env/all/correct`,
+`env/all/reward/total`, timings), the server's run folder (metrics.jsonl of every request,
+summary.json) and record.json with the provenance, the commands and the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from posttrain.run.provenance import provenance  # noqa: E402
+
+VENV = ROOT / ".venv-cookbook"
+PACKAGES = ["tinker==0.38.0", "chz", "blobfile", "datasets", "sympy", "pylatexenc", "termcolor",
+            "rich", "tqdm", "pillow", "transformers"]
+FLAGS = ["env=arithmetic", "renderer_name=role_colon", "lora_rank=32", "group_size=4",
+         "groups_per_batch=16", "learning_rate=1e-4", "max_tokens=5",
+         "loss_fn=importance_sampling", "save_every=20", "eval_every=0",
+         "behavior_if_log_dir_exists=delete"]
+
+
+def cookbook_python() -> Path:
+    """The cookbook's venv, made once: torch 2.13.0 (the CPU build on this disk), the cookbook
+    without its declared dependencies, then what its arithmetic path imports."""
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+        pip = [str(python), "-m", "pip", "install", "--quiet"]
+        subprocess.run([*pip, "torch==2.13.0"], check=True)
+        subprocess.run([*pip, "--no-deps", "tinker-cookbook==0.6.1"], check=True)
+        subprocess.run([*pip, "-c", str(ROOT / "scripts/constraints-cpu.txt"), *PACKAGES], check=True)
+    return python
+
+
+def start_server(folder: Path) -> tuple[subprocess.Popen, str]:
+    """`posttrain tinker-serve` on a free port; its URL from the line it prints."""
+    log = (folder / "server.log").open("w")
+    proc = subprocess.Popen([str(ROOT / ".venv/bin/posttrain"), "tinker-serve", "--port", "0",
+                             "--run_dir", str(folder / "server")], stdout=subprocess.PIPE,
+                            stderr=log, text=True, cwd=ROOT)
+    line = proc.stdout.readline()
+    if "TINKER_BASE_URL=" not in line:
+        proc.kill()
+        raise RuntimeError(f"tinker-serve did not start: {line!r} (see {folder / 'server.log'})")
+    return proc, line.split("TINKER_BASE_URL=")[1].split(";")[0]
+
+
+def run_cookbook(folder: Path, url: str, model: str, minutes: float) -> dict:
+    env = {**os.environ, "TINKER_BASE_URL": url, "TINKER_API_KEY": "tml-local",
+           "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    command = [str(cookbook_python()), "-m", "tinker_cookbook.recipes.math_rl.train",
+               f"model_name={model}", f"log_path={folder / 'cookbook'}", *FLAGS]
+    start = time.monotonic()
+    with (folder / "cookbook.log").open("w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=folder)
+        try:
+            code = proc.wait(timeout=minutes * 60)
+        except subprocess.TimeoutExpired:          # (the budget: the steps logged so far count)
+            proc.send_signal(signal.SIGINT)
+            try:
+                code = proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
+    return {"command": command, "exit_code": code, "wall_s": time.monotonic() - start}
+
+
+def figures(metrics: Path, wall_s: float) -> dict:
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "env/all/correct" in r]
+    first, last = rows[:3], rows[-3:]
+    mean = lambda rs: sum(r["env/all/correct"] for r in rs) / max(len(rs), 1)
+    return {"steps": len(rows), "steps_per_minute": len(rows) / (wall_s / 60),
+            "correct_first_3_steps": mean(first), "correct_last_3_steps": mean(last),
+            "correct_per_step": [r["env/all/correct"] for r in rows]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--minutes", type=float, default=10.0)
+    args = ap.parse_args()
+    prov = provenance(" ".join(sys.argv))
+    model = subprocess.run([str(ROOT / ".venv/bin/posttrain"), "prepare-model"], check=True,
+                           capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    cookbook_python()
+    for k in range(args.runs):
+        folder = args.out / f"run{k}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        server, url = start_server(folder)
+        try:
+            ran = run_cookbook(folder, url, model, args.minutes)
+        finally:
+            server.send_signal(signal.SIGINT)
+            server.wait(timeout=60)
+        shutil.rmtree(folder / "server" / "tinker", ignore_errors=True)   # (adapter weights)
+        record = {"provenance": prov, **ran, "flags": FLAGS, "model": model,
+                  **figures(folder / "cookbook" / "metrics.jsonl", ran["wall_s"])}
+        (folder / "record.json").write_text(json.dumps(record, indent=1))
+        print(json.dumps({k: record[k] for k in ("steps", "steps_per_minute", "correct_first_3_steps",
+                                                   "correct_last_3_steps")}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
