@@ -235,20 +235,21 @@ def test_concurrent_sample_requests_share_a_batch_and_get_what_each_gets_alone(s
     alone = [sampler.sample(types.ModelInput.from_ints(p), 2, sp).result() for p, sp in zip(prompts, params)]
     calls = []
     original = server.service.asample
-    server.service.asample = lambda bodies: calls.append(len(bodies)) or original(bodies)
+    server.service.asample = lambda bodies: calls.append([b["sampling_params"]["seed"] for b in bodies]) or original(bodies)
+    from posttrain.tinker.futures import _Batched
     gate = threading.Event()
     server.worker.submit(gate.wait)            # (the worker busy until all three are queued)
     try:
         futures = [sampler.sample(types.ModelInput.from_ints(p), 2, sp) for p, sp in zip(prompts, params)]
         deadline = time.monotonic() + 30
-        while len(server.worker.ready) < 3 and time.monotonic() < deadline:
+        while sum(isinstance(t, _Batched) for t, _ in server.worker.ready) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         gate.set()
         together = [f.result() for f in futures]
     finally:
         gate.set()
         server.service.asample = original
-    assert calls == [3]
+    assert calls == [[1, 2, 3]]                # (one batch, each request run once)
     for a, b in zip(alone, together):
         assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
         for x, y in zip(a.sequences, b.sequences):

@@ -120,8 +120,8 @@ class Worker:
             task, future = self.ready.pop(0)
             if not isinstance(task, _Batched):
                 return task, future
-            same = [(t, f) for t, f in self.ready
-                    if isinstance(t, _Batched) and t.key == task.key][:MAX_BATCH - 1]
+            same = [e for e in self.ready
+                    if isinstance(e[0], _Batched) and e[0].key == task.key][:MAX_BATCH - 1]
             self.ready = [e for e in self.ready if all(e is not s for s in same)]
             batch = [(task, future), *same]
             return _batch_call(batch), [f for _, f in batch]
