@@ -5,7 +5,9 @@ repacking of kept weights and its check (full on pushes 0, 10 and 20: every pack
 whole matrix; the rest: the weights' columns), medians of the full and the other pushes. Nothing
 else should run meanwhile.
 
-    .venv/bin/python benchmarks/vllm_push.py OUT      # OUT/record.json
+    .venv/bin/python benchmarks/vllm_push.py OUT [DTYPE]   # OUT/record-DTYPE.json
+
+DTYPE (float32 or bfloat16) forces the engine's dtype.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def main() -> None:
     from posttrain.util.perf import native_bf16
     out = Path(sys.argv[1])
     prov = provenance(" ".join(sys.argv))
-    dtype = "bfloat16" if native_bf16() else "float32"
+    dtype = sys.argv[2] if len(sys.argv) > 2 else ("bfloat16" if native_bf16() else "float32")
     path = str(resolve_model_path(EMBEDDED))
     model = load_policy(path, "float32")
     engine = make_vllm_engine(model, load_tokenizer(path), path, RolloutConfig(backend="vllm"),
@@ -60,7 +62,7 @@ def main() -> None:
         summary[kind] = {k: statistics.median(r[k] for r in part) for k in part[0]
                          if k.endswith("_s")}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "record.json").write_text(json.dumps({"provenance": prov, "dtype": dtype,
+    (out / f"record-{dtype}.json").write_text(json.dumps({"provenance": prov, "dtype": dtype,
                                                  "pushes": rows, "median": summary}, indent=1))
     print(json.dumps({"dtype": dtype, **summary}, indent=1))
 
