@@ -344,6 +344,36 @@ def vllm_idle_table(root: Path) -> str:
         f"`{r}/SAMPLER-roundN/record.json`" for r in VLLM_IDLE) + "."]) + "\n"
 
 
+TINKER_COOKBOOK = "benchmarks/results/tinker-cookbook-2026-12-07"   # (its table: docs/tinker.md)
+
+
+def tinker_cookbook_table(root: Path) -> str:
+    """tinker-cookbook's arithmetic RL recipe against tinker-serve, and posttrain's own GRPO with
+    the same adapter, lr and batch for the same minutes (benchmarks/tinker_cookbook.py): steps,
+    steps a minute, the training answers' accuracy over the first and the last 3 steps."""
+    folder = root / TINKER_COOKBOOK
+    cook = [json.loads(p.read_text()) for p in sorted(folder.glob("run*/record.json"))]
+    mine = load_runs(folder / "posttrain")
+    minutes = [r["wall_s"] / 60 for r in cook]
+    rows = [("tinker-cookbook `math_rl` (arithmetic) on `posttrain tinker-serve`", [r["steps"] for r in cook],
+             [r["steps_per_minute"] for r in cook], [r["correct_first_3_steps"] for r in cook],
+             [r["correct_last_3_steps"] for r in cook]),
+            ("posttrain's GRPO, LoRA 32, lr 1e-4 (2-digit addition)", [len(r["steps"]) for r in mine],
+             [60 / statistics.median(r["step_s"]) for r in mine],
+             [statistics.mean(r["reward"][:3]) for r in mine], [statistics.mean(r["reward"][-3:]) for r in mine])]
+    lines = ["| run (16 problems x 4 answers a step) | steps | steps a minute | correct, first 3 steps | "
+             "correct, last 3 steps |", "|---" * 5 + "|"]
+    for label, steps, rate, first, last in rows:
+        lines.append(f"| {label} ({len(steps)} runs) | {mean_sd(steps, digits=0)} | "
+                     f"{mean_sd(rate, digits=2)} | {pct(first)} | {pct(last)} |")
+    held = [(r["eval_accuracy"][0], r["eval_accuracy"][-1]) for r in mine if r["eval_accuracy"]]
+    tail = (f" posttrain's held-out accuracy (200 problems, greedy): {pct([h[0] for h in held])} before, "
+            f"{pct([h[1] for h in held])} after." if held else "")
+    return "\n".join(lines + ["", f"{mean_sd(minutes, digits=1)} minutes a cookbook run.{tail} Records: "
+                              f"`{TINKER_COOKBOOK}/runK/record.json`, `{TINKER_COOKBOOK}/posttrain/"
+                              "posttrain-s<seed>/bench.json`."]) + "\n"
+
+
 def judge_row(label: str, runs: list[tuple[dict, list[dict]]]) -> str:
     train = [[r for r in rows if "reward/mean" in r] for _, rows in runs]
     agree = [r["reward/judge_agreement"] for t in train for r in t if "reward/judge_agreement" in r]
@@ -1219,6 +1249,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "vllm-cpu": vllm_cpu_table, "vllm-mismatch": vllm_mismatch_table,
     "async-cpu": async_cpu_table, "ecosystem-envs": ecosystem_envs_table,
     "artifacts": artifacts_table, "vllm-idle": vllm_idle_table,
+    "tinker-cookbook": tinker_cookbook_table,
     "ecosystem-judge": ecosystem_judge_table,
 }
 

@@ -106,6 +106,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--minutes", type=float, default=10.0)
     args = ap.parse_args()
+    args.out = args.out.resolve()     # (the cookbook runs in its run's folder)
     prov = provenance(" ".join(sys.argv))
     model = subprocess.run([str(ROOT / ".venv/bin/posttrain"), "prepare-model"], check=True,
                            capture_output=True, text=True).stdout.strip().splitlines()[-1]
