@@ -60,9 +60,10 @@ def cookbook_python() -> Path:
 def start_server(folder: Path) -> tuple[subprocess.Popen, str]:
     """`posttrain tinker-serve` on a free port; its URL from the line it prints."""
     log = (folder / "server.log").open("w")
-    proc = subprocess.Popen([str(ROOT / ".venv/bin/posttrain"), "tinker-serve", "--port", "0",
-                             "--run_dir", str(folder / "server")], stdout=subprocess.PIPE,
-                            stderr=log, text=True, cwd=ROOT)
+    # (`python -m` from ROOT: this checkout's code, not the editable install's)
+    proc = subprocess.Popen([str(ROOT / ".venv/bin/python"), "-m", "posttrain.cli", "tinker-serve",
+                             "--port", "0", "--run_dir", str(folder / "server")],
+                            stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
     line = proc.stdout.readline()
     if "TINKER_BASE_URL=" not in line:
         proc.kill()
@@ -81,7 +82,7 @@ def run_cookbook(folder: Path, url: str, model: str, minutes: float) -> dict:
         try:
             code = proc.wait(timeout=minutes * 60)
         except subprocess.TimeoutExpired:          # (the budget: the steps logged so far count)
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGTERM)
             try:
                 code = proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -119,8 +120,12 @@ def main() -> None:
         try:
             ran = run_cookbook(folder, url, model, args.minutes)
         finally:
-            server.send_signal(signal.SIGINT)
-            server.wait(timeout=60)
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
         shutil.rmtree(folder / "server" / "tinker", ignore_errors=True)   # (adapter weights)
         record = {"provenance": prov, **ran, "flags": FLAGS, "model": model,
                   **figures(folder / "cookbook" / "metrics.jsonl", ran["wall_s"])}

@@ -249,8 +249,54 @@ def test_concurrent_sample_requests_share_a_batch_and_get_what_each_gets_alone(s
     finally:
         gate.set()
         server.service.asample = original
-    assert calls == [[1, 2, 3]]                # (one batch, each request run once)
+    assert [sorted(c) for c in calls] == [[1, 2, 3]]   # (one batch, each request run once)
     for a, b in zip(alone, together):
         assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
         for x, y in zip(a.sequences, b.sequences):
             torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+
+
+def test_saved_sampler_weights_sample_on_a_restarted_server_with_no_training_client(service, server, tokenizer):
+    tc = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
+    tc.forward_backward([datum(tokenizer, "Red, green, blue.", weights=[1.0])], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    path = tc.save_weights_for_sampler("named").result().path
+    with pytest.raises(tinker.RequestFailedError, match="exists"):
+        tc.save_state("dup").result()
+        tc.save_state("dup").result()
+    prompt = types.ModelInput.from_ints(tokenizer("Red,")["input_ids"])
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=11)
+    here = service.create_sampling_client(model_path=path).sample(prompt, 2, params).result()
+    from posttrain.tinker.server import start_server
+    again = start_server(make_tiny_model(tokenizer), tokenizer, "tiny", server.service.run_dir)
+    try:
+        other = tinker.ServiceClient(base_url=again.base_url)
+        there = other.create_sampling_client(model_path=path).sample(prompt, 2, params).result()
+    finally:
+        again.shutdown()
+    assert [s.tokens for s in there.sequences] == [s.tokens for s in here.sequences]
+    for x, y in zip(here.sequences, there.sequences):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+
+
+def test_a_batch_too_long_for_one_forward_is_split_and_gives_the_same_numbers(service, tokenizer, monkeypatch):
+    import posttrain.tinker.models as models
+    data = [datum(tokenizer, t, weights=[1.0]) for t in ("One two three four.", "Five six.", "Seven.")]
+    outs = []
+    for budget in (models.MICRO_BATCH_TOKENS, 8):        # (8 tokens: one datum a forward)
+        monkeypatch.setattr(models, "MICRO_BATCH_TOKENS", budget)
+        tc = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
+        out = tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        outs.append((out, logprobs(tc.forward(data, "cross_entropy").result())))
+    assert outs[0][0].metrics["loss:sum"] == pytest.approx(outs[1][0].metrics["loss:sum"], rel=1e-6)
+    for a, b in zip(outs[0][1], outs[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_sample_options_not_computed_here_are_refused_before_sampling(service, tokenizer):
+    tc = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    with pytest.raises(Exception, match="topk_sample_logprobs not served"):
+        sampler.sample(types.ModelInput.from_ints(tokenizer("Hi")["input_ids"]), 1,
+                       types.SamplingParams(max_tokens=2), topk_sample_logprobs=3).result()

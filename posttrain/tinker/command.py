@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -59,11 +60,12 @@ def cmd_tinker_serve(args: argparse.Namespace, overrides: list[str]) -> int:
          "host": args.host, "port": server.server_address[1], "seed": args.seed}, indent=1))
     print(f"posttrain tinker-serve: {args.model_path} ({folder}) at {server.base_url}; "
           f"TINKER_BASE_URL={server.base_url}; run folder {run_dir}; Ctrl-C stops", flush=True)
-    started = time.monotonic()
+    started, stop = time.monotonic(), threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):   # (a background job's SIGINT may be ignored)
+        signal.signal(sig, lambda *_: stop.set())
     try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        pass
+        while not stop.wait(0.5):
+            pass
     finally:
         server.shutdown()
         (run_dir / "summary.json").write_text(json.dumps(

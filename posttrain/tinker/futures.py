@@ -163,6 +163,9 @@ class Worker:
         for key, f in list(self.futures.items()):
             if f.done and now - f.finished_at > KEEP_S:
                 del self.futures[key]
+        for key, f in list(self.by_seq.items()):
+            if f.done and now - f.finished_at > KEEP_S:
+                del self.by_seq[key]
 
     def stop(self) -> None:
         with self.cond:

@@ -78,12 +78,25 @@ def dro(logp: Tensor, x: dict[str, Tensor], config: dict[str, float]) -> Tensor:
 
 @TINKER_LOSSES.register("gspo")
 def gspo(logp: Tensor, x: dict[str, Tensor], config: dict[str, float]) -> Tensor:
-    """GSPO-token: the sequence ratio over the positions `sequence_ratio_mask` marks (all of
-    them when absent), each token's own advantage."""
+    """GSPO-token: the sequence ratio over the positions `sequence_ratio_mask` marks (without
+    one: those with an advantage, the sampled tokens; the prompt's carry none), each token's
+    own advantage."""
     mask = x.get("sequence_ratio_mask")
     mask = (mask if mask is not None else (x["advantages"] != 0).float())[None]
     return gspo_loss(logp[None], x["logprobs"][None], x["advantages"][None], mask,
                      token_level=True, **_eps(config))[0] * mask[0]
+
+
+PER_TOKEN_BOUNDS = ("clip_low_threshold", "clip_high_threshold")
+
+
+def check_inputs(loss_fn: str, inputs: dict) -> None:
+    """Ratio bounds given per token (the SDK allows it) are refused: they are read from
+    loss_fn_config only."""
+    given = [k for k in PER_TOKEN_BOUNDS if k in inputs]
+    if given:
+        raise ValueError(f"loss_fn_inputs {given}: per-token ratio bounds are not served; set "
+                         f"them once in loss_fn_config")
 
 
 def check_loss(loss_fn: str) -> TinkerLoss:

@@ -25,7 +25,7 @@ from torch import Tensor
 from posttrain.losses.common import token_logprobs
 from posttrain.model.distributed import SINGLE
 from posttrain.run.learner import step_if_finite
-from posttrain.tinker.losses import check_loss, needed_inputs
+from posttrain.tinker.losses import check_inputs, check_loss, needed_inputs
 from posttrain.tinker.wire import ForwardBackward, WireError
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -128,13 +128,18 @@ class Models:
         loss_fn = check_loss(req.loss_fn)
         for i, d in enumerate(req.data):
             check_datum(i, d, needed_inputs(req.loss_fn))
+            check_inputs(req.loss_fn, d.inputs)
+        logp, total = [], 0.0
         with self.use(run.adapter) as model, torch.set_grad_enabled(not req.forward_only):
-            logp = datum_logprobs(model, req.data, self.tokenizer.pad_token_id)
-            losses = [loss_fn(lp, d.inputs, req.config).sum() for lp, d in zip(logp, req.data)]
-            total = torch.stack(losses).sum() if losses else torch.zeros(())
-            if not req.forward_only and losses:
-                total.backward()
-        return [lp.detach() for lp in logp], {"loss:sum": float(total.detach())}
+            for part in micro_batches(req.data):    # (the gradient of a sum: summed part by part)
+                part_logp = datum_logprobs(model, part, self.tokenizer.pad_token_id)
+                loss = torch.stack([loss_fn(lp, d.inputs, req.config).sum()
+                                    for lp, d in zip(part_logp, part)]).sum()
+                if not req.forward_only:
+                    loss.backward()
+                logp += [lp.detach() for lp in part_logp]
+                total += float(loss.detach())
+        return logp, {"loss:sum": total}
 
     def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
         """One AdamW step of the client's adapter with the request's settings."""
@@ -163,6 +168,22 @@ def check_datum(i: int, d, needed: tuple[str, ...]) -> None:
         if t.reshape(-1).shape[0] != len(d.tokens):
             raise WireError(f"datum {i}: loss_fn_inputs {name!r} has {t.numel()} values for "
                             f"{len(d.tokens)} input tokens (one per position)")
+
+
+MICRO_BATCH_TOKENS = 4096   # padded tokens a forward holds at once (its logits: tokens x vocabulary)
+
+
+def micro_batches(data: list) -> list[list]:
+    """The datums in order, in groups of at most MICRO_BATCH_TOKENS padded tokens."""
+    parts, part, longest = [], [], 0
+    for d in data:
+        longest_with = max(longest, len(d.tokens))
+        if part and longest_with * (len(part) + 1) > MICRO_BATCH_TOKENS:
+            parts.append(part)
+            part, longest_with = [], len(d.tokens)
+        part.append(d)
+        longest = longest_with
+    return parts + ([part] if part else [])
 
 
 def datum_logprobs(model, data: list, pad_id: int) -> list[Tensor]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -44,30 +45,34 @@ class Revision:
 
 
 class Revisions:
-    """Sampler revisions by sampling-session id; the unnamed ones beyond KEPT_UNNAMED dropped
-    oldest first (a named one reloads from its folder)."""
+    """Sampler revisions by sampling-session id (HTTP threads and the worker both add). An
+    unnamed one holds its weights in memory, the newest KEPT_UNNAMED of them are kept; one made
+    from a saved path holds only the path and reads its folder when it samples."""
 
     def __init__(self) -> None:
         self.by_id: OrderedDict[str, Revision] = OrderedDict()
+        self.lock = threading.Lock()
 
     def add(self, revision: Revision) -> Revision:
-        self.by_id[revision.sampler_id] = revision
-        unnamed = [k for k, r in self.by_id.items() if r.path is None and r.lora is not None]
-        for key in unnamed[:-KEPT_UNNAMED]:
-            del self.by_id[key]
+        with self.lock:
+            self.by_id[revision.sampler_id] = revision
+            unnamed = [k for k, r in self.by_id.items() if r.path is None and r.lora is not None]
+            for key in unnamed[:-KEPT_UNNAMED]:
+                del self.by_id[key]
         return revision
 
     def get(self, sampler_id: str) -> Revision:
-        if sampler_id not in self.by_id:
-            raise WireError(f"sampling session {sampler_id!r} is not on this server (unnamed "
-                            f"sampler weights: the newest {KEPT_UNNAMED} are kept)")
-        return self.by_id[sampler_id]
+        with self.lock:
+            if sampler_id not in self.by_id:
+                raise WireError(f"sampling session {sampler_id!r} is not on this server "
+                                f"(unnamed sampler weights: the newest {KEPT_UNNAMED} are kept)")
+            return self.by_id[sampler_id]
 
 
 def folder_of(run_dir: Path, path: str) -> Path:
     """The folder a tinker:// path names under the run folder, or one line on what is wrong."""
     m = PATH.match(path or "")
-    if not m:
+    if not m or not NAME.match(m["name"]):
         raise WireError(f"path {path!r} is not tinker://MODEL_ID/weights/NAME or "
                         "tinker://MODEL_ID/sampler_weights/NAME")
     folder = run_dir / "tinker" / safe(m["run"]) / m["kind"] / m["name"]

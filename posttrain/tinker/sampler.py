@@ -36,6 +36,8 @@ def sampling_params(fields: dict[str, Any]) -> tuple[SamplingParams, set[int]]:
                         "temperature >= 0 and 0 < top_p <= 1")
     stop = fields.get("stop")
     stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(isinstance(s, bool) or not isinstance(s, (str, int)) for s in stop):
+        raise WireError(f"sampling_params stop={stop!r}: strings or token ids")
     strings = tuple(s for s in stop if isinstance(s, str))
     ids = {int(s) for s in stop if not isinstance(s, str)}
     n = int(fields.get("max_tokens") or DEFAULT_MAX_TOKENS)
@@ -53,7 +55,10 @@ def slot_for(models: Models, revision: Revision) -> str | None:
     lora = revision.lora
     slot = "sample_r{}_{}{}{}".format(int(lora["rank"]), *(int(bool(lora.get(k, True))) for k in
                                       ("train_attn", "train_mlp", "train_unembed")))
-    if slot not in models.peft.peft_config:
+    if models.peft is None:           # (no training client yet: a saved adapter sampled)
+        from peft import get_peft_model
+        models.peft = get_peft_model(models.base, lora_config(lora), adapter_name=slot).eval()
+    elif slot not in models.peft.peft_config:
         models.peft.add_adapter(slot, lora_config(lora))
     set_peft_model_state_dict(models.peft, revision.state, adapter_name=slot)
     return slot
@@ -95,6 +100,8 @@ def sample(models: Models, revision: Revision, requests: list[dict[str, Any]],
     with models.use(slot_for(models, revision)) as model:
         engine = HFRolloutEngine(model, models.tokenizer)
         engine.eos_ids |= stop_ids
+        if (requests[0].get("sampling_params") or {}).get("stop") == []:
+            engine.eos_ids = set()                # (Tinker: an empty list stops nowhere, not even at EOS)
         out = engine.generate(rows, 1, params, generator,
                               seeds=torch.tensor([k for s in seeds for k in s]))
         prompt_logp = [prompt_logprobs(model, p) if r.get("prompt_logprobs") else None
@@ -109,6 +116,18 @@ def sample(models: Models, revision: Revision, requests: list[dict[str, Any]],
         results.append((sequences, logp))
         row += len(s)
     return results
+
+
+UNSERVED = ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k",
+            "target_prompt_logprobs", "prompt_logprobs_last_n")
+
+
+def check_fields(request: dict[str, Any]) -> None:
+    """The sample request's options this server does not compute, refused in one line."""
+    asked = [k for k in UNSERVED if request.get(k) not in (None, 0, False)]
+    if asked:
+        raise WireError(f"sample: {', '.join(asked)} not served (tokens, their log-probs and "
+                        "the prompt's log-probs are)")
 
 
 def prompt_tokens(request: dict[str, Any]) -> list[int]:

@@ -48,6 +48,9 @@ class TinkerServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], service: TinkerService,
                  api_key: str | None = None, max_request_mb: float = 256.0) -> None:
+        if api_key is not None and not api_key.startswith(("tml-", "eyJ")):
+            raise ValueError(f"--api_key {api_key[:4]}...: the tinker SDK sends only keys starting "
+                             "with 'tml-' (TINKER_API_KEY); choose one such as tml-<random>")
         if address[0] not in LOOPBACK and not api_key:
             raise ValueError(f"posttrain tinker-serve on {address[0]} (not loopback) needs "
                              "--api_key KEY: any client on the network could train and sample")
@@ -91,9 +94,13 @@ class Handler(BaseHTTPRequestHandler):
                     return self._send(200, route(self.server, body, *m.groups()))
             raise HTTPError(404, f"no route {self.command} {self.path}")
         except HTTPError as e:
+            self.close_connection = True
             self._send(e.status, {"error": str(e), "category": "user"})
-        except (WireError, ValueError, KeyError) as e:
+        except (WireError, ValueError, KeyError, TypeError, AttributeError) as e:   # (a malformed body)
             self._send(400, {"error": " ".join(str(e).split()), "category": "user"})
+        except Exception as e:   # (the server's fault: answered, never a dropped connection,
+            log.exception("tinker-serve: %s %s failed", self.command, self.path)   # which the SDK retries for hours)
+            self._send(500, {"error": f"{type(e).__name__}: {e}", "category": "server"})
 
     def _check_caller(self) -> None:
         s = self.server
@@ -105,6 +112,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _body(self) -> Any:
         n = int(self.headers.get("Content-Length") or 0)
+        if n < 0:
+            raise HTTPError(400, f"Content-Length {n}")
         if n > self.server.max_bytes:
             self.close_connection = True
             raise HTTPError(413, f"request body of {n} bytes is over --max_request_mb")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ import torch
 from posttrain.tinker.models import Models
 from posttrain.tinker.revisions import (Revision, Revisions, folder_of, list_checkpoints,
                                         read_checkpoint, tinker_path, write_checkpoint)
-from posttrain.tinker.sampler import num_samples, prompt_tokens, sample, sampling_params
+from posttrain.tinker.sampler import (check_fields, num_samples, prompt_tokens, sample,
+                                      sampling_params)
 from posttrain.tinker.wire import ForwardBackward, WireError, forward_backward_output, sample_response
 
 
@@ -33,13 +35,14 @@ class TinkerService:
         self.generator = torch.Generator().manual_seed(seed)
         self.lock = threading.Lock()
         self._sessions = 0
+        self.instance = uuid.uuid4().hex[:8]    # (ids, and so checkpoint paths, never repeat across restarts)
         self.metrics = run_dir / "metrics.jsonl"
 
     # -- answered at once (no future) ------------------------------------------------------
     def create_session(self) -> str:
         with self.lock:
             self._sessions += 1
-            sid = f"sess-{self._sessions}"
+            sid = f"sess-{self._sessions}-{self.instance}"
             self.sessions[sid] = time.monotonic()
             return sid
 
@@ -61,8 +64,8 @@ class TinkerService:
         """A sampling session on the base model or on saved sampler weights (a path)."""
         sid = f"{body.get('session_id')}:sample:{int(body.get('sampling_session_seq_id', 0))}"
         if body.get("model_path"):
-            state, meta, _ = read_checkpoint(folder_of(self.run_dir, body["model_path"]), False)
-            self.revisions.add(Revision(sid, self.models.name, meta["lora"], state, body["model_path"]))
+            meta = json.loads((folder_of(self.run_dir, body["model_path"]) / "run.json").read_text())
+            self.revisions.add(Revision(sid, self.models.name, meta["lora"], None, body["model_path"]))
         else:
             self.check_base(body.get("base_model"))
             self.revisions.add(Revision(sid, self.models.name, None, None))
@@ -109,6 +112,7 @@ class TinkerService:
         """save_state: the adapter and its AdamW state."""
         run = self.models.run(body["model_id"])
         path = tinker_path(run.model_id, "weights", body.get("path") or f"step{run.steps}")
+        self.check_new(path, bool(body.get("overwrite")))
         write_checkpoint(self.run_dir, path, self.adapter_state(run.adapter), self.meta(run),
                          run.optimizer.state_dict())
         return {"path": path, "type": "save_weights"}
@@ -120,14 +124,20 @@ class TinkerService:
         out: dict[str, Any] = {"type": "save_weights_for_sampler"}
         if body.get("path"):
             out["path"] = tinker_path(run.model_id, "sampler_weights", body["path"])
+            self.check_new(out["path"], True)
             write_checkpoint(self.run_dir, out["path"], state, self.meta(run))
-            sid = f"{out['path']}#sampler"
-        else:
-            session = run.model_id.split(":")[0]
-            sid = f"{session}:sample:{int(body.get('sampling_session_seq_id', 0))}"
-            out["sampling_session_id"] = sid
-        self.revisions.add(Revision(sid, self.models.name, dict(run.lora), state, out.get("path")))
+            return out       # (a sampling session is made from the path when asked)
+        session = run.model_id.split(":")[0]
+        sid = f"{session}:sample:{int(body.get('sampling_session_seq_id', 0))}"
+        out["sampling_session_id"] = sid
+        self.revisions.add(Revision(sid, self.models.name, dict(run.lora), state))
         return out
+
+    def check_new(self, path: str, overwrite: bool) -> None:
+        from posttrain.tinker.revisions import PATH, safe
+        m = PATH.match(path)
+        if not overwrite and (self.run_dir / "tinker" / safe(m["run"]) / m["kind"] / m["name"]).exists():
+            raise WireError(f"{path} exists: save under another name or with overwrite=True")
 
     def load_weights(self, body: dict[str, Any], model_id: str) -> dict[str, Any]:
         """A training client from a checkpoint (a new one, or the client named, in place)."""
@@ -140,6 +150,9 @@ class TinkerService:
                 raise WireError(f"{body['path']} has LoRA rank {meta['lora']['rank']}, this "
                                 f"client {run.lora['rank']}")
             set_peft_model_state_dict(self.models.peft, state, adapter_name=run.adapter)
+            run.optimizer.zero_grad(set_to_none=True)      # (pending gradients were the old weights')
+            if opt is None:                                # (weights only: Adam starts over)
+                run.optimizer.state.clear()
         else:
             run = self.models.create(model_id, meta["lora"], state)
             self.models.model().eval()
@@ -151,6 +164,7 @@ class TinkerService:
     def check_sample(self, body: dict[str, Any]) -> int:
         """A sample request's fields, checked before it joins a batch; its number of samples."""
         self.revisions.get(body.get("sampling_session_id", ""))
+        check_fields(body)
         params, _ = sampling_params(body.get("sampling_params") or {})
         length = len(prompt_tokens(body)) + params.max_new_tokens
         limit = getattr(self.models.base.config, "max_position_embeddings", None)
@@ -161,6 +175,9 @@ class TinkerService:
     def asample(self, bodies: list[dict[str, Any]]) -> list[bytes]:
         """Sample requests that share a sampling session and settings, as one batch."""
         revision = self.revisions.get(bodies[0].get("sampling_session_id", ""))
+        if revision.state is None and revision.lora is not None:   # (a saved path: read now)
+            state, _, _ = read_checkpoint(folder_of(self.run_dir, revision.path), False)
+            revision = Revision(revision.sampler_id, revision.base_model, revision.lora, state, revision.path)
         return [sample_response(seqs, logp)
                 for seqs, logp in sample(self.models, revision, bodies, self.generator)]
 
