@@ -51,7 +51,7 @@ class SharedMemoryPush:
                 engine.reported = engine.rpc("posttrain_load", {
                     "path": str(written.folder), "version": str(written.version),
                     "full": str(int(self.full(written.version)))})
-                self.seconds = engine.reported[0].get("seconds", {})   # (a worker's parts)
+                self.seconds = engine.reported[0].get("seconds", {}) if engine.reported else {}
                 if self.full(written.version):
                     self.whole = self.whole and all(s["fingerprint"][4] is not None
                                                     for s in engine.reported)
