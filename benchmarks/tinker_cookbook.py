@@ -1,8 +1,8 @@
 """tinker-cookbook's arithmetic RL recipe, run unchanged (PyPI's tinker-cookbook 0.6.1,
 `tinker_cookbook/recipes/math_rl/train.py`) against `posttrain tinker-serve` on the embedded
-SmolLM2-135M-Instruct, on this CPU, one run at a time for `--minutes` each; then posttrain's own
-GRPO on the same problems for the same minutes. Rendered by benchmarks/tables.py (table
-tinker-cookbook in docs/tinker.md).
+SmolLM2-135M-Instruct, on this CPU, one run at a time for `--minutes` each. posttrain's own GRPO
+beside it is benchmarks/learning.py (the command: the record's PROVENANCE.md). Rendered by
+benchmarks/tables.py (table tinker-cookbook in docs/tinker.md).
 
     .venv/bin/python benchmarks/tinker_cookbook.py OUT [--runs 3] [--minutes 10]
 
