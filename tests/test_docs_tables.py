@@ -1,7 +1,6 @@
 """The docs' result tables are what their committed records render (benchmarks/tables.py)."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,33 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _tables():
     return benchmark_module("tables")
+
+
+def linked_results(tmp_path: Path) -> None:
+    """tmp_path/benchmarks/results: a link to each committed entry (copying the 45 MB tree cost
+    2.5 s a test); a test edits a record with `rewrite`, which makes the folders on its path
+    real and replaces the record's link with a file."""
+    src, dst = ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results"
+    dst.mkdir(parents=True)
+    for entry in src.iterdir():
+        (dst / entry.name).symlink_to(entry)
+
+
+def rewrite(path: Path, text: str) -> None:
+    """Write a record of the linked tree, never through a link into the committed records."""
+    results = next(p for p in path.parents if p.name == "results" and p.parent.name == "benchmarks")
+    here = results
+    for part in path.relative_to(results).parts:
+        here = here / part
+        if here.is_symlink():
+            target = here.resolve()
+            here.unlink()
+            if target.is_dir():
+                here.mkdir()
+                for entry in target.iterdir():
+                    (here / entry.name).symlink_to(entry)
+    assert not path.is_symlink() and path.resolve().is_relative_to(results.resolve())
+    path.write_text(text)
 
 
 def test_every_docs_table_is_what_its_records_render():
@@ -44,12 +70,12 @@ def test_an_edited_record_changes_its_table(tmp_path, name, record):
     """The table is read from the records, not written by hand: a record's last held-out
     reading set to 12.3% shows up in its table."""
     tables = _tables()
-    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    linked_results(tmp_path)
     before = tables.TABLES[name](tmp_path)
     path = tmp_path / "benchmarks" / "results" / record
     run = json.loads(path.read_text())
     run["eval_accuracy"][-1] = 0.123
-    path.write_text(json.dumps(run))
+    rewrite(path, json.dumps(run))
     after = tables.TABLES[name](tmp_path)
     assert after != before and "12.3" in after and "12.3" not in before
 
@@ -63,35 +89,35 @@ def test_an_edited_record_changes_its_table(tmp_path, name, record):
 def test_an_edited_experiment_record_changes_its_table(tmp_path, name, record, edit):
     """The lecture experiments' tables are read from `posttrain experiment`'s records too."""
     tables = _tables()
-    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    linked_results(tmp_path)
     before = tables.TABLES[name](tmp_path)
     path = tmp_path / tables.LECTURE / record
     data = json.loads(path.read_text())
     edit(data["numbers"])
-    path.write_text(json.dumps(data))
+    rewrite(path, json.dumps(data))
     after = tables.TABLES[name](tmp_path)
     assert after != before and "0.12" in after and "0.123" not in before
 
 
 def test_the_dpo_table_reads_its_record(tmp_path):
     tables = _tables()
-    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    linked_results(tmp_path)
     path = tmp_path / tables.DPO / "record.json"
     rec = json.loads(path.read_text())
     rec["summary"]["behaviour_after"]["behaviour/accuracy"] = 0.123
     rec["summary"]["eval_after"]["dpo/eval_reward_accuracy@correct>wrong"] = 0.5
-    path.write_text(json.dumps(rec))
+    rewrite(path, json.dumps(rec))
     text = tables.TABLES["dpo"](tmp_path)
     assert "**12.3%**" in text and "correct>wrong 50%" in text
 
 
 def test_the_reward_model_rows_read_their_records(tmp_path):
     tables = _tables()
-    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    linked_results(tmp_path)
     path = tmp_path / tables.REWARD_MODELS / "log_ratio" / "record.json"
     rec = json.loads(path.read_text())
     rec["summary"]["eval_after"]["rm/eval_accuracy@correct>wrong"] = 0.123
-    path.write_text(json.dumps(rec))
+    rewrite(path, json.dumps(rec))
     assert "(correct > wrong 12%)" in tables.TABLES["ppo-rlhf"](tmp_path)
 
 
@@ -100,16 +126,16 @@ def test_the_gpu_check_table_reads_its_record(tmp_path):
     unfinished run show up as such; a run measured in another record (gpu_check_lora.json) is
     shown from that record."""
     tables = _tables()
-    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    linked_results(tmp_path)
     path = tmp_path / tables.GPU / "gpu_check.json"
     check = json.loads(path.read_text())
     check["runs"][0]["step_s"] = 12.34
     check["runs"][1] = {"name": "ppo", "error": "out of memory"}
-    path.write_text(json.dumps(check))
+    rewrite(path, json.dumps(check))
     text = tables.TABLES["gpu"](tmp_path)
     assert "| GRPO | 12.3 |" in text and "not measured: out of memory" in text
     check["runs"][2] = {"name": "lora", "error": "time limit"}
-    path.write_text(json.dumps(check))
+    rewrite(path, json.dumps(check))
     text = tables.TABLES["gpu"](tmp_path)
     assert "time limit" not in text and "| GRPO with LoRA r16 and a KL (reference = adapters off) | 10.6 |" in text
 
@@ -123,12 +149,12 @@ def test_spread_is_over_the_seeds_that_have_a_value():
 
 def test_an_edited_viewer_record_changes_its_table(tmp_path):
     tables = _tables()
-    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    linked_results(tmp_path)
     before = tables.TABLES["viewer"](tmp_path)
     path = tmp_path / tables.VIEWER / "viewer.json"
     record = json.loads(path.read_text())
     record["figures"]["page_ready_s"] = 12.3
-    path.write_text(json.dumps(record))
+    rewrite(path, json.dumps(record))
     after = tables.TABLES["viewer"](tmp_path)
     assert "12.30 s" in after and "12.30 s" not in before
 
@@ -150,7 +176,7 @@ def test_an_edited_viewer_record_changes_its_table(tmp_path):
 def test_an_edited_seed_record_changes_its_table(tmp_path, name, experiment, edit, shown):
     """The experiments run once a seed (`--seed S`); their tables read every seed's record."""
     tables = _tables()
-    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    linked_results(tmp_path)
     before = tables.TABLES[name](tmp_path)
     paths = [tmp_path / tables.LECTURE / f"{experiment}-s{seed}" / f"{experiment}.json"
              for seed in tables.SEEDS]
@@ -158,7 +184,7 @@ def test_an_edited_seed_record_changes_its_table(tmp_path, name, experiment, edi
     for path in (p for p in paths if p.exists()):   # every seed on record
         data = json.loads(path.read_text())
         edit(data["numbers"])
-        path.write_text(json.dumps(data))
+        rewrite(path, json.dumps(data))
     after = tables.TABLES[name](tmp_path)
     assert shown in after and shown not in before
 
@@ -170,12 +196,12 @@ def test_a_run_table_reads_its_metrics(tmp_path, name, folder, run):
     """The environments' and RLHF's tables come from their runs' metrics.jsonl: the last
     evaluation set to 12.3% shows up as 12%."""
     tables = _tables()
-    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    linked_results(tmp_path)
     path = tmp_path / getattr(tables, folder) / run / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     before = tables.TABLES[name](tmp_path)
     rows[-1]["eval/accuracy"] = 0.123
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rewrite(path, "".join(json.dumps(r) + "\n" for r in rows))
     after = tables.TABLES[name](tmp_path)
     shown = ("12%", "12.3%")
     assert any(x in after for x in shown) and not any(x in before for x in shown)
@@ -185,12 +211,12 @@ def test_the_mopd_table_reads_each_domain(tmp_path):
     """MOPD's rows are per domain from the runs' metrics.jsonl: the last subtraction reading of the
     run from the base model set to 12.3% shows up as 12%."""
     tables = _tables()
-    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    linked_results(tmp_path)
     path = tmp_path / tables.MOPD / "mopd" / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     before = tables.TABLES["mopd"](tmp_path)
     rows[-1]["eval/accuracy@subtraction"] = 0.123
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rewrite(path, "".join(json.dumps(r) + "\n" for r in rows))
     after = tables.TABLES["mopd"](tmp_path)
     assert "| MOPD, step 48 | 82% | 12% |" in after and "12%" not in before
 
