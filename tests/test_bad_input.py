@@ -105,7 +105,7 @@ def _refused(argv: list[str], capsys, folder) -> str:
     return err
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
+@settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much])
 @given(data=st.data())
 def test_a_wrongly_typed_value_of_any_option_of_any_command(data, capsys, tmp_path_factory,

@@ -120,7 +120,8 @@ def test_the_old_checkpoint_stays_until_the_new_one_is_in_place(tmp_path, tokeni
     assert marker["step"] == 2 and marker["files"]["trainer_state.pt"] > 0
 
 
-@pytest.mark.parametrize("name", ["trainer_state.pt", "model/model.safetensors", "model/config.json"])
+@pytest.mark.parametrize("name", ["model/model.safetensors", *(pytest.param(n, marks=pytest.mark.slow)
+                                  for n in ("trainer_state.pt", "model/config.json"))])
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, tokenizer, caplog, name):
     _run(tmp_path, tokenizer, 2)
     run = tmp_path / "run"
@@ -171,7 +172,8 @@ def test_an_edited_run_config_is_not_what_resumes(tmp_path, tokenizer, caplog, m
     assert not (tmp_path / "PWNED").exists()
 
 
-@pytest.mark.parametrize("victim", ["config.json", "trainer_state.pt", "model/model.safetensors"])
+@pytest.mark.parametrize("victim", ["trainer_state.pt", *(pytest.param(v, marks=pytest.mark.slow)
+                                    for v in ("config.json", "model/model.safetensors"))])
 def test_a_file_changed_in_place_is_refused_and_the_resume_falls_back(tmp_path, tokenizer, victim):
     """One byte changed, size kept (an edit, a flipped bit): the checkpoint's hash record refuses
     it with one line naming the file, and the resume takes the previous checkpoint."""

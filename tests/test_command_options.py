@@ -79,7 +79,9 @@ def steps_and_samples(name: str, folder) -> tuple[int, object]:
                               for m in metrics if "optim/lr" in m]
 
 
-@pytest.mark.parametrize("name", list(COMMANDS))
+# (train, sft and eval in the quick suite; every command in the full one, README)
+@pytest.mark.parametrize("name", [n if n in ("train", "sft", "eval") else
+                                  pytest.param(n, marks=pytest.mark.slow) for n in COMMANDS])
 def test_every_common_option_does_what_it_says(name, tiny_dir, tmp_path, threads_seen, capsys):
     one, other = tmp_path / "seed0", tmp_path / "seed1"
     # --threads 1, --run_dir, --max_minutes (stops after the first step), --seed, --no-progress

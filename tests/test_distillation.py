@@ -188,7 +188,7 @@ def test_mopd_routes_each_domain_to_its_teacher_loaded_lazily_and_shared(tmp_pat
         torch.testing.assert_close(logits[k, :n], want[:n], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("loss", ["sampled", "exact"])
+@pytest.mark.parametrize("loss", ["sampled", pytest.param("exact", marks=pytest.mark.slow)])
 def test_mopd_run_logs_per_domain_metrics(tmp_path, tokenizer, loss):
     save_model(make_tiny_model(tokenizer, seed=11), tokenizer, tmp_path / "a")
     save_model(make_tiny_model(tokenizer, seed=12), tokenizer, tmp_path / "b")

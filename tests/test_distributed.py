@@ -55,8 +55,8 @@ def single(embedded_dir, tmp_path_factory):
     return run(embedded_dir, tmp_path_factory.mktemp("single") / "run")
 
 
-# (fsdp slow: a second pair of ranks, 10 s; ddp keeps two ranks in the quick suite)
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+@pytest.mark.slow   # (two ranks, 15-25 s each: in the full suite, README)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_end_with_the_parameters_of_one(embedded_dir, tmp_path, single, strategy):
     two = run(embedded_dir, tmp_path / "run", strategy, nproc=2)
     # the same responses were sampled (per-response seeds) and scored: the same reward curve

@@ -158,6 +158,7 @@ def test_a_docs_command_with_a_wrong_option_is_caught(line, said):
         f"{line}    --seed 1", line]
 
 
+@pytest.mark.slow   # (~35 s, every worked example run: in the full suite, README)
 def test_every_worked_example_runs(tokenizer, tmp_path, monkeypatch):
     make_tiny_model(tokenizer).save_pretrained(tmp_path / "my-model")
     tokenizer.save_pretrained(tmp_path / "my-model")

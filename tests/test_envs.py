@@ -472,7 +472,8 @@ def test_reasoning_gym_tasks_are_disjoint_and_scored_by_their_own_scorer():
         build_task(load_config(None, ["--data.task", "reasoning_gym:no_such_task"]).data)
 
 
-@pytest.mark.parametrize("preset", ["reinforce", "rloo", "dapo", "dr_grpo", "ppo", "opd"])
+@pytest.mark.parametrize("preset", ["ppo", "opd", *(pytest.param(p, marks=pytest.mark.slow)
+                                                    for p in ("reinforce", "rloo", "dapo", "dr_grpo"))])
 def test_every_preset_trains_on_multi_turn_episodes(tmp_path, tokenizer, preset):
     """Groups are one problem's episodes; PPO's GAE and the distillation teacher see the whole
     episode as context and train on the policy's tokens only."""

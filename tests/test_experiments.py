@@ -144,7 +144,8 @@ QUICK_ARGS = {"baselines": SIGNAL, "importance-sampling": SIGNAL, "kl-estimators
 
 # (the three slowest, 7-10 s each, in the slow suite, on SMOKE with 3 repeats: the quick suite
 # keeps the other six, which run the same command path)
-SLOW_EXPERIMENTS = {"clip-higher", "opd-vs-grpo", "length-training"}
+SLOW_EXPERIMENTS = {"clip-higher", "opd-vs-grpo", "length-training", "reward-hacking",
+                    "dynamic-sampling"}
 
 
 def check_baselines(n: dict, out, repeats: int) -> None:

@@ -210,7 +210,7 @@ def _signal_after(monkeypatch, step_to_signal, sig=signal.SIGTERM):
     monkeypatch.setattr(trainer, "log_step", log_then_signal)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_a_signal_saves_the_step_and_the_run_resumes_to_the_same_weights(tmp_path, tokenizer,
                                                                          monkeypatch, sig):
     whole = toy_config(tmp_path / "whole", *COMMON)

@@ -86,8 +86,9 @@ def test_the_commit_is_the_code_trees_head_not_the_working_directorys(tree):
     assert record(tree, cwd=tree.parent)["commit"] == later != head   # (cwd: no git tree at all)
 
 
-@pytest.mark.parametrize("edited", ["posttrain/run/provenance.py", "benchmarks/bench.py",
-                                    "pyproject.toml"])
+@pytest.mark.parametrize("edited", ["posttrain/run/provenance.py",
+                                    *(pytest.param(f, marks=pytest.mark.slow)
+                                      for f in ("benchmarks/bench.py", "pyproject.toml"))])
 def test_an_uncommitted_edit_to_the_code_makes_the_record_dirty(tree, edited):
     with open(tree / edited, "a") as f:
         f.write("# edited\n")

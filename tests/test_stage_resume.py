@@ -42,7 +42,8 @@ def _training_rows(run_dir) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "reward-model-log-ratio"
+                                  else n for n in CASES])   # (log-ratio: in the full suite)
 def test_a_stage_killed_between_checkpoints_resumes_to_the_same_final_weights(tmp_path, tokenizer,
                                                                               monkeypatch, name):
     stage, fields, make = CASES[name]

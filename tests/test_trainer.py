@@ -239,7 +239,8 @@ def test_frozen_inputs_name_only_the_passes_the_terms_read(tmp_path):
 
 
 @pytest.mark.parametrize("autocast,minibatches,recomputed", [("bfloat16", 2, True), ("none", 2, False),
-                                                            ("bfloat16", 1, False)])
+                                                            pytest.param("bfloat16", 1, False,
+                                                                         marks=pytest.mark.slow)])
 def test_a_bf16_trainer_recomputes_pi_old_for_several_updates(tmp_path, tokenizer, autocast,
                                                                minibatches, recomputed):
     """A float32 sampler's log-probs are not a bf16 trainer's: with several updates per batch
@@ -304,8 +305,9 @@ def test_broken_reward_functions_are_survived(tmp_path, tokenizer, fn, status):
     assert all(r["reward/mean"] <= 0.5 for r in rows)   # fallback -0.5 + at most 1
 
 
-@pytest.mark.parametrize("preset,extra", [("grpo", []), ("ppo", []),
-                                          ("grpo", ["--data.retry_unsolved", "2"])])
+@pytest.mark.parametrize("preset,extra", [("grpo", []), ("ppo", []),   # (the third: full suite)
+                                          pytest.param("grpo", ["--data.retry_unsolved", "2"],
+                                                       marks=pytest.mark.slow)])
 def test_checkpoint_resume_continues_identically(tmp_path, tokenizer, preset, extra):
     common = ["--steps", "4", "--checkpoint.every_steps", "2", "--optim.lr", "1e-2",
               "--algorithm.kl_coef", "0.05", "--preset", preset, "--optim.minibatches", "2", *extra]

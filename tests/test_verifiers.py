@@ -57,6 +57,7 @@ class Scripted:
         return padded_rollout(rows, G, self.tok.pad_token_id, torch.device("cpu"))
 
 
+@pytest.mark.slow   # (~14 s; quick: tests/test_verifiers_envs.py runs verifiers tool episodes)
 def test_a_tool_episode_is_recorded_with_the_tool_result_out_of_the_loss(tokenizer):
     task, env = env_for("tests.vf_calc", tokenizer)
     problems = [p for p in task.train_pool if "12 * 34" in p.prompt or "23 * 45" in p.prompt]

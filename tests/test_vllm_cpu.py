@@ -209,6 +209,7 @@ def group_members(groups: list[int]) -> list[tuple[int, str]]:
     return found
 
 
+@pytest.mark.slow   # (two launched servers, ~65 s: in the full suite, README)
 def test_a_launched_server_refuses_every_request_without_its_secret(two_servers):
     """Any local process can reach a loopback port: without the server's secret, the development
     routes (load weights, reset the cache), the OpenAI routes and /health all answer 401; the
@@ -319,6 +320,7 @@ def test_a_server_without_processed_logprobs_is_refused_at_start(raw_logprobs_se
                               f"processed_logprobs")
 
 
+@pytest.mark.slow   # (two launched servers, ~65 s: in the full suite, README)
 def test_two_servers_share_the_prompts_and_one_killed_mid_run_is_dropped(two_servers, tiny,
                                                                          tokenizer, caplog):
     model, _ = tiny

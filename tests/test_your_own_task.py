@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import make_tiny_model
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "your-own-task.md"
@@ -61,6 +63,7 @@ def test_the_guide_has_every_kind_of_block():
             ("python", False), ("text", False)} <= kinds
 
 
+@pytest.mark.slow   # (~25 s, every block of the guide run: in the full suite, README)
 def test_every_block_of_the_guide_runs(tokenizer, tmp_path, monkeypatch, capsys):
     make_tiny_model(tokenizer).save_pretrained(tmp_path / "my-model")
     tokenizer.save_pretrained(tmp_path / "my-model")
