@@ -291,7 +291,7 @@ class Scripted:
 
     def generate(self, prompts, group_size, params, generator=None, seeds=None):
         out = self.inner.generate(prompts, group_size, replace(params, max_new_tokens=1), generator, seeds)
-        turn = 0 if group_size > 1 else 1      # later turns are asked one response at a time
+        turn = int(self.turns[0] in self.tokenizer.decode(prompts[0]))   # (its first turn written)
         ids = self.tokenizer(self.turns[turn], add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
         B = len(out.truncated_B)
         resp = torch.tensor([ids] * B)

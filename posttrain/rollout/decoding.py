@@ -89,7 +89,7 @@ class Turns:
     def cut_by_budget(self, active: Tensor, t: int, tokens: Tensor, respond: Respond) -> None:
         """Rows still writing a turn when the episode's token budget ends: the environment sees
         the cut turn (reason 'length'; a reply has no room and is dropped), as
-        `episodes.generate_by_turns` does, so both engines grade the episode on the same turn."""
+        the turn loop does (rollout/sessions.py `BookTurns`), so both grade the episode on the same turn."""
         for r in active.tolist():
             if r not in self.forced_now and self.start[r] <= t:
                 respond(r, tokens[r, self.start[r]:t + 1].tolist(), "length")

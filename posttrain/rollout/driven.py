@@ -6,7 +6,7 @@ for each turn with chat messages, and posttrain records the exact tokens it trai
     has asked (or ended), one engine call samples all their turns -> each gets its reply
 
 One batch per turn, whatever the threads' timing, and each row's noise keyed by its own seed
-(turn k of row r: seeds[r] * 1_000_003 + k, as rollout/episodes.py `generate_by_turns`), so a
+(turn k of row r: seeds[r] * 1_000_003 + k, as for built-in episodes: rollout/turns.py), so a
 driven episode is as reproducible as a built-in one.
 
 Tokens: the first request's messages are the prompt (the chat template applied once). A later
@@ -126,7 +126,7 @@ class Recorder:
                 raise ValueError("a driven episode changed its first prompt (the system prompt "
                                  "or first message) between turns; the row cannot follow it")
             extra, base = full[len(s.prompt):], 0
-        if base + len(extra) >= budget:   # (as generate_by_turns: a reply that does not fit ends it)
+        if base + len(extra) >= budget:   # (as sessions.BookTurns: a reply that does not fit ends it)
             s.truncated = True
             raise EpisodeOver(f"the episode's {budget} tokens (env.max_tokens) are spent")
         if fork:

@@ -4,10 +4,12 @@
 
 An episode's response holds every token after the prompt, the environment's messages included
 (they are context for the later turns); `Rollout.policy_mask_B_T` is 1 only on the tokens the
-policy sampled, so losses, KL, teacher terms and aggregation count those alone. The in-process
-engine runs all turns in one sampling loop over one KV cache (rollout/hf.py `respond=`); another
-engine (vLLM) is called once per turn with the conversation so far (its prefix cache keeps the
-earlier turns' keys and values). A single-turn task is the one-turn case: one `generate` call,
+policy sampled, so losses, KL, teacher terms and aggregation count those alone. An engine that
+declares it runs episodes (`runs_episodes`: the in-process engine, every turn through one KV
+cache, rollout/hf.py `respond=`) takes them in one call; on another (vLLM) they go through the
+turn loop (rollout/turns.py), one engine call a turn with the conversation so far (its prefix
+cache keeps the earlier turns' keys and values), as do episodes that wait for an environment's
+session (rollout/sessions.py). A single-turn task is the one-turn case: one `generate` call,
 exactly as before episodes existed.
 """
 
@@ -27,10 +29,9 @@ from posttrain.envs.base import (DescribesTools, DrivesPolicy, Environment, Envi
 from posttrain.util.health import Tally
 from posttrain.util.usercode import as_reward
 from posttrain.model.prompts import ReplyEncoder, encode_prompts, left_pad
-from posttrain.rollout.base import (Rollout, RolloutEngine, SamplingParams, runs_episodes,
-                                    seed_key)
-from posttrain.rollout.sessions import (EpisodeRows, generate_queued, opened,
-                                        refuse_untaskable_groups)
+from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams, runs_episodes
+from posttrain.rollout.sessions import BookTurns, EpisodeRows, opened, refuse_untaskable_groups
+from posttrain.rollout.turns import take_turns
 
 
 @dataclass(frozen=True)
@@ -117,24 +118,24 @@ def _episodes(engine: RolloutEngine, book: _Book, params: SamplingParams, *,
     encode = lambda problems: encode_prompts(   # noqa: E731 - the prompts of (opened) problems
         tokenizer, problems, env.system_prompt(settings.system_prompt), settings.chat_template,
         settings.template_kwargs, env.tool_schemas if isinstance(env, DescribesTools) else None)
-    if not book.start_all():   # (the environment's sessions are fewer than the episodes)
-        q = generate_queued(engine, book, encode, params, generator, seeds)
-        rollout = padded_rollout(q, G, tokenizer.pad_token_id, _device(engine))
-        texts = book.last_text if env.max_turns == 1 else _transcripts(tokenizer, rollout)
-        return book.episodes(rollout, book.last_text, texts)
-    prompts = encode([book.problem(i) for i in range(len(book.rows) // G)])
-    if env.max_turns == 1:
+    if book.start_all() and (env.max_turns == 1 or runs_episodes(engine)):   # one engine call
+        prompts = encode([book.problem(i) for i in range(len(book.rows) // G)])
+        if env.max_turns > 1:
+            rollout = engine.generate(prompts, G, params, generator, seeds=seeds,
+                                      respond=book.respond)
+            return book.episodes(rollout, book.last_text, _transcripts(tokenizer, rollout))
         rollout = engine.generate(prompts, G, params, generator, seeds=seeds)
         texts = _decode(tokenizer, rollout)
         for r, text in enumerate(texts):
             book.turn_ended(r, text)
         return book.episodes(rollout, texts, texts)
-    if runs_episodes(engine):
-        rollout = engine.generate(prompts, G, params, generator, seeds=seeds, respond=book.respond)
-    else:
-        rollout = generate_by_turns(engine, prompts, G, params, book.respond, tokenizer.pad_token_id,
-                                    generator=generator, seeds=seeds)
-    return book.episodes(rollout, book.last_text, _transcripts(tokenizer, rollout))
+    # turn by turn (rollout/turns.py), and episodes that wait for a session (sessions.py)
+    turns = BookTurns(book, encode, params.max_episode_tokens or params.max_new_tokens)
+    take_turns(engine, turns, len(book.rows), replace(params, max_episode_tokens=None),
+               generator=generator, seeds=seeds)
+    rollout = padded_rollout(turns.rows(), G, tokenizer.pad_token_id, _device(engine))
+    texts = book.last_text if env.max_turns == 1 else _transcripts(tokenizer, rollout)
+    return book.episodes(rollout, book.last_text, texts)
 
 
 def _transcripts(tokenizer, rollout: Rollout) -> list[str]:
@@ -284,47 +285,6 @@ class _Book:
         return Episodes(rollout, list(completions), list(transcripts),
                         torch.tensor(self.rewards, dtype=torch.float32), list(self.correct),
                         self.counts, dict(self.errors), timed_out=list(self.timed_out))
-
-
-def generate_by_turns(engine: RolloutEngine, prompts: list[list[int]], group_size: int,
-                      params: SamplingParams, respond, pad_id: int, *,
-                      generator: torch.Generator | None = None, seeds: Tensor | None = None) -> Rollout:
-    """Episodes from an engine that samples one turn per call: each later turn is a new request
-    holding the conversation so far (an engine with a prefix cache, such as vLLM, reuses the
-    earlier turns' KV). Turn k of response i draws its noise from seed (seeds[i], k)."""
-    G, budget = group_size, params.max_episode_tokens or params.max_new_tokens
-    B = len(prompts) * G
-    ids: list[list[int]] = [[] for _ in range(B)]
-    logps: list[list[float]] = [[] for _ in range(B)]
-    policy: list[list[float]] = [[] for _ in range(B)]
-    truncated = [True] * B
-    turn_params = replace(params, max_episode_tokens=None)
-    rows, out, turn = list(range(B)), engine.generate(prompts, G, turn_params, generator, seeds=seeds), 0
-    while rows:
-        going = []
-        for j, r in enumerate(rows):
-            n = int(out.response_mask_B_T[j].sum())
-            new = out.response_ids_B_T[j, :n].tolist()[: budget - len(ids[r])]
-            ids[r] += new
-            logps[r] += out.logp_B_T[j, :len(new)].tolist()
-            policy[r] += [1.0] * len(new)
-            # (a turn cut by the episode's budget ends by length, whatever it would have ended with)
-            reason = "length" if bool(out.truncated_B[j]) or len(new) < n else "end"
-            reply = respond(r, new, reason)
-            if reply is None:
-                truncated[r] = reason == "length"
-            elif len(ids[r]) + len(reply) < budget:
-                ids[r] += reply
-                logps[r] += [0.0] * len(reply)
-                policy[r] += [0.0] * len(reply)
-                going.append(r)
-        rows, turn = going, turn + 1
-        if rows:
-            turn_seeds = None if seeds is None else seed_key(seeds[rows], turn)
-            out = engine.generate([prompts[r // G] + ids[r] for r in rows], 1, turn_params,
-                                  generator, seeds=turn_seeds)
-    return padded_rollout(EpisodeRows(prompts, ids, logps, policy, truncated), G, pad_id,
-                          out.response_ids_B_T.device)
 
 
 def driven_episodes(engine: RolloutEngine, tokenizer, env: Environment, problems: list[Problem],

@@ -4,15 +4,15 @@ HoldsSessions: an OpenEnv environment, docs/environments.md).
 What `reset` showed opens an episode's prompt (`opened`), and every episode of a problem must
 have been shown the same (a group baseline compares them as answers to one task: the batch's
 one prompt per problem holds it). A served environment runs at most as many episodes as it has
-sessions; the others wait in a queue (`generate_queued`):
+sessions; the others wait in a queue (`BookTurns`, a driver of the turn loop, rollout/turns.py):
 
     start what fits -> sample the next turn of every episode in flight -> an episode that ends
     gives its session back -> the next waiting episode starts (its reset, its opening) -> ...
 
-Each engine call samples one turn of every episode in flight, as `episodes.generate_by_turns`
-does for an engine without `respond=`: turn k of row r draws from seed
-(seeds[r] * 1_000_003 + k), its first from seeds[r], so an episode's tokens do not depend on the
-episodes that shared its calls.
+The same driver takes every built-in episode that an engine samples one turn at a time (vLLM,
+where all fit at once): each engine call samples one turn of every episode in flight, turn k of
+row r from seed_key(seeds[r], k), its first from seeds[r], so an episode's tokens do not depend
+on the episodes that shared its calls.
 """
 
 from __future__ import annotations
@@ -22,12 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from posttrain.data.tasks import Problem
 from posttrain.envs.base import Environment, HoldsSessions, OpensEpisodes
-from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams, seed_key
 
 
 def opened(problem: Problem, text: str | None) -> Problem:
@@ -80,36 +76,60 @@ class EpisodeRows:
                    [s.policy for s in sessions], [s.truncated for s in sessions])
 
 
-def generate_queued(engine: RolloutEngine, book: Any,
-                    encode: Callable[[list[Problem]], list[list[int]]], params: SamplingParams,
-                    generator: torch.Generator | None = None,
-                    seeds: Tensor | None = None) -> EpisodeRows:
-    """The episodes of `book` (episodes._Book: some started, the rest waiting for a session),
-    at most as many in flight as the environment has room for; `encode(problems)` their prompts."""
-    B, G = len(book.rows), book.G
-    budget = params.max_episode_tokens or params.max_new_tokens
-    turn_params = replace(params, max_episode_tokens=None)
-    q = EpisodeRows([[] for _ in range(B // G)], [[] for _ in range(B)], [[] for _ in range(B)],
-               [[] for _ in range(B)], [True] * B, [0] * B)
-    waiting = deque(r for r in range(B) if not book.started[r])
-    flight = [r for r in range(B) if book.started[r]]
-    while flight or waiting:
-        flight += admit(book, waiting, len(flight))
-        rows = [r for r in flight if not _ended_at_reset(book, q, r)]
-        for r in rows:
-            if not q.prompts[r // G]:
-                q.prompts[r // G] = encode([book.problem(r // G)])[0]
-        if not rows:
-            flight = []
-            continue
-        turn_seeds = None if seeds is None else torch.stack(
-            [seeds[r] if q.turns[r] == 0 else seed_key(seeds[r], q.turns[r]) for r in rows])
-        out = engine.generate([q.prompts[r // G] + q.ids[r] for r in rows], 1, turn_params,
-                              generator, seeds=turn_seeds)
-        flight = [r for j, r in enumerate(rows) if _turn(book, q, out, j, r, budget)]
-    for i, p in enumerate(q.prompts):   # (a problem whose every episode timed out at reset)
-        q.prompts[i] = p or encode([book.problem(i)])[0]
-    return q
+class BookTurns:
+    """Built-in episodes (episodes._Book) as a synchronous driver of the turn loop
+    (rollout/turns.py `Answers`, `take_turns`): the episodes started first, then each waiting
+    one as an episode ends and gives its session back (`admit`); every sampled turn recorded,
+    handed to the environment, and its reply appended as context. `rows()`: what they hold."""
+
+    def __init__(self, book: Any, encode: Callable[[list[Problem]], list[list[int]]],
+                 budget: int) -> None:
+        B, G = len(book.rows), book.G
+        self.book, self.encode, self.budget, self.G = book, encode, budget, G
+        self.q = EpisodeRows([[] for _ in range(B // G)], [[] for _ in range(B)],
+                             [[] for _ in range(B)], [[] for _ in range(B)], [True] * B, [0] * B)
+        self.waiting = deque(r for r in range(B) if not book.started[r])
+        self.flight: set[int] = set()
+        self.first = [r for r in range(B) if book.started[r]]
+
+    def opening(self) -> dict[int, tuple[list[int], int]]:
+        return self._start(self.first)
+
+    def answer(self, row: int, ids: list[int], logps: list[float],
+               cut: bool) -> dict[int, tuple[list[int], int]]:
+        if _turn(self.book, self.q, row, (ids, logps, cut), self.budget):
+            return {row: self._ask(row)}
+        self.flight.discard(row)
+        return self._start([])
+
+    def rows(self) -> EpisodeRows:
+        for i, p in enumerate(self.q.prompts):   # (a problem whose every episode timed out at reset)
+            self.q.prompts[i] = p or self.encode([self.book.problem(i)])[0]
+        return self.q
+
+    def _start(self, started: list[int]) -> dict[int, tuple[list[int], int]]:
+        """The first asks of episodes just started (`started`, then the waiting ones that now
+        fit); one whose reset timed out ends at once and makes room for the next."""
+        asks: dict[int, tuple[list[int], int]] = {}
+        new = list(started)
+        while True:
+            new += admit(self.book, self.waiting, len(self.flight) + len(new))
+            ended = [r for r in new if _ended_at_reset(self.book, self.q, r)]
+            for r in new:
+                if r not in ended:
+                    self.flight.add(r)
+                    asks[r] = self._ask(r)
+            if not ended or not self.waiting:
+                return asks
+            new = []
+
+    def _ask(self, r: int) -> tuple[list[int], int]:
+        """Episode r's next turn: after its problem's prompt and the episode so far, at most
+        the tokens its budget has left."""
+        i = r // self.G
+        if not self.q.prompts[i]:
+            self.q.prompts[i] = self.encode([self.book.problem(i)])[0]
+        return self.q.prompts[i] + self.q.ids[r], self.budget - len(self.q.ids[r])
 
 
 def admit(book: Any, waiting: deque, in_flight: int) -> list[int]:
@@ -139,20 +159,20 @@ def _ended_at_reset(book: Any, q: EpisodeRows, r: int) -> bool:
     return True
 
 
-def _turn(book: Any, q: EpisodeRows, out: Rollout, j: int, r: int, budget: int) -> bool:
-    """Row j of an engine call was episode r's next turn: record it, tell the environment, add
-    its reply; True while the episode goes on (else its session goes back)."""
-    n = int(out.response_mask_B_T[j].sum())
-    new = out.response_ids_B_T[j, :n].tolist()[: budget - len(q.ids[r])]
+def _turn(book: Any, q: EpisodeRows, r: int, turn: tuple[list[int], list[float], bool],
+          budget: int) -> bool:
+    """Episode r's next turn (its ids, log-probs, whether it was cut): record it, tell the
+    environment, add its reply; True while the episode goes on (else its session goes back)."""
+    new, logps, cut = turn
     q.ids[r] += new
-    q.logps[r] += out.logp_B_T[j, :len(new)].tolist()
+    q.logps[r] += logps
     q.policy[r] += [1.0] * len(new)
     q.turns[r] += 1
     # (a turn cut by the episode's budget ends by length, whatever it would have ended with)
-    reason = "length" if bool(out.truncated_B[j]) or len(new) < n else "end"
+    reason = "length" if cut else "end"
     reply = book.respond(r, new, reason)
     if reply is None:
-        q.truncated[r] = reason == "length"
+        q.truncated[r] = cut
     elif len(q.ids[r]) + len(reply) < budget:
         q.ids[r] += reply
         q.logps[r] += [0.0] * len(reply)

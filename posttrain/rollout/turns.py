@@ -1,6 +1,18 @@
-"""One turn of a batch of driven episodes (rollout/driven.py): `TurnBatcher` samples the turns
-of every live episode in one engine call once each has asked (or ended), and ends an episode that
-passes a time limit so that the others never wait for it.
+"""The turn loop: every multi-turn episode that an engine samples one turn at a time runs here.
+`TurnBatcher` samples the turns of every live episode in one engine call once each has asked (or
+ended), and ends an episode that passes a time limit so that the others never wait for it.
+
+    while episodes are live: wait until each has asked -> one engine call samples every asked
+    turn -> each episode gets its turn back (and asks again, or ends)
+
+Two kinds of driver ask: episodes an environment drives (rollout/driven.py), each in a thread of
+its own that blocks in `ask`; and built-in episodes (rollout/sessions.py `BookTurns`, an
+`Answers`), whose environment's `step` is a plain call, answered within the loop (`take_turns`),
+no thread each. An engine that runs whole episodes itself (`RolloutEngine.runs_episodes`: the
+in-process engine, every turn through one KV cache, rollout/hf.py `respond=`) declares it and
+takes built-in episodes in one call instead. Turn k of row r draws its noise from
+seed_key(seeds[r], k), its first from seeds[r], so an episode's tokens do not depend on the
+episodes that shared its calls.
 
 Time limits: an episode whose environment holds the turn longer than `env.turn_timeout_s` (from
 its start or its last reply to its next request or its end) or that runs longer than
@@ -15,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -31,6 +43,19 @@ class EpisodeOver(RequestError):
     past the context length)."""
 
 
+Asks = dict[int, tuple[list[int], int]]   # row -> (the ids its next turn follows, most new tokens)
+
+
+class Answers(Protocol):
+    """A synchronous driver of the turn loop (`take_turns`): the turns its episodes ask first,
+    and, for each sampled turn, the asks that follow it (the row's next turn while its episode
+    goes on; episodes that start now that it ended). A row that does not ask again has ended."""
+
+    def opening(self) -> Asks: ...
+
+    def answer(self, row: int, ids: list[int], logps: list[float], cut: bool) -> Asks: ...
+
+
 class TurnBatcher:
     """Waits until every live episode has asked for its next turn (or ended), then samples all
     of them in one engine call; `ask` blocks its episode's thread until its turn is sampled.
@@ -41,16 +66,20 @@ class TurnBatcher:
 
     `units`: the episode of each row, where an episode has several rows (its seats, Seated): an
     episode waits when one of its rows has asked (its other seats wait on that turn), its rows
-    share the time limits, and a limit ends all of them. None: each row its own episode."""
+    share the time limits, and a limit ends all of them. None: each row its own episode.
+
+    `answers`: a synchronous driver (`Answers`) instead of threads: its rows are live from their
+    first ask to their last turn, and `watch` hands it each sampled turn."""
 
     def __init__(self, engine: RolloutEngine, params: SamplingParams, n: int, *,
                  generator: torch.Generator | None = None, seeds: Tensor | None = None,
                  turn_timeout_s: float | None = None, episode_timeout_s: float | None = None,
-                 units: list[int] | None = None) -> None:
+                 units: list[int] | None = None, answers: Answers | None = None) -> None:
         self.engine, self.params, self.generator, self.seeds = engine, params, generator, seeds
         self.unit = list(units) if units is not None else list(range(n))
+        self.answers = answers
         self.cond = threading.Condition()
-        self.live = set(range(n))
+        self.live = set(range(n)) if answers is None else set()
         self.pending: dict[int, tuple[list[int], int]] = {}
         self.results: dict[int, Any] = {}
         self.turn = [0] * n
@@ -124,6 +153,8 @@ class TurnBatcher:
         a timeout; interrupted (a stop signal), it ends every episode before re-raising."""
         try:
             with self.cond:
+                if self.answers is not None:
+                    self._asked(self.answers.opening())
                 while self.live:
                     now = time.monotonic()
                     passed = [(r, self._passed(r, now)) for r in sorted(self.live)]
@@ -131,8 +162,7 @@ class TurnBatcher:
                         if limit is not None:   # for a row this sweep ends)
                             self.timed_out[row] = f"passed {limit}"
                             self._end(row, f"the episode passed {limit}")
-                    self._run_if_ready()
-                    if self.live:
+                    if not self._run_if_ready() and self.live:
                         self.cond.wait(self._next_deadline(now) - now)
         except BaseException:
             if self.cond.acquire(timeout=10.0):   # (a turn being sampled holds it that long at most)
@@ -171,11 +201,12 @@ class TurnBatcher:
         """(Under the lock.) Whether the row's episode waits on a turn (one of its rows asked)."""
         return any(self.unit[r] == self.unit[row] for r in self.pending)
 
-    def _run_if_ready(self) -> None:
-        """(Under the lock.) Sample every pending turn once all live episodes wait."""
+    def _run_if_ready(self) -> bool:
+        """(Under the lock.) Sample every pending turn once all live episodes wait; whether it
+        did (a synchronous driver's rows have asked again by then: no wait before the next)."""
         waiting = {self.unit[r] for r in self.pending}
         if not self.pending or waiting != {self.unit[r] for r in self.live}:
-            return
+            return False
         rows = sorted(self.pending)
         try:
             outs = self._sample(rows)
@@ -183,15 +214,35 @@ class TurnBatcher:
             self.error = e
             outs = [e] * len(rows)
         now = time.monotonic()
-        for r, out in zip(rows, outs):
-            self.results[r] = out
+        self.pending.clear()
+        for r in rows:
             self.turn[r] += 1
         sampled = {self.unit[r] for r in rows}
         for r in range(len(self.since)):   # (the sampling's time is not the environment's turn)
             if self.unit[r] in sampled:
                 self.since[r] = now
-        self.pending.clear()
+        if self.answers is None:
+            self.results.update(zip(rows, outs))
+        else:
+            self._answer(rows, outs)
         self.cond.notify_all()
+        return True
+
+    def _answer(self, rows: list[int], outs: list[Any]) -> None:
+        """(Under the lock.) A synchronous driver's sampled turns, handed over in row order."""
+        for r, out in zip(rows, outs):
+            if isinstance(out, BaseException):
+                raise out
+            asks = self.answers.answer(r, *out)
+            if r not in asks:
+                self.live.discard(r)
+            self._asked(asks)
+
+    def _asked(self, asks: Asks) -> None:
+        """(Under the lock.) A synchronous driver's rows ask their next turns."""
+        for r, ask in asks.items():
+            self.pending[r] = ask
+            self.live.add(r)
 
     def _sample(self, rows: list[int]) -> list[tuple[list[int], list[float], bool]]:
         seeds = None
@@ -209,3 +260,10 @@ class TurnBatcher:
                             out.logp_B_T[j, :keep].tolist(),
                             bool(out.truncated_B[j]) or keep < n))
         return results
+
+
+def take_turns(engine: RolloutEngine, answers: Answers, n: int, params: SamplingParams, *,
+               generator: torch.Generator | None = None, seeds: Tensor | None = None) -> None:
+    """Run a synchronous driver's `n` rows through the turn loop until every episode has ended
+    (`answers` keeps what was sampled)."""
+    TurnBatcher(engine, params, n, generator=generator, seeds=seeds, answers=answers).watch()
