@@ -22,6 +22,16 @@ def benchmark_module(name: str):
     return module
 
 
+@pytest.fixture(autouse=True)
+def _no_end_of_run_plot(request, monkeypatch):
+    """A training run's end-of-run plot (logs/metrics.plot_run: about 1 s of matplotlib, some
+    200 runs in the suite) is drawn only in tests marked `plots`; the others get its path.
+    tests/test_logging.py draws the plot itself."""
+    if "plots" not in request.keywords:
+        import posttrain.rl.job as job
+        monkeypatch.setattr(job, "plot_run", lambda run_dir: run_dir / "training_curves.png")
+
+
 @pytest.fixture(scope="session")
 def embedded_dir(tmp_path_factory):
     """The embedded SmolLM2-135M-Instruct converted by the real code path, once per session."""

@@ -79,8 +79,8 @@ def steps_and_samples(name: str, folder) -> tuple[int, object]:
                               for m in metrics if "optim/lr" in m]
 
 
-# (train, sft and eval in the quick suite; every command in the full one, README)
-@pytest.mark.parametrize("name", [n if n in ("train", "sft", "eval") else
+# (train and eval in the quick suite; every command in the full one, README)
+@pytest.mark.parametrize("name", [n if n in ("train", "eval") else
                                   pytest.param(n, marks=pytest.mark.slow) for n in COMMANDS])
 def test_every_common_option_does_what_it_says(name, tiny_dir, tmp_path, threads_seen, capsys):
     one, other = tmp_path / "seed0", tmp_path / "seed1"

@@ -65,7 +65,7 @@ def test_mismatched_tokenizer_is_refused_before_training(tmp_path, tokenizer):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("loss", ["exact", "forward"])
+@pytest.mark.parametrize("loss", ["exact", pytest.param("forward", marks=pytest.mark.slow)])
 def test_exact_kl_losses_lower_the_exact_reverse_kl(tmp_path, tokenizer, loss):
     """distill_loss='exact' ('forward'): the full-vocabulary reverse (forward) KL at every position
     is the loss; either brings the logged reverse KL down."""

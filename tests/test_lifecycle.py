@@ -257,11 +257,13 @@ def test_resume_drops_the_rows_written_after_the_checkpoint(tmp_path, tokenizer)
     assert [r["step"] for r in rows(run / "samples.jsonl")] == [1, 2, 3, 4]
 
 
+@pytest.mark.plots
 def test_max_minutes_ends_with_a_checkpoint_and_only_the_newest_k_are_kept(tmp_path, tokenizer):
     cfg = toy_config(tmp_path, *COMMON, "--max_minutes", "0.00001", "--checkpoint.keep", "1")
     out = train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
     run = tmp_path / "run"
     assert out["steps"] == 1 and (run / "final_model").is_dir()
+    assert out["plot"] == str(run / "training_curves.png") and (run / "training_curves.png").stat().st_size > 10_000
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001"]
     cfg = toy_config(tmp_path / "k", *COMMON, "--checkpoint.every_steps", "1", "--checkpoint.keep", "2")
     train(cfg, model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)

@@ -305,7 +305,8 @@ def test_broken_reward_functions_are_survived(tmp_path, tokenizer, fn, status):
     assert all(r["reward/mean"] <= 0.5 for r in rows)   # fallback -0.5 + at most 1
 
 
-@pytest.mark.parametrize("preset,extra", [("grpo", []), ("ppo", []),   # (the third: full suite)
+@pytest.mark.parametrize("preset,extra", [("grpo", []),   # (ppo and retries: the full suite)
+                                          pytest.param("ppo", [], marks=pytest.mark.slow),
                                           pytest.param("grpo", ["--data.retry_unsolved", "2"],
                                                        marks=pytest.mark.slow)])
 def test_checkpoint_resume_continues_identically(tmp_path, tokenizer, preset, extra):

@@ -205,6 +205,7 @@ def test_a_task_scoped_tool_call_reaches_its_tool(tokenizer):
         assert mine.endswith(f"<answer>{fact}</answer><|im_end|>")
 
 
+@pytest.mark.slow   # (~7 s: in the full suite, README; quick: the task-scoped tool call above)
 def test_a_shared_toolset_keeps_each_episode_its_own_state(tokenizer):
     """scratchpad's one server, shared by the taskset's episodes, round-trips each its own word."""
     _, task, env = loaded("scratchpad", tokenizer)
