@@ -1,10 +1,18 @@
-"""tinker-cookbook's arithmetic RL recipe, run unchanged (PyPI's tinker-cookbook 0.6.1,
-`tinker_cookbook/recipes/math_rl/train.py`) against `posttrain tinker-serve` on the embedded
-SmolLM2-135M-Instruct, on this CPU, one run at a time for `--minutes` each. posttrain's own GRPO
-beside it is benchmarks/learning.py (the command: the record's PROVENANCE.md). Rendered by
-benchmarks/tables.py (table tinker-cookbook in docs/tinker.md).
+"""tinker-cookbook's recipes, run unchanged (PyPI's tinker-cookbook 0.6.1) against
+`posttrain tinker-serve` on the embedded SmolLM2-135M-Instruct, on this CPU, one run at a time
+for at most `--minutes` each:
+- `--recipe arithmetic`: the arithmetic RL recipe (`tinker_cookbook/recipes/math_rl/train.py`).
+  posttrain's own GRPO beside it is benchmarks/learning.py (the command: the record's
+  PROVENANCE.md).
+- `--recipe sl`: supervised learning on the conversation file the cookbook ships
+  (`example_data/conversations.jsonl`, 128 conversations, 16 held out) through its generic SL
+  entry point `tinker_cookbook.supervised.train` (sl_basic.py, its wrapper, looks a renderer up
+  by the model's name before it reads any flag, so it cannot take a local folder): LoRA 32,
+  lr 2e-4 linear to 0 (sl_basic's), 8 conversations a step, 3 epochs, the held-out NLL (the
+  cookbook's own evaluator, through `compute_logprobs`) every 4 steps; run K shuffles with seed K.
+Rendered by benchmarks/tables.py (tables tinker-cookbook and tinker-cookbook-sl, docs/tinker.md).
 
-    .venv/bin/python benchmarks/tinker_cookbook.py OUT [--runs 3] [--minutes 10]
+    .venv/bin/python benchmarks/tinker_cookbook.py OUT [--recipe arithmetic|sl] [--runs 3] [--minutes 10]
 
 The cookbook lives in its own venv (.venv-cookbook, made on first use: its declared
 `tml-renderers>=0.4.1` is not on PyPI's index here and the arithmetic path never imports it, so
@@ -14,9 +22,10 @@ the `role_colon` renderer (the recipe cannot look up a renderer for a local fold
 its formula is not published), 16 problems x 4 samples a step, LoRA rank 32, lr 1e-4, at most 5
 new tokens, as the recipe's own defaults except the batch (100 x 4) and the lr (1e-5).
 
-Each run's OUT/runK holds the cookbook's metrics.jsonl (per step: `env/all/correct`,
-`env/all/reward/total`, timings), the server's run folder (metrics.jsonl of every request,
-summary.json) and record.json with the provenance, the commands and the figures.
+Each run's OUT/runK holds the cookbook's metrics.jsonl (per step; arithmetic: `env/all/correct`,
+`env/all/reward/total`, timings; sl: `train_mean_nll`, `test/nll`), the server's run folder
+(metrics.jsonl of every request, summary.json) and record.json with the provenance, the commands
+and the figures.
 """
 
 from __future__ import annotations
@@ -71,11 +80,34 @@ def start_server(folder: Path) -> tuple[subprocess.Popen, str]:
     return proc, line.split("TINKER_BASE_URL=")[1].split(";")[0]
 
 
-def run_cookbook(folder: Path, url: str, model: str, minutes: float) -> dict:
+def sl_flags(model: str, seed: int) -> list[str]:
+    """The SL run's flags: the shipped conversation file, the role_colon renderer, sl_basic's
+    lr and schedule; the dataset builder given whole (chz cannot patch the recipe's instance)."""
+    python = cookbook_python()
+    data = subprocess.run([str(python), "-c", "import tinker_cookbook, os; print(os.path.join("
+                           "os.path.dirname(tinker_cookbook.__file__), 'example_data', "
+                           "'conversations.jsonl'))"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    common = "dataset_builder.common_config"
+    return ["dataset_builder=FromConversationFileBuilder", f"dataset_builder.file_path={data}",
+            "dataset_builder.test_size=16", f"dataset_builder.shuffle_seed={seed}",
+            f"{common}.model_name_for_tokenizer={model}", f"{common}.renderer_name=role_colon",
+            f"{common}.max_length=512", f"{common}.batch_size=8", "renderer_name=role_colon",
+            "learning_rate=2e-4", "lr_schedule=linear", "num_epochs=3", "lora_rank=32",
+            "eval_every=4", "save_every=20"]
+
+
+RECIPES = {"arithmetic": "tinker_cookbook.recipes.math_rl.train",
+           "sl": "tinker_cookbook.supervised.train"}
+
+
+def run_cookbook(folder: Path, url: str, model: str, minutes: float,
+                 recipe: tuple[str, list[str]]) -> dict:
     env = {**os.environ, "TINKER_BASE_URL": url, "TINKER_API_KEY": "tml-local",
            "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    command = [str(cookbook_python()), "-m", "tinker_cookbook.recipes.math_rl.train",
-               f"model_name={model}", f"log_path={folder / 'cookbook'}", *FLAGS]
+    module, flags = recipe
+    command = [str(cookbook_python()), "-m", module,
+               f"model_name={model}", f"log_path={folder / 'cookbook'}", *flags]
     start = time.monotonic()
     with (folder / "cookbook.log").open("w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=folder)
@@ -89,6 +121,18 @@ def run_cookbook(folder: Path, url: str, model: str, minutes: float) -> dict:
                 proc.kill()
                 code = proc.wait()
     return {"command": command, "exit_code": code, "wall_s": time.monotonic() - start}
+
+
+def sl_figures(metrics: Path, wall_s: float) -> dict:
+    """Training NLL (the mean of the first and of the last 3 steps) and the held-out NLL at each
+    evaluation (the first is before any step)."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    train = [r for r in rows if "train_mean_nll" in r]
+    held = [(r["step"], r["test/nll"]) for r in rows if "test/nll" in r]
+    mean = lambda rs: sum(r["train_mean_nll"] for r in rs) / max(len(rs), 1)
+    return {"steps": len(train), "steps_per_minute": len(train) / (wall_s / 60),
+            "train_nll_first_3_steps": mean(train[:3]), "train_nll_last_3_steps": mean(train[-3:]),
+            "test_nll_per_eval": held, "train_nll_per_step": [r["train_mean_nll"] for r in train]}
 
 
 def figures(metrics: Path, wall_s: float) -> dict:
@@ -106,6 +150,7 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--recipe", choices=sorted(RECIPES), default="arithmetic")
     args = ap.parse_args()
     args.out = args.out.resolve()     # (the cookbook runs in its run's folder)
     prov = provenance(" ".join(sys.argv))
@@ -116,9 +161,10 @@ def main() -> None:
         folder = args.out / f"run{k}"
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
+        flags = FLAGS if args.recipe == "arithmetic" else sl_flags(model, k)
         server, url = start_server(folder)
         try:
-            ran = run_cookbook(folder, url, model, args.minutes)
+            ran = run_cookbook(folder, url, model, args.minutes, (RECIPES[args.recipe], flags))
         finally:
             server.send_signal(signal.SIGTERM)
             try:
@@ -127,11 +173,13 @@ def main() -> None:
                 server.kill()
                 server.wait()
         shutil.rmtree(folder / "server" / "tinker", ignore_errors=True)   # (adapter weights)
-        record = {"provenance": prov, **ran, "flags": FLAGS, "model": model,
-                  **figures(folder / "cookbook" / "metrics.jsonl", ran["wall_s"])}
+        read = figures if args.recipe == "arithmetic" else sl_figures
+        record = {"provenance": prov, **ran, "recipe": args.recipe, "flags": flags, "model": model,
+                  **read(folder / "cookbook" / "metrics.jsonl", ran["wall_s"])}
         (folder / "record.json").write_text(json.dumps(record, indent=1))
-        print(json.dumps({k: record[k] for k in ("steps", "steps_per_minute", "correct_first_3_steps",
-                                                   "correct_last_3_steps")}), flush=True)
+        print(json.dumps({k: v for k, v in record.items() if k.startswith(("steps", "correct_",
+                                                                            "train_nll_f", "train_nll_l"))}),
+              flush=True)
 
 
 if __name__ == "__main__":
