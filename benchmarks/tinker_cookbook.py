@@ -4,12 +4,16 @@ for at most `--minutes` each:
 - `--recipe arithmetic`: the arithmetic RL recipe (`tinker_cookbook/recipes/math_rl/train.py`).
   posttrain's own GRPO beside it is benchmarks/learning.py (the command: the record's
   PROVENANCE.md).
-- `--recipe sl`: supervised learning on the conversation file the cookbook ships
-  (`example_data/conversations.jsonl`, 128 conversations, 16 held out) through its generic SL
-  entry point `tinker_cookbook.supervised.train` (sl_basic.py, its wrapper, looks a renderer up
-  by the model's name before it reads any flag, so it cannot take a local folder): LoRA 32,
-  lr 2e-4 linear to 0 (sl_basic's), 8 conversations a step, 3 epochs, the held-out NLL (the
-  cookbook's own evaluator, through `compute_logprobs`) every 4 steps; run K shuffles with seed K.
+- `--recipe sl`: the basic SL recipe (`tinker_cookbook/recipes/sl_basic.py`) on the conversation
+  file the cookbook ships (`example_data/conversations.jsonl`, 128 conversations, 16 held out):
+  LoRA 32, lr 2e-4 linear to 0 (the recipe's), 8 conversations a step, 3 epochs, the held-out NLL
+  (the cookbook's own evaluator, through `compute_logprobs`) every 4 steps; run K shuffles with
+  seed K. sl_basic looks a renderer up by the model's name before it reads a flag, so a local
+  folder cannot be named: the run uses the recipe's default name, `Qwen/Qwen3.5-9B-Base` (renderer
+  `role_colon`), as a link in the run's folder to the embedded model, where the cookbook loads its
+  tokenizer from and the server (started in that folder) loads the model from. (Its generic entry
+  point, `python -m tinker_cookbook.supervised.train`, does not start in 0.6.1: chz refuses its
+  un-annotated lambda.)
 Rendered by benchmarks/tables.py (tables tinker-cookbook and tinker-cookbook-sl, docs/tinker.md).
 
     .venv/bin/python benchmarks/tinker_cookbook.py OUT [--recipe arithmetic|sl] [--runs 3] [--minutes 10]
@@ -66,18 +70,24 @@ def cookbook_python() -> Path:
     return python
 
 
-def start_server(folder: Path) -> tuple[subprocess.Popen, str]:
-    """`posttrain tinker-serve` on a free port; its URL from the line it prints."""
+def start_server(folder: Path, model: str | None) -> tuple[subprocess.Popen, str]:
+    """`posttrain tinker-serve` (of `model`: a name in `folder`; None: the embedded model) on a
+    free port, in `folder`; its URL from the line it prints."""
     log = (folder / "server.log").open("w")
-    # (`python -m` from ROOT: this checkout's code, not the editable install's)
+    # (PYTHONPATH: this checkout's code, not the editable install's)
     proc = subprocess.Popen([str(ROOT / ".venv/bin/python"), "-m", "posttrain.cli", "tinker-serve",
-                             "--port", "0", "--run_dir", str(folder / "server")],
-                            stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
+                             "--port", "0", "--run_dir", str(folder / "server"),
+                             *(["--model.path", model] if model else [])],
+                            stdout=subprocess.PIPE, stderr=log, text=True, cwd=folder,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
     line = proc.stdout.readline()
     if "TINKER_BASE_URL=" not in line:
         proc.kill()
         raise RuntimeError(f"tinker-serve did not start: {line!r} (see {folder / 'server.log'})")
     return proc, line.split("TINKER_BASE_URL=")[1].split(";")[0]
+
+
+SL_MODEL = "Qwen/Qwen3.5-9B-Base"   # sl_basic's default name (renderer role_colon): a link here
 
 
 def sl_flags(model: str, seed: int) -> list[str]:
@@ -92,13 +102,12 @@ def sl_flags(model: str, seed: int) -> list[str]:
     return ["dataset_builder=FromConversationFileBuilder", f"dataset_builder.file_path={data}",
             "dataset_builder.test_size=16", f"dataset_builder.shuffle_seed={seed}",
             f"{common}.model_name_for_tokenizer={model}", f"{common}.renderer_name=role_colon",
-            f"{common}.max_length=512", f"{common}.batch_size=8", "renderer_name=role_colon",
-            "learning_rate=2e-4", "lr_schedule=linear", "num_epochs=3", "lora_rank=32",
-            "eval_every=4", "save_every=20"]
+            f"{common}.max_length=512", f"{common}.batch_size=8",
+            "num_epochs=3", "eval_every=4", "save_every=20"]
 
 
 RECIPES = {"arithmetic": "tinker_cookbook.recipes.math_rl.train",
-           "sl": "tinker_cookbook.supervised.train"}
+           "sl": "tinker_cookbook.recipes.sl_basic"}
 
 
 def run_cookbook(folder: Path, url: str, model: str, minutes: float,
@@ -161,10 +170,15 @@ def main() -> None:
         folder = args.out / f"run{k}"
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        flags = FLAGS if args.recipe == "arithmetic" else sl_flags(model, k)
-        server, url = start_server(folder)
+        name, served, flags = model, None, FLAGS
+        if args.recipe == "sl":
+            (folder / SL_MODEL).parent.mkdir(parents=True)
+            (folder / SL_MODEL).symlink_to(model)
+            name = served = SL_MODEL
+            flags = sl_flags(name, k)
+        server, url = start_server(folder, served)
         try:
-            ran = run_cookbook(folder, url, model, args.minutes, (RECIPES[args.recipe], flags))
+            ran = run_cookbook(folder, url, name, args.minutes, (RECIPES[args.recipe], flags))
         finally:
             server.send_signal(signal.SIGTERM)
             try:
