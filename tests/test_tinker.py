@@ -300,3 +300,22 @@ def test_sample_options_not_computed_here_are_refused_before_sampling(service, t
     with pytest.raises(Exception, match="topk_sample_logprobs not served"):
         sampler.sample(types.ModelInput.from_ints(tokenizer("Hi")["input_ids"]), 1,
                        types.SamplingParams(max_tokens=2), topk_sample_logprobs=3).result()
+
+
+def test_each_training_client_has_its_tensorboard_run(service, server, tokenizer):
+    """RUN_DIR/clients/ID/tensorboard: every forward_backward's and optim_step's metrics of that
+    client, at its optimizer step (what metrics.jsonl holds for every client)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from posttrain.tinker.revisions import safe
+    tc = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
+    data = [datum(tokenizer, "What is 2 + 3? 5", weights=[1.0])]
+    first = tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+    second = tc.forward_backward(data, "cross_entropy").result()
+    server.service.trackers[tc.model_id].writer.flush()
+    events = EventAccumulator(str(server.service.run_dir / "clients" / safe(tc.model_id) / "tensorboard"))
+    events.Reload()
+    loss = [(e.step, e.value) for e in events.Scalars("forward_backward/loss:sum")]
+    assert loss == [(0, pytest.approx(first.metrics["loss:sum"], rel=1e-6)),
+                    (1, pytest.approx(second.metrics["loss:sum"], rel=1e-6))]
+    assert [(e.step, e.value) for e in events.Scalars("optim_step/lr")] == [(1, pytest.approx(3e-3))]

@@ -167,10 +167,18 @@ class Worker:
             if f.done and now - f.finished_at > KEEP_S:
                 del self.by_seq[key]
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 120.0) -> None:
+        """No request starts after this; the one running finishes (at most `wait_s`): a process
+        that exits while its worker is inside a backward pass is aborted by torch's C++ threads
+        ('terminate called without an active exception')."""
         with self.cond:
             self.stopped = True
             self.cond.notify_all()
+        if self.thread is not threading.current_thread():
+            self.thread.join(wait_s)
+            if self.thread.is_alive():
+                log.warning("tinker: the request running did not finish in %.0f s; exiting anyway",
+                            wait_s)
 
 
 def _batch_call(batch: list) -> Callable[[], list[Any]]:

@@ -68,6 +68,7 @@ class TinkerServer(ThreadingHTTPServer):
     def shutdown(self) -> None:
         self.worker.stop()
         super().shutdown()
+        self.service.close()
 
 
 class Handler(BaseHTTPRequestHandler):

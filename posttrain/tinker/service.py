@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
+from posttrain.logs.trackers import TRACKERS, TrackerContext, missing_package
 from posttrain.tinker.models import Models
-from posttrain.tinker.revisions import (Revision, Revisions, folder_of, list_checkpoints,
+from posttrain.tinker.revisions import (Revision, Revisions, folder_of, list_checkpoints, safe,
                                         read_checkpoint, tinker_path, write_checkpoint)
 from posttrain.tinker.sampler import (check_fields, num_samples, prompt_tokens, sample,
                                       sampling_params)
@@ -37,6 +38,7 @@ class TinkerService:
         self._sessions = 0
         self.instance = uuid.uuid4().hex[:8]    # (ids, and so checkpoint paths, never repeat across restarts)
         self.metrics = run_dir / "metrics.jsonl"
+        self.trackers: dict[str, Any] = {}          # model id -> its TensorBoard writer
 
     # -- answered at once (no future) ------------------------------------------------------
     def create_session(self) -> str:
@@ -192,5 +194,19 @@ class TinkerService:
                 "steps": run.steps}
 
     def log(self, model_id: str, row: dict[str, Any]) -> None:
+        """A forward_backward's or optim_step's row in metrics.jsonl (every client's) and in the
+        client's TensorBoard run (RUN_DIR/clients/ID/tensorboard, `op/metric` at its step)."""
         with self.metrics.open("a") as f:
             f.write(json.dumps({"time": time.time(), "model_id": model_id, **row}) + "\n")
+        tracker = self.trackers.get(model_id)
+        if tracker is None and not missing_package("tensorboard"):
+            ctx = TrackerContext(self.run_dir / "clients" / safe(model_id), model_id)
+            tracker = self.trackers[model_id] = TRACKERS["tensorboard"](ctx)
+        if tracker is not None:
+            tracker.log(self.models.run(model_id).steps,
+                        {f"{row['op']}/{k}": v for k, v in row.items() if k not in ("op", "step")})
+
+    def close(self) -> None:
+        """The trackers' files closed (the server stopped)."""
+        for tracker in self.trackers.values():
+            tracker.close()
