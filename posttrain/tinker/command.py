@@ -7,7 +7,8 @@
 The base model is named by its path as given (`--model.path`) or by the folder it resolves to
 (clients such as tinker-cookbook load the tokenizer from the name they pass, so give them the
 folder). The run folder holds config.json, metrics.jsonl (every forward_backward and optim_step
-of every training client), the checkpoints under tinker/ and summary.json when it stops.
+of every training client), a TensorBoard run per training client under clients/, the
+checkpoints under tinker/ and summary.json when it stops.
 """
 
 from __future__ import annotations
