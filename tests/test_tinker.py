@@ -4,6 +4,7 @@ those posttrain's formulas give, computed here independently with peft and torch
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import threading
@@ -319,3 +320,24 @@ def test_each_training_client_has_its_tensorboard_run(service, server, tokenizer
     assert loss == [(0, pytest.approx(first.metrics["loss:sum"], rel=1e-6)),
                     (1, pytest.approx(second.metrics["loss:sum"], rel=1e-6))]
     assert [(e.step, e.value) for e in events.Scalars("optim_step/lr")] == [(1, pytest.approx(3e-3))]
+
+
+def test_a_client_that_went_away_is_not_a_server_error(server, monkeypatch, caplog):
+    """A client that closed its connection (killed while it long-polled a future) gets nothing
+    and logs nothing: a server fault is logged and answered 500, a closed connection is not."""
+    import posttrain.tinker.server as srv
+    def gone(s, b):
+        raise BrokenPipeError(32, "Broken pipe")
+    def broken(s, b):
+        raise RuntimeError("a real fault")
+    url = f"{server.base_url}/api/v1/healthz"
+    for route, answered in ((gone, False), (broken, True)):
+        monkeypatch.setattr(srv, "GET_ROUTES", [(srv.GET_ROUTES[0][0], route), *srv.GET_ROUTES[1:]])
+        caplog.clear()
+        try:
+            status = urllib.request.urlopen(url, timeout=10).status
+        except urllib.error.HTTPError as e:
+            status = e.code
+        except (ConnectionError, http.client.RemoteDisconnected):
+            status = None
+        assert (status == 500) == answered and ("failed" in caplog.text) == answered

@@ -94,6 +94,8 @@ class Handler(BaseHTTPRequestHandler):
                     self.server.requests += 1
                     return self._send(200, route(self.server, body, *m.groups()))
             raise HTTPError(404, f"no route {self.command} {self.path}")
+        except (BrokenPipeError, ConnectionResetError):   # (the client went away: nothing to answer)
+            self.close_connection = True
         except HTTPError as e:
             self.close_connection = True
             self._send(e.status, {"error": str(e), "category": "user"})
