@@ -240,6 +240,9 @@ TRL_SCRIPT = textwrap.dedent('''
     model = trainer.model
     record["final"] = {"2digit": heldout.greedy_accuracy(model, tok, eval_set),
                        "3digit": heldout.greedy_accuracy(model, tok, heldout.problems(3, 300))}
+    import transformers, trl
+    record["versions"] = {"trl": trl.__version__, "transformers": transformers.__version__,
+                          "torch": torch.__version__}
     print("RESULT", json.dumps(record))
 ''')
 
@@ -261,6 +264,10 @@ def run_trl(out: Path, seed: int, steps: int, eval_every: int, model_dir: Path, 
         raise RuntimeError(f"TRL run failed; see {out / f'trl-s{seed}.log'}")
     res = json.loads(line[len("RESULT "):])
     res["wall_s"] = time.time() - t0
+    # the tree and machine as for posttrain's side; the packages are the TRL venv's own
+    res["provenance"] = {**record_provenance(f"benchmarks/learning.py TRL_SCRIPT seed={seed} "
+                                             f"steps={steps} eval_every={eval_every}"),
+                         "versions": res.pop("versions")}
     result.write_text(json.dumps(res))
     return res
 
