@@ -243,7 +243,7 @@ def test_concurrent_sample_requests_share_a_batch_and_get_what_each_gets_alone(s
     try:
         futures = [sampler.sample(types.ModelInput.from_ints(p), 2, sp) for p, sp in zip(prompts, params)]
         deadline = time.monotonic() + 30
-        while sum(isinstance(t, _Batched) for t, _ in server.worker.ready) < 3 and time.monotonic() < deadline:
+        while sum(isinstance(e.task, _Batched) for e in server.worker.ready) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         gate.set()
         together = [f.result() for f in futures]
@@ -341,3 +341,91 @@ def test_a_client_that_went_away_is_not_a_server_error(server, monkeypatch, capl
         except (ConnectionError, http.client.RemoteDisconnected):
             status = None
         assert (status == 500) == answered and ("failed" in caplog.text) == answered
+
+
+def _queued(server, n: int) -> None:
+    """Wait until n batched requests wait in the worker's queue."""
+    from posttrain.tinker.futures import _Batched
+    deadline = time.monotonic() + 30
+    while sum(isinstance(e.task, _Batched) for e in server.worker.ready) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _two_trained_clients(service, tokenizer):
+    """Two clients whose adapters differ (one step each on its own text), as the batch must keep them."""
+    a = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
+    b = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED + 1).result()
+    for tc, text in ((a, "Apples are red."), (b, "Seven eight nine.")):
+        tc.forward_backward([datum(tokenizer, text, weights=[1.0])], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    return a, b
+
+
+def test_two_clients_forward_backwards_run_as_one_batch_with_what_each_gets_alone(service, tokenizer, server):
+    """Waiting forward_backwards of two clients run in one forward (each row through its own
+    adapter) and one backward; each client's log-probs, loss and next step are its own alone."""
+    data = {0: [datum(tokenizer, "What is 2 + 3? 5", weights=[1.0]), datum(tokenizer, "Hi!", weights=[0.5])],
+            1: [datum(tokenizer, "Name a colour: blue", weights=[1.0])]}
+    results = []
+    calls = []
+    original = server.service.forward_backward
+    server.service.forward_backward = lambda reqs: calls.append([r.model_id for r in reqs]) or original(reqs)
+    try:
+        for together in (False, True):
+            clients = _two_trained_clients(service, tokenizer)
+            same = [datum(tokenizer, "Hi!", weights=[1.0])]   # (a row through the other's adapter differs)
+            assert not torch.allclose(*(logprobs(tc.forward(same, "cross_entropy").result())[0]
+                                        for tc in clients), atol=1e-4)
+            gate = threading.Event()
+            if together:
+                server.worker.submit(gate.wait)       # (the worker busy until both are queued)
+                calls.clear()
+            futures = [tc.forward_backward(data[k], "cross_entropy") for k, tc in enumerate(clients)]
+            _queued(server, 2 if together else 0)
+            gate.set()
+            outs = [f.result() for f in futures]
+            for tc in clients:
+                tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+            after = [logprobs(tc.forward(data[k], "cross_entropy").result()) for k, tc in enumerate(clients)]
+            results.append((outs, after))
+            if together:
+                assert calls[0] == [clients[0].model_id, clients[1].model_id]   # one batch, both clients
+    finally:
+        server.service.forward_backward = original
+    (alone, alone_after), (batched, batched_after) = results
+    for k in (0, 1):
+        assert batched[k].metrics["loss:sum"] == pytest.approx(alone[k].metrics["loss:sum"], rel=1e-5)
+        for x, y in zip(logprobs(batched[k]) + batched_after[k], logprobs(alone[k]) + alone_after[k]):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+
+
+def test_a_batch_keeps_each_clients_order_and_fails_a_wrong_request_alone(service, tokenizer, server):
+    """A client's forward_backward after its optim_step never joins a batch before that step; a
+    wrong request in a batch fails alone, the other client's request in it is answered."""
+    a, b = _two_trained_clients(service, tokenizer)
+    good = [datum(tokenizer, "Apples are red.", weights=[1.0])]
+    bad = datum(tokenizer, "Too few weights.", weights=[1.0])
+    bad.loss_fn_inputs["weights"] = types.TensorData(data=[1.0], dtype="float32", shape=[1])
+    calls = []
+    original = server.service.forward_backward
+    server.service.forward_backward = lambda reqs: calls.append([(r.model_id, r.seq_id) for r in reqs]) or original(reqs)
+    gate = threading.Event()
+    server.worker.submit(gate.wait)
+    try:
+        first = a.forward_backward(good, "cross_entropy")
+        step = a.optim_step(types.AdamParams(learning_rate=5e-2))
+        second = a.forward_backward(good, "cross_entropy")
+        wrong = b.forward_backward([bad], "cross_entropy")
+        _queued(server, 3)
+        gate.set()
+        first.result(), step.result(), second.result()
+        with pytest.raises(tinker.RequestFailedError, match="'weights' has 1 values"):
+            wrong.result()
+    finally:
+        gate.set()
+        server.service.forward_backward = original
+    seqs = {mid: sorted(s for c in calls for m, s in c if m == mid) for mid in (a.model_id, b.model_id)}
+    a_first, a_second = seqs[a.model_id]
+    batch_of = {(m, s): i for i, c in enumerate(calls) for m, s in c}
+    assert batch_of[(a.model_id, a_first)] != batch_of[(a.model_id, a_second)]   # the step between
+    assert batch_of[(b.model_id, seqs[b.model_id][0])] == batch_of[(a.model_id, a_first)]

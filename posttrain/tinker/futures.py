@@ -7,6 +7,12 @@ A training client's requests carry `seq_id`s; they run in that order (the SDK se
 one forward_backward concurrently, the first last), a retried POST with a seq_id already taken
 gets the same future, and a gap that no request fills within GAP_S is skipped with a warning (a
 request the client never managed to send).
+
+Work submitted as batched (`submit_batched`: sampling requests; forward_backward requests) runs
+with the other waiting items of its key, as one call. An item of a training client joins only
+while no earlier waiting request of that client is left behind (its `optim_step` between two
+forward_backwards stays between them); a batch answers each item on its own, so one client's
+wrong request fails that request alone.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ class _Batched:
     """One request of work that runs in batches: `run(items)` answers every item at once."""
     key: str
     item: Any
-    run: Callable[[list[Any]], list[Any]]
+    run: Callable[[list[Any]], list[Any]]   # a result per item; an exception answers its item alone
 
 
 @dataclass(order=True)
@@ -51,6 +57,15 @@ class _Held:
     since: float = field(compare=False)
     task: Callable[[], Any] = field(compare=False)
     future: Future = field(compare=False)
+    owner: str | None = field(compare=False, default=None)
+
+
+@dataclass
+class _Ready:
+    """A request free to run: its work, its future and the training client it belongs to."""
+    task: Callable[[], Any]
+    future: Future
+    owner: str | None = None
 
 
 class Worker:
@@ -62,7 +77,7 @@ class Worker:
         self.by_seq: dict[tuple[str, int], Future] = {}
         self.next_seq: dict[str, int] = {}
         self.held: dict[str, list[_Held]] = {}
-        self.ready: list[tuple[Callable[[], Any], Future]] = []
+        self.ready: list[_Ready] = []
         self.cond = threading.Condition()
         self.stopped = False
         self._count = itertools.count()
@@ -78,18 +93,20 @@ class Worker:
             future = Future(f"req-{next(self._count)}-{uuid.uuid4().hex[:8]}")
             self.futures[future.request_id] = future
             if model_id is None or seq is None or model_id not in self.next_seq:
-                self.ready.append((task, future))
+                self.ready.append(_Ready(task, future, model_id))
             else:
                 self.by_seq[(model_id, seq)] = future
-                heapq.heappush(self.held.setdefault(model_id, []), _Held(seq, time.monotonic(), task, future))
+                heapq.heappush(self.held.setdefault(model_id, []),
+                               _Held(seq, time.monotonic(), task, future, model_id))
                 self._release(model_id)
             self.cond.notify_all()
             return future
 
-    def submit_batched(self, key: str, item: Any, run: Callable[[list[Any]], list[Any]]) -> Future:
+    def submit_batched(self, key: str, item: Any, run: Callable[[list[Any]], list[Any]],
+                       model_id: str | None = None, seq: int | None = None) -> Future:
         """A future for `item`, run with the other waiting items of the same `key` (up to
-        MAX_BATCH) by one call of `run`."""
-        return self.submit(_Batched(key, item, run))
+        MAX_BATCH) by one call of `run`; with a model and seq_id, in that model's order."""
+        return self.submit(_Batched(key, item, run), model_id, seq)
 
     def expect(self, model_id: str, seq: int) -> None:
         """`model_id`'s next request is `seq` (a new client: 1, after its creation's 0)."""
@@ -104,7 +121,7 @@ class Worker:
                 log.warning("tinker: %s's request seq_id %d runs without seq_id %d..%d, which "
                             "never came", model_id, held.seq, self.next_seq[model_id], held.seq - 1)
             self.next_seq[model_id] = max(self.next_seq[model_id], held.seq + 1)
-            self.ready.append((held.task, held.future))
+            self.ready.append(_Ready(held.task, held.future, held.owner))
             force = False
 
     def _next(self):
@@ -117,14 +134,26 @@ class Worker:
                         self._release(model_id, force=True)
             if not self.ready:
                 return None, None
-            task, future = self.ready.pop(0)
-            if not isinstance(task, _Batched):
-                return task, future
-            same = [e for e in self.ready
-                    if isinstance(e[0], _Batched) and e[0].key == task.key][:MAX_BATCH - 1]
-            self.ready = [e for e in self.ready if all(e is not s for s in same)]
-            batch = [(task, future), *same]
-            return _batch_call(batch), [f for _, f in batch]
+            first = self.ready.pop(0)
+            if not isinstance(first.task, _Batched):
+                return first.task, first.future
+            batch = [first, *self._joining(first.task.key)]
+            self.ready = [e for e in self.ready if all(e is not b for b in batch)]
+            return _batch_call(batch), [b.future for b in batch]
+
+    def _joining(self, key: str) -> list[_Ready]:
+        """The waiting items of `key` that may run now with the first: a training client's item
+        only while none of its earlier requests is left behind."""
+        same: list[_Ready] = []
+        passed: set[str] = set()          # clients with an earlier request that does not join
+        for e in self.ready:
+            if len(same) == MAX_BATCH - 1:
+                break
+            if isinstance(e.task, _Batched) and e.task.key == key and e.owner not in passed:
+                same.append(e)
+            elif e.owner is not None:
+                passed.add(e.owner)
+        return same
 
     def _loop(self) -> None:
         while not self.stopped:
@@ -133,21 +162,24 @@ class Worker:
                 continue
             futures = future if isinstance(future, list) else [future]
             try:
-                results, error = task(), None
+                results = task()
                 results = results if isinstance(future, list) else [results]
-            except self.user_errors as e:
-                results, error = [None] * len(futures), {"error": " ".join(str(e).split()),
-                                                         "category": "user"}
-            except Exception as e:   # (the server's fault: said to the client, logged here)
-                log.exception("tinker: request %s failed", futures[0].request_id)
-                results, error = [None] * len(futures), {"error": f"{type(e).__name__}: {e}",
-                                                         "category": "server"}
+            except Exception as e:
+                results = [e] * len(futures)
             with self.cond:
                 for f, result in zip(futures, results):
-                    f.result, f.error, f.done = result, error, True
+                    f.error = self._error(f, result) if isinstance(result, Exception) else None
+                    f.result, f.done = None if f.error else result, True
                     f.finished_at = time.monotonic()
                 self._forget_old()
                 self.cond.notify_all()
+
+    def _error(self, f: Future, e: Exception) -> dict[str, str]:
+        """What the client is told: its own mistake in one line, or the server's fault (logged)."""
+        if isinstance(e, self.user_errors):
+            return {"error": " ".join(str(e).split()), "category": "user"}
+        log.error("tinker: request %s failed", f.request_id, exc_info=e)
+        return {"error": f"{type(e).__name__}: {e}", "category": "server"}
 
     def retrieve(self, request_id: str, timeout: float = POLL_S) -> Future | None:
         """The future once done, or still pending after `timeout`; None when unknown."""
@@ -181,6 +213,6 @@ class Worker:
                             wait_s)
 
 
-def _batch_call(batch: list) -> Callable[[], list[Any]]:
-    run, items = batch[0][0].run, [t.item for t, _ in batch]
+def _batch_call(batch: list[_Ready]) -> Callable[[], list[Any]]:
+    run, items = batch[0].task.run, [b.task.item for b in batch]
     return lambda: run(items)

@@ -1,7 +1,8 @@
 """The models a Tinker server trains: one base model (its weights shared and frozen) and one LoRA
-adapter per training client, each with its own AdamW state, step count and seed; requests run one
-at a time (futures.py), so a client's forward-backward sees only its own adapter and accumulates
-gradients only into it until its `optim_step`.
+adapter per training client, each with its own AdamW state, step count and seed. A client's
+forward-backward sees only its own adapter and accumulates gradients only into it until its
+`optim_step`, also when it runs in one batch with other clients' (futures.py): each row goes
+through its own client's adapter (peft's mixed-adapter forward, with gradients).
 
     forward_backward:  logp_t = log pi(target_t | tokens_<=t)  for every position t of a datum,
                        loss = sum over datums and positions of the loss's per-token term
@@ -121,25 +122,60 @@ class Models:
     def model(self):
         return self.peft if self.peft is not None else self.base
 
-    def forward_backward(self, req: ForwardBackward) -> tuple[list[Tensor], dict[str, float]]:
-        """Each datum's target log-probs and {"loss:sum": ...}; gradients added to the adapter's
-        unless `forward_only`."""
-        run = self.run(req.model_id)
-        loss_fn = check_loss(req.loss_fn)
-        for i, d in enumerate(req.data):
-            check_datum(i, d, needed_inputs(req.loss_fn))
-            check_inputs(req.loss_fn, d.inputs)
-        logp, total = [], 0.0
-        with self.use(run.adapter) as model, torch.set_grad_enabled(not req.forward_only):
-            for part in micro_batches(req.data):    # (the gradient of a sum: summed part by part)
-                part_logp = datum_logprobs(model, part, self.tokenizer.pad_token_id)
-                loss = torch.stack([loss_fn(lp, d.inputs, req.config).sum()
-                                    for lp, d in zip(part_logp, part)]).sum()
-                if not req.forward_only:
-                    loss.backward()
-                logp += [lp.detach() for lp in part_logp]
-                total += float(loss.detach())
-        return logp, {"loss:sum": total}
+    @contextmanager
+    def use_all(self, adapters: list[str]) -> Iterator[tuple[Any, list[str] | None]]:
+        """The model computing rows of several adapters at once, and the adapter names to give
+        its forward (None: one adapter, set as the active one; several: peft's mixed-adapter
+        forward, each row through its own adapter, every one of them trainable)."""
+        if len(set(adapters)) == 1:
+            with self.use(adapters[0]) as model:
+                yield model, None
+            return
+        runs = self.runs_by_adapter()
+        for name in set(adapters):
+            for p in runs[name].params:
+                p.requires_grad_(True)
+        yield self.peft, adapters
+
+    def error_of(self, req: ForwardBackward) -> WireError | None:
+        """What is wrong with a forward_backward request, in one line (None: nothing), found
+        before it runs in a batch with other clients' requests."""
+        vocab = self.base.get_output_embeddings().weight.shape[0]
+        limit = getattr(self.base.config, "max_position_embeddings", None)
+        try:
+            self.run(req.model_id)
+            check_loss(req.loss_fn)
+            for i, d in enumerate(req.data):
+                check_datum(i, d, needed_inputs(req.loss_fn))
+                check_inputs(req.loss_fn, d.inputs)
+                check_tokens(i, d, vocab, limit)
+        except WireError as e:
+            return e
+        return None
+
+    def forward_backward(self, reqs: list[ForwardBackward]) -> list[tuple[list[Tensor], dict[str, float]]]:
+        """Each request's datums' target log-probs and {"loss:sum": ...}; gradients added to its
+        client's adapter unless `forward_only` (the same for every request of a batch). Requests
+        of several clients run as one batch, each row through its own client's adapter: the
+        gradient of the sum of their losses is, in each adapter, that adapter's own."""
+        adapters = [self.run(r.model_id).adapter for r in reqs]
+        rows = [(k, d) for k, r in enumerate(reqs) for d in r.data]
+        loss_fns = [check_loss(r.loss_fn) for r in reqs]
+        logp: list[list[Tensor]] = [[] for _ in reqs]
+        totals = [0.0] * len(reqs)
+        with self.use_all(adapters) as (model, names), torch.set_grad_enabled(not reqs[0].forward_only):
+            for part in micro_batches(rows):    # (the gradient of a sum: summed part by part)
+                part_logp = datum_logprobs(model, [d for _, d in part], self.tokenizer.pad_token_id,
+                                           names and [names[k] for k, _ in part])
+                losses = [loss_fns[k](lp, d.inputs, reqs[k].config).sum()
+                          for (k, d), lp in zip(part, part_logp)]
+                if not reqs[0].forward_only:
+                    torch.stack(losses).sum().backward()
+                for k in sorted({k for k, _ in part}):
+                    mine = [j for j, (kj, _) in enumerate(part) if kj == k]
+                    logp[k] += [part_logp[j].detach() for j in mine]
+                    totals[k] += float(torch.stack([losses[j] for j in mine]).sum().detach())
+        return [(lp, {"loss:sum": total}) for lp, total in zip(logp, totals)]
 
     def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
         """One AdamW step of the client's adapter with the request's settings."""
@@ -170,28 +206,35 @@ def check_datum(i: int, d, needed: tuple[str, ...]) -> None:
                             f"{len(d.tokens)} input tokens (one per position)")
 
 
+def check_tokens(i: int, d, vocab: int, limit: int | None) -> None:
+    """Token ids inside the vocabulary; a datum within the model's positions."""
+    ids = [*d.tokens, *d.inputs["target_tokens"].reshape(-1).long().tolist()]
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise WireError(f"datum {i}: a token id is outside the model's vocabulary (0..{vocab - 1})")
+    if limit and len(d.tokens) > limit:
+        raise WireError(f"datum {i} has {len(d.tokens)} tokens: over the model's {limit} positions")
+
+
 MICRO_BATCH_TOKENS = 4096   # padded tokens a forward holds at once (its logits: tokens x vocabulary)
 
 
-def micro_batches(data: list) -> list[list]:
-    """The datums in order, in groups of at most MICRO_BATCH_TOKENS padded tokens."""
+def micro_batches(rows: list[tuple[int, Any]]) -> list[list[tuple[int, Any]]]:
+    """The (request, datum) rows in order, in groups of at most MICRO_BATCH_TOKENS padded tokens."""
     parts, part, longest = [], [], 0
-    for d in data:
-        longest_with = max(longest, len(d.tokens))
+    for row in rows:
+        longest_with = max(longest, len(row[1].tokens))
         if part and longest_with * (len(part) + 1) > MICRO_BATCH_TOKENS:
             parts.append(part)
-            part, longest_with = [], len(d.tokens)
-        part.append(d)
+            part, longest_with = [], len(row[1].tokens)
+        part.append(row)
         longest = longest_with
     return parts + ([part] if part else [])
 
 
-def datum_logprobs(model, data: list, pad_id: int) -> list[Tensor]:
-    """log pi(target_t | tokens_<=t) for every position of every datum, one padded forward."""
+def datum_logprobs(model, data: list, pad_id: int, adapters: list[str] | None = None) -> list[Tensor]:
+    """log pi(target_t | tokens_<=t) for every position of every datum, one padded forward (row
+    i through adapter `adapters[i]` where given)."""
     n = max(len(d.tokens) for d in data)
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit and n > limit:
-        raise WireError(f"a datum of {n} tokens: over the model's {limit} positions")
     ids = torch.full((len(data), n), pad_id, dtype=torch.long)
     mask = torch.zeros((len(data), n), dtype=torch.long)
     targets = torch.zeros((len(data), n), dtype=torch.long)
@@ -199,9 +242,7 @@ def datum_logprobs(model, data: list, pad_id: int) -> list[Tensor]:
         ids[i, :len(d.tokens)] = torch.tensor(d.tokens)
         mask[i, :len(d.tokens)] = 1
         targets[i, :len(d.tokens)] = d.inputs["target_tokens"].reshape(-1).long()
-    vocab = model.get_output_embeddings().weight.shape[0] if hasattr(model, "get_output_embeddings") else None
-    if vocab is not None and (int(targets.max()) >= vocab or int(ids.max()) >= vocab or int(targets.min()) < 0):
-        raise WireError(f"a token id is outside the model's vocabulary (0..{vocab - 1})")
-    logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    extra = {"adapter_names": adapters} if adapters is not None else {}
+    logits = model(input_ids=ids, attention_mask=mask, **extra).logits.float()
     logp = token_logprobs(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).reshape(ids.shape)
     return [logp[i, :len(d.tokens)] for i, d in enumerate(data)]

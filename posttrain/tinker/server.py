@@ -184,8 +184,10 @@ def load_weights(server: TinkerServer, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def forward_backward(server: TinkerServer, body: bytes) -> dict[str, Any]:
+    """Run with the other clients' waiting forward_backwards (forwards with forwards) as one batch."""
     req = decode_forward_backward(body)
-    f = server.worker.submit(lambda: server.service.forward_backward(req), req.model_id, req.seq_id)
+    key = "forward" if req.forward_only else "forward_backward"
+    f = server.worker.submit_batched(key, req, server.service.forward_backward, req.model_id, req.seq_id)
     return submitted(f, model_id=req.model_id)
 
 

@@ -95,10 +95,20 @@ class TinkerService:
         self.models.model().eval()
         return {"model_id": model_id, "type": "create_model"}
 
-    def forward_backward(self, req: ForwardBackward) -> bytes:
-        logp, metrics = self.models.forward_backward(req)
+    def forward_backward(self, reqs: list[ForwardBackward]) -> list[bytes | WireError]:
+        """forward_backward (or forward) requests, of one client or several, as one batch; a
+        request that fails its checks is answered with its error alone."""
+        errors = [self.models.error_of(req) for req in reqs]
+        good = [req for req, e in zip(reqs, errors) if e is None]
+        results = iter(self.models.forward_backward(good) if good else [])
+        return [e if e is not None else self.answer(req, *next(results), len(good))
+                for req, e in zip(reqs, errors)]
+
+    def answer(self, req: ForwardBackward, logp: list[torch.Tensor], metrics: dict[str, float],
+               batch: int) -> bytes:
         self.log(req.model_id, {"op": "forward" if req.forward_only else "forward_backward",
-                                "loss_fn": req.loss_fn, "datums": len(req.data), **metrics})
+                                "loss_fn": req.loss_fn, "datums": len(req.data),
+                                "batched_with": batch - 1, **metrics})
         return forward_backward_output(logp, metrics)
 
     def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
