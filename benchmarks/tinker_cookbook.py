@@ -70,14 +70,14 @@ def cookbook_python() -> Path:
     return python
 
 
-def start_server(folder: Path, model: str | None) -> tuple[subprocess.Popen, str]:
-    """`posttrain tinker-serve` (of `model`: a name in `folder`; None: the embedded model) on a
-    free port, in `folder`; its URL from the line it prints."""
+def start_server(folder: Path, model: str | None, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """`posttrain tinker-serve` (of `model`: a name in `folder`; None: the embedded model; `extra`
+    flags) on a free port, in `folder`; its URL from the line it prints."""
     log = (folder / "server.log").open("w")
     # (PYTHONPATH: this checkout's code, not the editable install's)
     proc = subprocess.Popen([str(ROOT / ".venv/bin/python"), "-m", "posttrain.cli", "tinker-serve",
                              "--port", "0", "--run_dir", str(folder / "server"),
-                             *(["--model.path", model] if model else [])],
+                             *(["--model.path", model] if model else []), *extra],
                             stdout=subprocess.PIPE, stderr=log, text=True, cwd=folder,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     line = proc.stdout.readline()

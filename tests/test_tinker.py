@@ -313,7 +313,7 @@ def test_each_training_client_has_its_tensorboard_run(service, server, tokenizer
     first = tc.forward_backward(data, "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=3e-3)).result()
     second = tc.forward_backward(data, "cross_entropy").result()
-    server.service.trackers[tc.model_id].writer.flush()
+    server.service.clients.trackers[tc.model_id].writer.flush()
     events = EventAccumulator(str(server.service.run_dir / "clients" / safe(tc.model_id) / "tensorboard"))
     events.Reload()
     loss = [(e.step, e.value) for e in events.Scalars("forward_backward/loss:sum")]
@@ -429,3 +429,32 @@ def test_a_batch_keeps_each_clients_order_and_fails_a_wrong_request_alone(servic
     batch_of = {(m, s): i for i, c in enumerate(calls) for m, s in c}
     assert batch_of[(a.model_id, a_first)] != batch_of[(a.model_id, a_second)]   # the step between
     assert batch_of[(b.model_id, seqs[b.model_id][0])] == batch_of[(a.model_id, a_first)]
+
+
+def test_a_training_clients_folder_is_a_run_the_viewer_shows_token_by_token(service, server, tokenizer):
+    """RUN_DIR/clients/ID holds metrics.jsonl and tokens/step_N.parquet: each recorded datum's
+    target tokens with the log-probs the client got back, its sampler's, their ratio and the
+    advantages, as `posttrain view` reads a training run's."""
+    from posttrain.tinker.revisions import safe
+    from posttrain.view.server import Viewer, check_runs
+    tc = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
+    d = datum(tokenizer, "What is 2 + 3? 5", logprobs=[-1.5], advantages=[0.0])
+    d.loss_fn_inputs["advantages"] = types.TensorData(data=[0.0] * 8 + [0.5] * (len(d.model_input.to_ints()) - 8),
+                                                      dtype="float32", shape=[len(d.model_input.to_ints())])
+    out = tc.forward_backward([d], "importance_sampling").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    tc.forward_backward([datum(tokenizer, "Hi!", weights=[1.0])], "cross_entropy").result()
+    viewer = Viewer(check_runs([server.service.run_dir / "clients" / safe(tc.model_id)]))
+    assert viewer.answer("steps", {}) == [0, 1]
+    (rec,) = viewer.answer("rollouts", {"step": "0"})
+    targets = d.loss_fn_inputs["target_tokens"].tolist()
+    assert rec["token_ids"] == targets and rec["tokens"] == [tokenizer.decode([t]) for t in targets]
+    logp = logprobs(out)[0]
+    torch.testing.assert_close(torch.tensor(rec["logp"]), logp, atol=1e-6, rtol=0)
+    assert rec["logp_sampler"] == [-1.5] * len(targets)
+    torch.testing.assert_close(torch.tensor(rec["ratio"]), torch.exp(logp + 1.5), rtol=1e-5, atol=0)
+    assert rec["in_loss"] == [0] * 8 + [1] * (len(targets) - 8) and rec["adv"][-1] == 0.5
+    metrics = viewer.answer("metrics", {})
+    assert [(m["step"], sorted(k for k in m if "/" in k)[0]) for m in metrics] == [
+        (0, "forward_backward/batched_with"), (1, "optim_step/grad_norm:mean"), (1, "forward_backward/batched_with")]
+    assert metrics[0]["forward_backward/loss:sum"] == pytest.approx(out.metrics["loss:sum"], rel=1e-6)

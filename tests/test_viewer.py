@@ -2,6 +2,7 @@
 Chromium (Debian's package, driven by Playwright; .ci/run installs both)."""
 
 import json
+import math
 import shutil
 import urllib.request
 from pathlib import Path
@@ -155,4 +156,46 @@ def test_page_in_a_real_browser(tiny_run, tmp_path):
     finally:
         server.shutdown()
         (tiny_run / "tokens" / "step_000004.parquet").unlink(missing_ok=True)
+    assert errors == []
+
+
+def test_a_served_tinker_clients_folder_in_a_real_browser(tmp_path, tokenizer):
+    """A training client's folder of `posttrain tinker-serve` (tinker/clients.py): its records
+    carry no reward or verdict, and the page shows their tokens and numbers without either."""
+    import playwright.sync_api as playwright
+    import torch
+    from posttrain.tinker.clients import ClientLogs
+    from posttrain.tinker.models import TrainingRun
+    from posttrain.tinker.wire import Datum, ForwardBackward
+    ids = tokenizer("What is 2 + 3? 5")["input_ids"]
+    n = len(ids) - 1
+    d = Datum(ids[:-1], {"target_tokens": torch.tensor(ids[1:]), "logprobs": torch.full((n,), -1.0),
+                         "advantages": torch.tensor([0.0] * (n - 2) + [1.0, 1.0])})
+    run = TrainingRun("sess-1-x:train:0", {"rank": 4}, [], None)
+    logs = ClientLogs(tmp_path, tokenizer)
+    logs.log(run, "tiny", {"op": "forward_backward", "loss:sum": 1.5, "loss_fn": "ppo"})
+    logs.record(run, "tiny", ForwardBackward(run.model_id, 1, "ppo", False, {}, [d]), [torch.full((n,), -0.5)])
+    logs.close()
+    folder = check_runs([tmp_path / "clients" / "sess-1-x_train_0"])[0]
+    server = serve([folder], port=0, background=True)
+    errors = []
+    try:
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.goto(f"http://127.0.0.1:{server.server_address[1]}/")
+            page.wait_for_selector("body[data-ready='1']", timeout=20_000)
+            page.click("nav button[data-tab=rollouts]")
+            assert page.locator(".card").count() == 1
+            assert page.locator(".card .badge").count() == 0 and "reward" not in page.inner_text(".card .head")
+            assert page.locator(".card .tok").count() == n
+            assert page.locator(".card .tok.noloss").count() == n - 2
+            page.locator(".card .tok").last.hover()
+            tip = page.inner_text("#tip")
+            assert f"{math.exp(0.5):.4f}" in tip and "logp_sampler" in tip   # ratio exp(-0.5 + 1)
+            browser.close()
+    finally:
+        server.shutdown()
     assert errors == []

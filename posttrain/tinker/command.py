@@ -38,12 +38,20 @@ def add_command(sub) -> None:
                    "POSTTRAIN_TINKER_API_KEY); clients send it as TINKER_API_KEY")
     p.add_argument("--run_dir", type=Path, help="run folder (default runs/tinker-TIME)")
     p.add_argument("--seed", type=int, default=0, help="seed of samples drawn without a seed")
+    p.add_argument("--log_tokens", type=int, default=8,
+                   help="datums recorded token by token a step and training client, for "
+                   "`posttrain view RUN_DIR/clients/*` (0: none)")
+    p.add_argument("--max_batch", type=int, default=64,
+                   help="waiting requests run as one batch, at most this many (sampling requests "
+                   "with the same settings; forward_backwards of any clients); 1: each alone")
     p.set_defaults(fn=cmd_tinker_serve)
 
 
 def cmd_tinker_serve(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise ConfigError(f"unexpected arguments {' '.join(overrides)} (posttrain tinker-serve --help)")
+    if args.max_batch < 1:
+        raise ConfigError(f"--max_batch {args.max_batch}: at least 1 (1: every request alone)")
     from posttrain.model.loading import load_model
     from posttrain.tinker.server import start_server
     cfg = ModelConfig(path=args.model_path, cache_dir=args.cache_dir)
@@ -52,13 +60,15 @@ def cmd_tinker_serve(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         server = start_server(model, tokenizer, args.model_path, run_dir, host=args.host,
                               port=args.port, api_key=args.api_key, seed=args.seed,
-                              aliases=(str(folder),))
+                              aliases=(str(folder),), max_batch=args.max_batch,
+                              log_tokens=args.log_tokens)
     except OSError as e:
         raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); choose another "
                          "with --port (0: any free one)") from None
     (run_dir / "config.json").write_text(json.dumps(
         {"command": "tinker-serve", "model": args.model_path, "folder": str(folder),
-         "host": args.host, "port": server.server_address[1], "seed": args.seed}, indent=1))
+         "host": args.host, "port": server.server_address[1], "seed": args.seed,
+         "max_batch": args.max_batch, "log_tokens": args.log_tokens}, indent=1))
     print(f"posttrain tinker-serve: {args.model_path} ({folder}) at {server.base_url}; "
           f"TINKER_BASE_URL={server.base_url}; run folder {run_dir}; Ctrl-C stops", flush=True)
     started, stop = time.monotonic(), threading.Event()

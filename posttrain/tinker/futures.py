@@ -31,7 +31,7 @@ log = logging.getLogger("posttrain")
 POLL_S = 25.0        # a retrieve waits this long for a result (the SDK's timeout is 45 s)
 KEEP_S = 600.0       # a finished result stays this long for a client that polls late
 GAP_S = 10.0         # a missing seq_id is waited for this long
-MAX_BATCH = 64       # requests run as one batch (sampling requests with the same settings)
+MAX_BATCH = 64       # requests run as one batch at most (`tinker-serve --max_batch`)
 
 
 @dataclass
@@ -71,8 +71,8 @@ class _Ready:
 class Worker:
     """Runs submitted work one at a time, each training client's in seq_id order."""
 
-    def __init__(self, user_errors: tuple[type[BaseException], ...]) -> None:
-        self.user_errors = user_errors
+    def __init__(self, user_errors: tuple[type[BaseException], ...], max_batch: int = MAX_BATCH) -> None:
+        self.user_errors, self.max_batch = user_errors, max_batch
         self.futures: dict[str, Future] = {}
         self.by_seq: dict[tuple[str, int], Future] = {}
         self.next_seq: dict[str, int] = {}
@@ -105,7 +105,7 @@ class Worker:
     def submit_batched(self, key: str, item: Any, run: Callable[[list[Any]], list[Any]],
                        model_id: str | None = None, seq: int | None = None) -> Future:
         """A future for `item`, run with the other waiting items of the same `key` (up to
-        MAX_BATCH) by one call of `run`; with a model and seq_id, in that model's order."""
+        `max_batch`) by one call of `run`; with a model and seq_id, in that model's order."""
         return self.submit(_Batched(key, item, run), model_id, seq)
 
     def expect(self, model_id: str, seq: int) -> None:
@@ -147,7 +147,7 @@ class Worker:
         same: list[_Ready] = []
         passed: set[str] = set()          # clients with an earlier request that does not join
         for e in self.ready:
-            if len(same) == MAX_BATCH - 1:
+            if len(same) >= self.max_batch - 1:
                 break
             if isinstance(e.task, _Batched) and e.task.key == key and e.owner not in passed:
                 same.append(e)

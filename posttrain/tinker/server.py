@@ -26,7 +26,7 @@ import re
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
-from posttrain.tinker.futures import Future, Worker
+from posttrain.tinker.futures import MAX_BATCH, Future, Worker
 from posttrain.tinker.sampler import batch_key
 from posttrain.tinker.service import TinkerService
 from posttrain.tinker.wire import WireError, decode_forward_backward
@@ -47,7 +47,8 @@ class TinkerServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], service: TinkerService,
-                 api_key: str | None = None, max_request_mb: float = 256.0) -> None:
+                 api_key: str | None = None, max_request_mb: float = 256.0,
+                 max_batch: int = MAX_BATCH) -> None:
         if api_key is not None and not api_key.startswith(("tml-", "eyJ")):
             raise ValueError(f"--api_key {api_key[:4]}...: the tinker SDK sends only keys starting "
                              "with 'tml-' (TINKER_API_KEY); choose one such as tml-<random>")
@@ -57,7 +58,7 @@ class TinkerServer(ThreadingHTTPServer):
         super().__init__(address, Handler)
         self.service, self.api_key = service, api_key
         self.max_bytes = int(max_request_mb * 2**20)
-        self.worker = Worker((WireError, ValueError, KeyError))
+        self.worker = Worker((WireError, ValueError, KeyError), max_batch)
         self.requests = 0
 
     @property
@@ -258,7 +259,8 @@ GET_ROUTES = [(re.compile("/api/v1/" + path), route) for path, route in [
 
 def start_server(model, tokenizer, name: str, run_dir, *, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, seed: int = 0,
-                 aliases: tuple[str, ...] = ()) -> TinkerServer:
+                 aliases: tuple[str, ...] = (), max_batch: int = MAX_BATCH,
+                 log_tokens: int = 8) -> TinkerServer:
     """A Tinker server over `model` (the base every client's adapter sits on), answering in a
     thread of its own; `name` (or one of `aliases`): the base model's name in create_model."""
     import threading
@@ -269,7 +271,7 @@ def start_server(model, tokenizer, name: str, run_dir, *, host: str = "127.0.0.1
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    server = TinkerServer((host, port), TinkerService(Models(model, tokenizer, name, aliases), run_dir, seed),
-                          api_key=api_key)
+    service = TinkerService(Models(model, tokenizer, name, aliases), run_dir, seed, log_tokens)
+    server = TinkerServer((host, port), service, api_key=api_key, max_batch=max_batch)
     threading.Thread(target=server.serve_forever, daemon=True, name="tinker-serve").start()
     return server

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from posttrain.logs.trackers import TRACKERS, TrackerContext, missing_package
+from posttrain.tinker.clients import LOG_TOKENS, ClientLogs
 from posttrain.tinker.models import Models
-from posttrain.tinker.revisions import (Revision, Revisions, folder_of, list_checkpoints, safe,
+from posttrain.tinker.revisions import (Revision, Revisions, folder_of, list_checkpoints,
                                         read_checkpoint, tinker_path, write_checkpoint)
 from posttrain.tinker.sampler import (check_fields, num_samples, prompt_tokens, sample,
                                       sampling_params)
@@ -29,7 +29,7 @@ from posttrain.tinker.wire import ForwardBackward, WireError, forward_backward_o
 class TinkerService:
     """The state of a Tinker server: sessions, training clients, sampler revisions."""
 
-    def __init__(self, models: Models, run_dir: Path, seed: int = 0) -> None:
+    def __init__(self, models: Models, run_dir: Path, seed: int = 0, log_tokens: int = LOG_TOKENS) -> None:
         self.models, self.run_dir = models, run_dir
         self.revisions = Revisions()
         self.sessions: dict[str, float] = {}         # session id -> last heartbeat (monotonic)
@@ -38,7 +38,7 @@ class TinkerService:
         self._sessions = 0
         self.instance = uuid.uuid4().hex[:8]    # (ids, and so checkpoint paths, never repeat across restarts)
         self.metrics = run_dir / "metrics.jsonl"
-        self.trackers: dict[str, Any] = {}          # model id -> its TensorBoard writer
+        self.clients = ClientLogs(run_dir, models.tokenizer, log_tokens)   # RUN_DIR/clients/ID/
 
     # -- answered at once (no future) ------------------------------------------------------
     def create_session(self) -> str:
@@ -109,6 +109,8 @@ class TinkerService:
         self.log(req.model_id, {"op": "forward" if req.forward_only else "forward_backward",
                                 "loss_fn": req.loss_fn, "datums": len(req.data),
                                 "batched_with": batch - 1, **metrics})
+        if not req.forward_only:
+            self.clients.record(self.models.run(req.model_id), self.models.name, req, logp)
         return forward_backward_output(logp, metrics)
 
     def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -205,18 +207,11 @@ class TinkerService:
 
     def log(self, model_id: str, row: dict[str, Any]) -> None:
         """A forward_backward's or optim_step's row in metrics.jsonl (every client's) and in the
-        client's TensorBoard run (RUN_DIR/clients/ID/tensorboard, `op/metric` at its step)."""
+        client's own run folder (clients.py)."""
         with self.metrics.open("a") as f:
             f.write(json.dumps({"time": time.time(), "model_id": model_id, **row}) + "\n")
-        tracker = self.trackers.get(model_id)
-        if tracker is None and not missing_package("tensorboard"):
-            ctx = TrackerContext(self.run_dir / "clients" / safe(model_id), model_id)
-            tracker = self.trackers[model_id] = TRACKERS["tensorboard"](ctx)
-        if tracker is not None:
-            tracker.log(self.models.run(model_id).steps,
-                        {f"{row['op']}/{k}": v for k, v in row.items() if k not in ("op", "step")})
+        self.clients.log(self.models.run(model_id), self.models.name, row)
 
     def close(self) -> None:
         """The trackers' files closed (the server stopped)."""
-        for tracker in self.trackers.values():
-            tracker.close()
+        self.clients.close()

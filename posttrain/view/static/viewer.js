@@ -181,18 +181,19 @@ function tokenTip(r, i) {
 }
 
 function card(r, q, scale) {
-  const verdict = r.correct ? "correct" : "wrong";
+  // (a served Tinker session's records have no reward or verdict: its client scores them)
+  const verdict = r.correct === null || r.correct === undefined ? "" : r.correct ? "correct" : "wrong";
   const parts = Object.entries(JSON.parse(r.reward_parts || "{}")).map(([k, v]) => `${k} ${fmt(v)}`).join(", ");
-  const head = el("div", { class: "head" },
-    el("span", { text: `row ${r.row} · group ${r.group}` }),
-    el("span", { class: `badge ${verdict}`, text: verdict }),
-    el("span", { text: `reward ${fmt(r.reward)}${parts ? ` (${parts})` : ""}` }),
-    el("span", { text: `${r.length} tokens${r.truncated ? " · truncated" : ""}` }));
+  const head = el("div", { class: "head" }, el("span", { text: `row ${r.row} · group ${r.group}` }));
+  if (verdict) head.append(el("span", { class: `badge ${verdict}`, text: verdict }),
+    el("span", { text: `reward ${fmt(r.reward)}${parts ? ` (${parts})` : ""}` }));
+  head.append(el("span", { text: `${r.length} tokens${r.truncated ? " · truncated" : ""}` }));
   if (r.weight_version !== undefined && r.weight_version !== null)
     head.append(el("span", { class: r.staleness > 0 ? "badge stale" : "", title: "the weights that sampled it (a step number) and how many updates older they are than those trained",
                              text: `sampled by weights v${r.weight_version}${r.staleness > 0 ? ` · ${r.staleness} update${r.staleness > 1 ? "s" : ""} stale` : ""}` }));
   if (!r.updated) head.append(el("span", { class: "badge skipped", text: "no update: its group's advantages were all 0" }));
-  const prompt = el("div", { class: "prompt" }, el("b", { text: "prompt  " }), r.prompt, el("b", { text: "   answer  " }), r.answer);
+  const prompt = el("div", { class: "prompt" }, el("b", { text: "prompt  " }), r.prompt);
+  if (r.answer !== null && r.answer !== undefined) prompt.append(el("b", { text: "   answer  " }), r.answer);
   const resp = el("div", { class: "response" });
   const vals = r[q] || [];
   let envRun = false;
