@@ -400,6 +400,32 @@ def tinker_cookbook_sl_table(root: Path) -> str:
                               f"`{TINKER_COOKBOOK_SL}/runK/record.json`."]) + "\n"
 
 
+TINKER_CLIENTS = "benchmarks/results/tinker-clients-2026-12-07"   # (docs/tinker.md)
+
+
+def tinker_clients_table(root: Path) -> str:
+    """Several training clients at once on one tinker-serve (benchmarks/tinker_clients.py): the
+    steps a minute of all clients together, their forward_backwards batched or each alone."""
+    rec = json.loads((root / TINKER_CLIENTS / "record.json").read_text())
+    runs = rec["runs"]
+    spm = {}
+    for r in runs:
+        spm.setdefault((r["clients"], r["max_batch"]), []).append(r["steps_per_minute"])
+    lines = [f"| training clients | steps a minute, each alone (`--max_batch 1`) | steps a minute, "
+             f"batched (`--max_batch 64`) | batched / alone | forward_backwards batched with "
+             f"another client's |", "|---" * 5 + "|"]
+    for clients in sorted({c for c, _ in spm}):
+        alone, together = spm[(clients, 1)], spm[(clients, 64)]
+        share = [r["batched_share"] for r in runs if r["clients"] == clients and r["max_batch"] == 64]
+        lines.append(f"| {clients} | {mean_sd(alone, digits=2)} | {mean_sd(together, digits=2)} | "
+                     f"{statistics.mean(together) / statistics.mean(alone):.2f}x | "
+                     f"{100 * statistics.mean(share):.0f}% |")
+    rounds = len({r["round"] for r in runs})
+    return "\n".join(lines + ["", f"{rounds} rounds (mean ± sd); a step: forward_backward of "
+                              f"{rec['datums']} datums then optim_step, LoRA {rec['rank']}. Record: "
+                              f"`{TINKER_CLIENTS}/record.json`."]) + "\n"
+
+
 def judge_row(label: str, runs: list[tuple[dict, list[dict]]]) -> str:
     train = [[r for r in rows if "reward/mean" in r] for _, rows in runs]
     agree = [r["reward/judge_agreement"] for t in train for r in t if "reward/judge_agreement" in r]
@@ -1276,7 +1302,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "async-cpu": async_cpu_table, "ecosystem-envs": ecosystem_envs_table,
     "artifacts": artifacts_table, "vllm-idle": vllm_idle_table,
     "tinker-cookbook": tinker_cookbook_table,
-    "tinker-cookbook-sl": tinker_cookbook_sl_table,
+    "tinker-cookbook-sl": tinker_cookbook_sl_table, "tinker-clients": tinker_clients_table,
     "ecosystem-judge": ecosystem_judge_table,
 }
 
