@@ -305,7 +305,7 @@ def test_sample_options_not_computed_here_are_refused_before_sampling(service, t
 
 def test_each_training_client_has_its_tensorboard_run(service, server, tokenizer):
     """RUN_DIR/clients/ID/tensorboard: every forward_backward's and optim_step's metrics of that
-    client, at its optimizer step (what metrics.jsonl holds for every client)."""
+    client, at the optimizer step its gradients go into (what metrics.jsonl holds for every client)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from posttrain.tinker.revisions import safe
     tc = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
@@ -317,8 +317,8 @@ def test_each_training_client_has_its_tensorboard_run(service, server, tokenizer
     events = EventAccumulator(str(server.service.run_dir / "clients" / safe(tc.model_id) / "tensorboard"))
     events.Reload()
     loss = [(e.step, e.value) for e in events.Scalars("forward_backward/loss:sum")]
-    assert loss == [(0, pytest.approx(first.metrics["loss:sum"], rel=1e-6)),
-                    (1, pytest.approx(second.metrics["loss:sum"], rel=1e-6))]
+    assert loss == [(1, pytest.approx(first.metrics["loss:sum"], rel=1e-6)),
+                    (2, pytest.approx(second.metrics["loss:sum"], rel=1e-6))]
     assert [(e.step, e.value) for e in events.Scalars("optim_step/lr")] == [(1, pytest.approx(3e-3))]
 
 
@@ -344,10 +344,11 @@ def test_a_client_that_went_away_is_not_a_server_error(server, monkeypatch, capl
 
 
 def _queued(server, n: int) -> None:
-    """Wait until n batched requests wait in the worker's queue."""
+    """Wait until n batched requests wait in the worker's queue (the SDK sends from its threads)."""
     from posttrain.tinker.futures import _Batched
-    deadline = time.monotonic() + 30
-    while sum(isinstance(e.task, _Batched) for e in server.worker.ready) < n and time.monotonic() < deadline:
+    deadline = time.monotonic() + 120
+    while sum(isinstance(e.task, _Batched) for e in server.worker.ready) < n:
+        assert time.monotonic() < deadline, f"{n} requests were not queued in 120 s"
         time.sleep(0.05)
 
 
@@ -380,10 +381,13 @@ def test_two_clients_forward_backwards_run_as_one_batch_with_what_each_gets_alon
             if together:
                 server.worker.submit(gate.wait)       # (the worker busy until both are queued)
                 calls.clear()
-            futures = [tc.forward_backward(data[k], "cross_entropy") for k, tc in enumerate(clients)]
-            _queued(server, 2 if together else 0)
-            gate.set()
-            outs = [f.result() for f in futures]
+            if together:
+                futures = [tc.forward_backward(data[k], "cross_entropy") for k, tc in enumerate(clients)]
+                _queued(server, 2)
+                gate.set()
+                outs = [f.result() for f in futures]
+            else:                                      # (each alone: the next sent once it is back)
+                outs = [tc.forward_backward(data[k], "cross_entropy").result() for k, tc in enumerate(clients)]
             for tc in clients:
                 tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
             after = [logprobs(tc.forward(data[k], "cross_entropy").result()) for k, tc in enumerate(clients)]
@@ -416,11 +420,14 @@ def test_a_batch_keeps_each_clients_order_and_fails_a_wrong_request_alone(servic
         step = a.optim_step(types.AdamParams(learning_rate=5e-2))
         second = a.forward_backward(good, "cross_entropy")
         wrong = b.forward_backward([bad], "cross_entropy")
-        _queued(server, 3)
+        no_beta = b.forward_backward([datum(tokenizer, "Hi!", logprobs=[-1.0], advantages=[1.0])], "dro")
+        _queued(server, 4)
         gate.set()
         first.result(), step.result(), second.result()
         with pytest.raises(tinker.RequestFailedError, match="'weights' has 1 values"):
             wrong.result()
+        with pytest.raises(tinker.RequestFailedError, match="'dro' needs loss_fn_config"):
+            no_beta.result()
     finally:
         gate.set()
         server.service.forward_backward = original
@@ -445,8 +452,8 @@ def test_a_training_clients_folder_is_a_run_the_viewer_shows_token_by_token(serv
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     tc.forward_backward([datum(tokenizer, "Hi!", weights=[1.0])], "cross_entropy").result()
     viewer = Viewer(check_runs([server.service.run_dir / "clients" / safe(tc.model_id)]))
-    assert viewer.answer("steps", {}) == [0, 1]
-    (rec,) = viewer.answer("rollouts", {"step": "0"})
+    assert viewer.answer("steps", {}) == [1, 2]
+    (rec,) = viewer.answer("rollouts", {"step": "1"})
     targets = d.loss_fn_inputs["target_tokens"].tolist()
     assert rec["token_ids"] == targets and rec["tokens"] == [tokenizer.decode([t]) for t in targets]
     logp = logprobs(out)[0]
@@ -456,5 +463,44 @@ def test_a_training_clients_folder_is_a_run_the_viewer_shows_token_by_token(serv
     assert rec["in_loss"] == [0] * 8 + [1] * (len(targets) - 8) and rec["adv"][-1] == 0.5
     metrics = viewer.answer("metrics", {})
     assert [(m["step"], sorted(k for k in m if "/" in k)[0]) for m in metrics] == [
-        (0, "forward_backward/batched_with"), (1, "optim_step/grad_norm:mean"), (1, "forward_backward/batched_with")]
+        (1, "forward_backward/batched_with"), (1, "optim_step/grad_norm:mean"), (2, "forward_backward/batched_with")]
     assert metrics[0]["forward_backward/loss:sum"] == pytest.approx(out.metrics["loss:sum"], rel=1e-6)
+
+
+def test_a_batch_that_fails_partway_takes_back_its_gradients_and_runs_each_request_alone(
+        service, tokenizer, server, monkeypatch):
+    """One datum a forward: a's rows go backward before b's loss fails. a's gradient is then
+    exactly what a's request alone gives (not twice it), and only b's request fails."""
+    import posttrain.tinker.models as models
+    monkeypatch.setattr(models, "MICRO_BATCH_TOKENS", 8)
+    real = models.check_loss
+    def broken(logp, x, config):
+        raise RuntimeError("a loss that fails")
+    monkeypatch.setattr(models, "check_loss", lambda name: broken if name == "cispo" else real(name))
+    data = [datum(tokenizer, "What is 2 + 3? 5", weights=[1.0]), datum(tokenizer, "Hi!", weights=[1.0])]
+    ref, _ = _two_trained_clients(service, tokenizer)
+    ref.forward_backward(data, "cross_entropy").result()
+    want = [p.grad.clone() for p in server.service.models.run(ref.model_id).params]
+    a, b = _two_trained_clients(service, tokenizer)
+    calls = []
+    original = server.service.models.forward_backward
+    def spy(reqs):
+        calls.append([r.model_id for r in reqs])
+        return original(reqs)
+    monkeypatch.setattr(server.service.models, "forward_backward", spy)
+    gate = threading.Event()
+    server.worker.submit(gate.wait)
+    try:
+        fa = a.forward_backward(data, "cross_entropy")
+        fb = b.forward_backward([datum(tokenizer, "Hi!", logprobs=[-1.0], advantages=[1.0])], "cispo")
+        _queued(server, 2)
+        gate.set()
+        fa.result()
+        with pytest.raises(tinker.RequestFailedError, match="a loss that fails"):
+            fb.result()
+    finally:
+        gate.set()
+    assert calls[0] == [a.model_id, b.model_id]          # (tried together first)
+    got = [p.grad for p in server.service.models.run(a.model_id).params]
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)

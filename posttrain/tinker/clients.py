@@ -3,7 +3,8 @@
 
     config.json         the client's base model and LoRA settings
     metrics.jsonl       each forward_backward's and optim_step's numbers (`op/metric`) at the
-                        client's step (the optimizer steps it has taken)
+                        client's step: the optimizer step its gradients go into (1 for those
+                        before the first optim_step), as `train` numbers a step's batch and update
     tensorboard/        the same numbers
     tokens/step_N.parquet
                         the first `log_tokens` datums of the step's forward_backwards, token by
@@ -58,25 +59,27 @@ class ClientLogs:
         return path
 
     def log(self, run: TrainingRun, base_model: str, row: dict[str, Any]) -> None:
-        """One forward_backward's or optim_step's row, as `op/metric` at the client's step."""
+        """One forward_backward's or optim_step's row, as `op/metric` at the client's step (an
+        optim_step's row: the step it took, or skipped; the next step's records start afresh)."""
         folder = self.folder(run, base_model)
+        step = int(row.get("step", run.steps + 1))
+        if row["op"] == "optim_step":
+            self.tokens.pop(run.model_id, None)
         numbers = {f"{row['op']}/{k}": v for k, v in row.items()
                    if k not in ("op", "step") and isinstance(v, (int, float))}
         with (folder / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps({"step": run.steps, "time": time.time(), **numbers}) + "\n")
+            f.write(json.dumps({"step": step, "time": time.time(), **numbers}) + "\n")
         tracker = self.trackers.get(run.model_id)
         if tracker is None and not missing_package("tensorboard"):
             ctx = TrackerContext(folder, run.model_id)
             tracker = self.trackers[run.model_id] = TRACKERS["tensorboard"](ctx)
         if tracker is not None:
-            tracker.log(run.steps, numbers)
+            tracker.log(step, numbers)
 
     def record(self, run: TrainingRun, base_model: str, req: ForwardBackward, logp: list[Tensor]) -> None:
         """The step's first `log_tokens` datums token by token (tokens/step_N.parquet, rewritten
         as the step's forward_backwards arrive)."""
-        step, rows = self.tokens.get(run.model_id, (run.steps, []))
-        if step != run.steps:
-            step, rows = run.steps, []
+        step, rows = self.tokens.get(run.model_id, (run.steps + 1, []))
         for d, lp in zip(req.data, logp):
             if len(rows) >= self.log_tokens:
                 break

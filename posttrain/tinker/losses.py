@@ -99,6 +99,16 @@ def check_inputs(loss_fn: str, inputs: dict) -> None:
                          f"them once in loss_fn_config")
 
 
+NEEDED_CONFIG = {"dro": "beta"}   # loss_fn_config a loss cannot run without
+
+
+def check_config(loss_fn: str, config: dict[str, float]) -> None:
+    """The loss_fn_config entries the loss needs are there (checked before a batch runs)."""
+    if loss_fn in NEEDED_CONFIG and NEEDED_CONFIG[loss_fn] not in config:
+        raise ValueError(f"loss_fn {loss_fn!r} needs loss_fn_config "
+                         f"{{'{NEEDED_CONFIG[loss_fn]}': ...}} (the penalty's weight)")
+
+
 def check_loss(loss_fn: str) -> TinkerLoss:
     """The loss `loss_fn` names, or one line saying why it is not served."""
     if loss_fn in REFUSED:

@@ -26,7 +26,7 @@ from torch import Tensor
 from posttrain.losses.common import token_logprobs
 from posttrain.model.distributed import SINGLE
 from posttrain.run.learner import step_if_finite
-from posttrain.tinker.losses import check_inputs, check_loss, needed_inputs
+from posttrain.tinker.losses import check_config, check_inputs, check_loss, needed_inputs
 from posttrain.tinker.wire import ForwardBackward, WireError
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -145,15 +145,31 @@ class Models:
         try:
             self.run(req.model_id)
             check_loss(req.loss_fn)
+            check_config(req.loss_fn, req.config)
             for i, d in enumerate(req.data):
                 check_datum(i, d, needed_inputs(req.loss_fn))
                 check_inputs(req.loss_fn, d.inputs)
                 check_tokens(i, d, vocab, limit)
-        except WireError as e:
-            return e
+        except ValueError as e:      # (WireError, and the losses' own checks)
+            return e if isinstance(e, WireError) else WireError(str(e))
         return None
 
-    def forward_backward(self, reqs: list[ForwardBackward]) -> list[tuple[list[Tensor], dict[str, float]]]:
+    def forward_backward(self, reqs: list[ForwardBackward]) -> list[tuple[list[Tensor], dict[str, float]] | Exception]:
+        """`batch_forward_backward`, and where the batch fails partway: the gradients it added
+        taken back, then each request alone, so that only a failing request fails."""
+        runs = {r.model_id: self.run(r.model_id) for r in reqs}
+        saved = {id(p): (p, None if p.grad is None else p.grad.clone())
+                 for run in runs.values() for p in run.params}
+        try:
+            return self.batch_forward_backward(reqs)
+        except Exception as e:
+            for p, grad in saved.values():
+                p.grad = grad
+            if len(reqs) == 1:
+                return [e]
+        return [self.forward_backward([r])[0] for r in reqs]
+
+    def batch_forward_backward(self, reqs: list[ForwardBackward]) -> list[tuple[list[Tensor], dict[str, float]]]:
         """Each request's datums' target log-probs and {"loss:sum": ...}; gradients added to its
         client's adapter unless `forward_only` (the same for every request of a batch). Requests
         of several clients run as one batch, each row through its own client's adapter: the

@@ -168,7 +168,8 @@ def _model_id(body: dict[str, Any]) -> str:
 def create_model(server: TinkerServer, body: dict[str, Any]) -> dict[str, Any]:
     model_id = _model_id(body)
     server.worker.expect(model_id, 1)
-    f = server.worker.submit(lambda: server.service.create_model(body, model_id))
+    # (owned by the client: none of its requests runs before it)
+    f = server.worker.submit(lambda: server.service.create_model(body, model_id), model_id)
     return submitted(f, model_id=model_id)
 
 
@@ -180,7 +181,7 @@ def load_weights(server: TinkerServer, body: dict[str, Any]) -> dict[str, Any]:
     else:                       # (a new client from a checkpoint: its seq 0)
         model_id = _model_id(body)
         server.worker.expect(model_id, 1)
-        f = server.worker.submit(lambda: server.service.load_weights(body, model_id))
+        f = server.worker.submit(lambda: server.service.load_weights(body, model_id), model_id)
     return submitted(f, model_id=model_id)
 
 

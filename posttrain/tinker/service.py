@@ -95,14 +95,17 @@ class TinkerService:
         self.models.model().eval()
         return {"model_id": model_id, "type": "create_model"}
 
-    def forward_backward(self, reqs: list[ForwardBackward]) -> list[bytes | WireError]:
+    def forward_backward(self, reqs: list[ForwardBackward]) -> list[bytes | Exception]:
         """forward_backward (or forward) requests, of one client or several, as one batch; a
         request that fails its checks is answered with its error alone."""
         errors = [self.models.error_of(req) for req in reqs]
         good = [req for req, e in zip(reqs, errors) if e is None]
         results = iter(self.models.forward_backward(good) if good else [])
-        return [e if e is not None else self.answer(req, *next(results), len(good))
-                for req, e in zip(reqs, errors)]
+        out: list[bytes | Exception] = []
+        for req, error in zip(reqs, errors):
+            result = error if error is not None else next(results)
+            out.append(result if isinstance(result, Exception) else self.answer(req, *result, len(good)))
+        return out
 
     def answer(self, req: ForwardBackward, logp: list[torch.Tensor], metrics: dict[str, float],
                batch: int) -> bytes:
@@ -116,9 +119,9 @@ class TinkerService:
     def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
         if body.get("optimizer_params") is not None:
             raise WireError("optim_step: only adam_params are served (AdamW)")
+        step = self.models.run(body["model_id"]).steps + 1      # (the step taken, or skipped)
         metrics = self.models.optim_step(body["model_id"], body.get("adam_params") or {})
-        run = self.models.run(body["model_id"])
-        self.log(body["model_id"], {"op": "optim_step", "step": run.steps, **metrics,
+        self.log(body["model_id"], {"op": "optim_step", "step": step, **metrics,
                                     "lr": float((body.get("adam_params") or {}).get("learning_rate", 1e-4))})
         return {"metrics": metrics, "type": "optim_step"}
 

@@ -167,9 +167,9 @@ function quantityScale(q, rows) {
 function shownRows() {
   const f = $("r-filter").value, sort = $("r-sort").value, text = $("r-search").value.toLowerCase();
   let rows = state.rollouts.filter((r) =>
-    f === "all" || (f === "correct" && r.correct) || (f === "wrong" && !r.correct) || (f === "truncated" && r.truncated));
+    f === "all" || (f === "correct" && r.correct === true) || (f === "wrong" && r.correct === false) || (f === "truncated" && r.truncated));
   if (text) rows = rows.filter((r) => (r.prompt + "\n" + r.completion).toLowerCase().includes(text));
-  const key = { row: (r) => r.row, reward: (r) => -r.reward, length: (r) => -r.length }[sort];
+  const key = { row: (r) => r.row, reward: (r) => -(r.reward ?? 0), length: (r) => -r.length }[sort];
   return rows.slice().sort((a, b) => key(a) - key(b) || a.row - b.row);
 }
 
