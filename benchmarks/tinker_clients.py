@@ -1,14 +1,17 @@
 """Several Tinker training clients at once on one `posttrain tinker-serve`: their forward_backward
 requests run as one batch (`--max_batch 64`, the default) or each alone (`--max_batch 1`).
 
-    .venv/bin/python benchmarks/tinker_clients.py OUT [--clients 1 2 4] [--rounds 3] [--steps 6]
+    .venv/bin/python benchmarks/tinker_clients.py OUT [--clients 2 4] [--rounds 3] [--steps 3]
 
 Each client (a thread here: the SDK only waits on the network) trains its own LoRA adapter (rank
 32) on the embedded SmolLM2-135M-Instruct. A step is what the cookbook's loops send: one
-forward_backward of 32 datums (2-digit addition prompts in the chat template with their answers,
+forward_backward of 16 datums (2-digit addition prompts in the chat template with their answers,
 `cross_entropy` on the answer's tokens, about 50 tokens a datum) and an optim_step, sent together;
-the client waits for both. Each client's first step is a warm-up, left out; the timed steps start
-together. One server a setting, one setting at a time, the settings in turn `--rounds` times.
+the client waits for both, then sends its next step (a closed loop: with two clients, one
+client's request arrives while the other's runs, so there is seldom anything to batch; with more
+clients than the worker keeps busy, requests wait together). Each client's first step is a
+warm-up, left out; the timed steps start together. One server a setting, one setting at a time,
+the settings in turn `--rounds` times.
 
 Prints, and writes to OUT/record.json (with provenance): for each number of clients and
 max_batch, the steps a minute of all clients together (mean ± sd over rounds) and the share of
@@ -32,11 +35,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from posttrain.run.provenance import provenance  # noqa: E402
 from tinker_cookbook import start_server  # noqa: E402
 
-DATUMS, RANK, LR = 32, 32, 1e-4
+DATUMS, RANK, LR = 16, 32, 1e-4
 
 
 def datums(tokenizer, client: int) -> list:
-    """A client's batch: its own 32 addition problems, weights on the answer's tokens."""
+    """A client's batch: its own DATUMS addition problems, weights on the answer's tokens."""
     from tinker import types
     out = []
     for i in range(DATUMS):
@@ -72,8 +75,8 @@ def measure(folder: Path, clients: int, max_batch: int, steps: int) -> dict:
     server, url = start_server(folder, None, ("--max_batch", str(max_batch)))
     try:
         service = tinker.ServiceClient(base_url=url)
-        tcs = [service.create_lora_training_client(base_model="smollm2-135m-instruct", rank=RANK, seed=k)
-               for k in range(clients)]
+        tcs = [service.create_lora_training_client(base_model="smollm2-135m-instruct", rank=RANK,
+                                                   seed=k).result() for k in range(clients)]
         tokenizer = AutoTokenizer.from_pretrained(prepare_embedded())
         start, ends = threading.Barrier(clients + 1), []
         threads = [threading.Thread(target=client_loop, args=(tc, datums(tokenizer, k), steps, start, ends))
@@ -109,10 +112,10 @@ def report(runs: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--clients", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--max_batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=6, help="timed steps a client (after one warm-up)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps a client (after one warm-up)")
     args = ap.parse_args()
     os.environ.update(TINKER_API_KEY="tml-local", TINKER_TELEMETRY="0")
     command = " ".join(["benchmarks/tinker_clients.py", *sys.argv[1:]])
