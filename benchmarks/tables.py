@@ -410,13 +410,13 @@ def tinker_clients_table(root: Path) -> str:
     runs = rec["runs"]
     spm = {}
     for r in runs:
-        spm.setdefault((r["clients"], r["max_batch"]), []).append(r["steps_per_minute"])
-    lines = [f"| training clients | steps a minute, each alone (`--max_batch 1`) | steps a minute, "
-             f"batched (`--max_batch 64`) | batched / alone | forward_backwards batched with "
-             f"another client's |", "|---" * 5 + "|"]
+        spm.setdefault((r["clients"], r["batched"]), []).append(r["steps_per_minute"])
+    lines = ["| training clients | steps a minute, each alone (the default) | steps a minute, "
+             "batched (`--batch_clients`) | batched / alone | forward_backwards batched with "
+             "another client's |", "|---" * 5 + "|"]
     for clients in sorted({c for c, _ in spm}):
-        alone, together = spm[(clients, 1)], spm[(clients, 64)]
-        share = [r["batched_share"] for r in runs if r["clients"] == clients and r["max_batch"] == 64]
+        alone, together = spm[(clients, False)], spm[(clients, True)]
+        share = [r["batched_share"] for r in runs if r["clients"] == clients and r["batched"]]
         lines.append(f"| {clients} | {mean_sd(alone, digits=2)} | {mean_sd(together, digits=2)} | "
                      f"{statistics.mean(together) / statistics.mean(alone):.2f}x | "
                      f"{100 * statistics.mean(share):.0f}% |")
@@ -665,7 +665,7 @@ def objectives_table(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-PERSTEP = "benchmarks/results/perstep-2026-12-02"
+PERSTEP = "benchmarks/results/perstep-2026-12-07"
 
 
 def perstep_row(label: str, runs: list[dict]) -> str:

@@ -1,5 +1,5 @@
 """Several Tinker training clients at once on one `posttrain tinker-serve`: their forward_backward
-requests run as one batch (`--max_batch 64`, the default) or each alone (`--max_batch 1`).
+requests run as one batch (`--batch_clients`) or each alone (the default).
 
     .venv/bin/python benchmarks/tinker_clients.py OUT [--clients 2 4] [--rounds 3] [--steps 3]
 
@@ -13,8 +13,8 @@ clients than the worker keeps busy, requests wait together). Each client's first
 warm-up, left out; the timed steps start together. One server a setting, one setting at a time,
 the settings in turn `--rounds` times.
 
-Prints, and writes to OUT/record.json (with provenance): for each number of clients and
-max_batch, the steps a minute of all clients together (mean ± sd over rounds) and the share of
+Prints, and writes to OUT/record.json (with provenance): for each number of clients, alone and
+batched, the steps a minute of all clients together (mean ± sd over rounds) and the share of
 forward_backwards that ran in one batch with another client's.
 """
 
@@ -66,13 +66,14 @@ def client_loop(tc, data: list, steps: int, start: threading.Barrier, times: lis
     times.append(time.perf_counter())
 
 
-def measure(folder: Path, clients: int, max_batch: int, steps: int) -> dict:
-    """One server with `--max_batch`, `clients` training clients at once: their steps a minute."""
+def measure(folder: Path, clients: int, batched: bool, steps: int) -> dict:
+    """One server (`--batch_clients` where `batched`), `clients` training clients at once: their
+    steps a minute."""
     import tinker
     from transformers import AutoTokenizer
     from posttrain.model.loading import prepare_embedded
     folder.mkdir(parents=True, exist_ok=True)
-    server, url = start_server(folder, None, ("--max_batch", str(max_batch)))
+    server, url = start_server(folder, None, ("--batch_clients",) if batched else ())
     try:
         service = tinker.ServiceClient(base_url=url)
         tcs = [service.create_lora_training_client(base_model="smollm2-135m-instruct", rank=RANK,
@@ -93,16 +94,16 @@ def measure(folder: Path, clients: int, max_batch: int, steps: int) -> dict:
         server.wait(timeout=300)
     rows = [json.loads(line) for line in (folder / "server" / "metrics.jsonl").read_text().splitlines()]
     fbs = [r for r in rows if r["op"] == "forward_backward"]
-    return {"clients": clients, "max_batch": max_batch, "steps": clients * steps, "wall_s": wall,
+    return {"clients": clients, "batched": batched, "steps": clients * steps, "wall_s": wall,
             "steps_per_minute": 60 * clients * steps / wall,
             "batched_share": sum(r["batched_with"] > 0 for r in fbs) / len(fbs)}
 
 
 def report(runs: list[dict]) -> None:
-    print("| clients | max_batch | steps a minute, all clients (mean ± sd) | forward_backwards batched with another client's |")
+    print("| clients | --batch_clients | steps a minute, all clients (mean ± sd) | forward_backwards batched with another client's |")
     print("|---|---|---|---|")
-    for key in sorted({(r["clients"], r["max_batch"]) for r in runs}):
-        mine = [r for r in runs if (r["clients"], r["max_batch"]) == key]
+    for key in sorted({(r["clients"], r["batched"]) for r in runs}):
+        mine = [r for r in runs if (r["clients"], r["batched"]) == key]
         spm = [r["steps_per_minute"] for r in mine]
         sd = statistics.stdev(spm) if len(spm) > 1 else 0.0
         print(f"| {key[0]} | {key[1]} | {statistics.mean(spm):.2f} ± {sd:.2f} | "
@@ -113,7 +114,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--clients", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--max_batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="timed steps a client (after one warm-up)")
     args = ap.parse_args()
@@ -122,8 +122,9 @@ def main() -> None:
     runs = []
     for r in range(args.rounds):
         for clients in args.clients:
-            for max_batch in args.max_batch:
-                run = measure(args.out / f"round{r}-c{clients}-b{max_batch}", clients, max_batch, args.steps)
+            for batched in (False, True):
+                run = measure(args.out / f"round{r}-c{clients}-{'batched' if batched else 'alone'}",
+                              clients, batched, args.steps)
                 runs.append({"round": r, **run})
                 print(json.dumps(runs[-1]), flush=True)
     (args.out / "record.json").write_text(json.dumps(

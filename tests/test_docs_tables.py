@@ -63,7 +63,7 @@ def test_every_docs_table_is_what_its_records_render():
     ("gpu", "gpu-h200-2026-12-04/default/posttrain-s0/bench.json"),
     ("ppo-rlhf", "ppo-recipe-2026-12-04/posttrain-s0/bench.json"),
     ("objectives", "objectives-2026-12-03/gspo/posttrain-s0/bench.json"),
-    ("perstep", "perstep-2026-12-02/trl-s0.json"),
+    ("perstep", "perstep-2026-12-07/trl-s0.json"),
     ("async-cpu", "async-cpu-2026-12-05/k1-split/posttrain-s0/bench.json"),
 ])
 def test_an_edited_record_changes_its_table(tmp_path, name, record):

@@ -28,7 +28,8 @@ RANK, SEED = 4, 3
 @pytest.fixture(scope="module")
 def server(tokenizer, tmp_path_factory, monkeypatch_module):
     from posttrain.tinker.server import start_server
-    srv = start_server(make_tiny_model(tokenizer), tokenizer, "tiny", tmp_path_factory.mktemp("tinker"))
+    srv = start_server(make_tiny_model(tokenizer), tokenizer, "tiny", tmp_path_factory.mktemp("tinker"),
+                       batch_clients=True)
     monkeypatch_module.setenv("TINKER_BASE_URL", srv.base_url)
     monkeypatch_module.setenv("TINKER_API_KEY", "tml-local")
     monkeypatch_module.setenv("TINKER_TELEMETRY", "0")

@@ -43,7 +43,11 @@ def add_command(sub) -> None:
                    "`posttrain view RUN_DIR/clients/*` (0: none)")
     p.add_argument("--max_batch", type=int, default=64,
                    help="waiting requests run as one batch, at most this many (sampling requests "
-                   "with the same settings; forward_backwards of any clients); 1: each alone")
+                   "with the same settings; a client's forward_backward chunks); 1: each alone")
+    p.add_argument("--batch_clients", action="store_true",
+                   help="also run waiting forward_backwards of different training clients as one "
+                   "batch (each row through its own adapter); off: on a CPU it was slower "
+                   "(docs/tinker.md)")
     p.set_defaults(fn=cmd_tinker_serve)
 
 
@@ -61,14 +65,15 @@ def cmd_tinker_serve(args: argparse.Namespace, overrides: list[str]) -> int:
         server = start_server(model, tokenizer, args.model_path, run_dir, host=args.host,
                               port=args.port, api_key=args.api_key, seed=args.seed,
                               aliases=(str(folder),), max_batch=args.max_batch,
-                              log_tokens=args.log_tokens)
+                              log_tokens=args.log_tokens, batch_clients=args.batch_clients)
     except OSError as e:
         raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); choose another "
                          "with --port (0: any free one)") from None
     (run_dir / "config.json").write_text(json.dumps(
         {"command": "tinker-serve", "model": args.model_path, "folder": str(folder),
          "host": args.host, "port": server.server_address[1], "seed": args.seed,
-         "max_batch": args.max_batch, "log_tokens": args.log_tokens}, indent=1))
+         "max_batch": args.max_batch, "log_tokens": args.log_tokens,
+         "batch_clients": args.batch_clients}, indent=1))
     print(f"posttrain tinker-serve: {args.model_path} ({folder}) at {server.base_url}; "
           f"TINKER_BASE_URL={server.base_url}; run folder {run_dir}; Ctrl-C stops", flush=True)
     started, stop = time.monotonic(), threading.Event()

@@ -48,7 +48,7 @@ class TinkerServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], service: TinkerService,
                  api_key: str | None = None, max_request_mb: float = 256.0,
-                 max_batch: int = MAX_BATCH) -> None:
+                 max_batch: int = MAX_BATCH, batch_clients: bool = False) -> None:
         if api_key is not None and not api_key.startswith(("tml-", "eyJ")):
             raise ValueError(f"--api_key {api_key[:4]}...: the tinker SDK sends only keys starting "
                              "with 'tml-' (TINKER_API_KEY); choose one such as tml-<random>")
@@ -59,6 +59,7 @@ class TinkerServer(ThreadingHTTPServer):
         self.service, self.api_key = service, api_key
         self.max_bytes = int(max_request_mb * 2**20)
         self.worker = Worker((WireError, ValueError, KeyError), max_batch)
+        self.batch_clients = batch_clients   # forward_backwards of several clients in one batch
         self.requests = 0
 
     @property
@@ -186,9 +187,11 @@ def load_weights(server: TinkerServer, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def forward_backward(server: TinkerServer, body: bytes) -> dict[str, Any]:
-    """Run with the other clients' waiting forward_backwards (forwards with forwards) as one batch."""
+    """Run with the client's own waiting forward_backwards (the chunks the SDK splits a large one
+    into), and with other clients' too under `batch_clients`; forwards with forwards."""
     req = decode_forward_backward(body)
     key = "forward" if req.forward_only else "forward_backward"
+    key += "" if server.batch_clients else f":{req.model_id}"
     f = server.worker.submit_batched(key, req, server.service.forward_backward, req.model_id, req.seq_id)
     return submitted(f, model_id=req.model_id)
 
@@ -261,7 +264,7 @@ GET_ROUTES = [(re.compile("/api/v1/" + path), route) for path, route in [
 def start_server(model, tokenizer, name: str, run_dir, *, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, seed: int = 0,
                  aliases: tuple[str, ...] = (), max_batch: int = MAX_BATCH,
-                 log_tokens: int = 8) -> TinkerServer:
+                 log_tokens: int = 8, batch_clients: bool = False) -> TinkerServer:
     """A Tinker server over `model` (the base every client's adapter sits on), answering in a
     thread of its own; `name` (or one of `aliases`): the base model's name in create_model."""
     import threading
@@ -273,6 +276,7 @@ def start_server(model, tokenizer, name: str, run_dir, *, host: str = "127.0.0.1
     for p in model.parameters():
         p.requires_grad_(False)
     service = TinkerService(Models(model, tokenizer, name, aliases), run_dir, seed, log_tokens)
-    server = TinkerServer((host, port), service, api_key=api_key, max_batch=max_batch)
+    server = TinkerServer((host, port), service, api_key=api_key, max_batch=max_batch,
+                          batch_clients=batch_clients)
     threading.Thread(target=server.serve_forever, daemon=True, name="tinker-serve").start()
     return server
