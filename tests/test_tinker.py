@@ -344,12 +344,16 @@ def test_a_client_that_went_away_is_not_a_server_error(server, monkeypatch, capl
         assert (status == 500) == answered and ("failed" in caplog.text) == answered
 
 
-def _queued(server, n: int) -> None:
-    """Wait until n batched requests wait in the worker's queue (the SDK sends from its threads)."""
+def _queued(server, n: int, owners: tuple[str, ...] = ()) -> None:
+    """Wait until n batched requests, among them one of each of `owners` (training clients),
+    wait in the worker's queue (the SDK sends from its threads, in any order)."""
     from posttrain.tinker.futures import _Batched
     deadline = time.monotonic() + 120
-    while sum(isinstance(e.task, _Batched) for e in server.worker.ready) < n:
-        assert time.monotonic() < deadline, f"{n} requests were not queued in 120 s"
+    while True:
+        waiting = [e for e in list(server.worker.ready) if isinstance(e.task, _Batched)]
+        if len(waiting) >= n and set(owners) <= {e.owner for e in waiting}:
+            return
+        assert time.monotonic() < deadline, f"{n} requests of {owners} were not queued in 120 s"
         time.sleep(0.05)
 
 
@@ -384,7 +388,7 @@ def test_two_clients_forward_backwards_run_as_one_batch_with_what_each_gets_alon
                 calls.clear()
             if together:
                 futures = [tc.forward_backward(data[k], "cross_entropy") for k, tc in enumerate(clients)]
-                _queued(server, 2)
+                _queued(server, 2, tuple(tc.model_id for tc in clients))
                 gate.set()
                 outs = [f.result() for f in futures]
             else:                                      # (each alone: the next sent once it is back)
@@ -422,7 +426,7 @@ def test_a_batch_keeps_each_clients_order_and_fails_a_wrong_request_alone(servic
         second = a.forward_backward(good, "cross_entropy")
         wrong = b.forward_backward([bad], "cross_entropy")
         no_beta = b.forward_backward([datum(tokenizer, "Hi!", logprobs=[-1.0], advantages=[1.0])], "dro")
-        _queued(server, 4)
+        _queued(server, 4, (a.model_id, b.model_id))
         gate.set()
         first.result(), step.result(), second.result()
         with pytest.raises(tinker.RequestFailedError, match="'weights' has 1 values"):
@@ -494,7 +498,7 @@ def test_a_batch_that_fails_partway_takes_back_its_gradients_and_runs_each_reque
     try:
         fa = a.forward_backward(data, "cross_entropy")
         fb = b.forward_backward([datum(tokenizer, "Hi!", logprobs=[-1.0], advantages=[1.0])], "cispo")
-        _queued(server, 2)
+        _queued(server, 2, (a.model_id, b.model_id))
         gate.set()
         fa.result()
         with pytest.raises(tinker.RequestFailedError, match="a loss that fails"):
