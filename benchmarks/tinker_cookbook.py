@@ -14,9 +14,14 @@ for at most `--minutes` each:
   tokenizer from and the server (started in that folder) loads the model from. (Its generic entry
   point, `python -m tinker_cookbook.supervised.train`, does not start in 0.6.1: chz refuses its
   un-annotated lambda.)
+- `--recipe posttrain-sl`: posttrain's own `sft` beside it, on each run's same split (made as the
+  cookbook's builder makes it) with the recipe's settings as the served run gets them (LoRA 32,
+  alpha 32, on attention, MLP and unembedding; AdamW (0.9, 0.95), no weight decay or clipping;
+  lr 2e-4 linear to 0; 8 a step; 3 epochs; held-out NLL every 4 steps), rendered by the model's
+  own chat template (not role_colon), so its NLL values are of other token streams.
 Rendered by benchmarks/tables.py (tables tinker-cookbook and tinker-cookbook-sl, docs/tinker.md).
 
-    .venv/bin/python benchmarks/tinker_cookbook.py OUT [--recipe arithmetic|sl] [--runs 3] [--minutes 10]
+    .venv/bin/python benchmarks/tinker_cookbook.py OUT [--recipe arithmetic|sl|posttrain-sl] [--runs 3] [--minutes 10]
 
 The cookbook lives in its own venv (.venv-cookbook, made on first use: its declared
 `tml-renderers>=0.4.1` is not on PyPI's index here and the arithmetic path never imports it, so
@@ -108,6 +113,64 @@ def sl_flags(model: str, seed: int) -> list[str]:
 
 RECIPES = {"arithmetic": "tinker_cookbook.recipes.math_rl.train",
            "sl": "tinker_cookbook.recipes.sl_basic"}
+# posttrain's own `sft` with sl_basic's settings as the served run gets them: LoRA 32 with
+# alpha 32 on the attention, MLP and unembedding (tinker-serve's LoRA of rank 32), AdamW with the
+# SDK's (0.9, 0.95), no weight decay and no clipping, lr 2e-4 linear to 0, 8 a step, 3 epochs
+POSTTRAIN_SL = ["--lora.rank", "32", "--lora.alpha", "32", "--lora.target_modules",
+                "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head",
+                "--optim.lr", "2e-4", "--optim.schedule", "linear", "--optim.beta2", "0.95",
+                "--optim.weight_decay", "0", "--optim.max_grad_norm", "1e9", "--batch_size", "8",
+                "--optim.epochs", "3", "--eval_every", "4", "--max_len", "512"]
+
+
+def split_conversations(folder: Path, seed: int) -> tuple[Path, Path]:
+    """Run K's split of the shipped file, as FromConversationFileBuilder makes it: datasets'
+    shuffle with seed K, the first 16 held out. Returns (train.jsonl, test.jsonl)."""
+    import datasets
+    file = sl_flags(SL_MODEL, seed)[1].split("=", 1)[1]
+    rows = [json.loads(line) for line in Path(file).read_text().splitlines() if line.strip()]
+    shuffled = datasets.Dataset.from_list(rows).shuffle(seed=seed)
+    out = (folder / "train.jsonl", folder / "test.jsonl")
+    for path, part in zip(out, (shuffled.skip(16), shuffled.take(16))):
+        path.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in part))
+    return out
+
+
+def run_posttrain_sl(folder: Path, seed: int, minutes: float) -> dict:
+    """posttrain's own `sft` on run K's split (the embedded model, its own chat template)."""
+    train, test = split_conversations(folder, seed)
+    command = [str(ROOT / ".venv/bin/python"), "-m", "posttrain.cli", "sft",
+               "--data.train_path", str(train), "--data.eval_path", str(test), *POSTTRAIN_SL,
+               "--seed", str(seed), "--run_dir", str(folder / "posttrain"), "--no-progress"]
+    start = time.monotonic()
+    with (folder / "posttrain.log").open("w") as log:
+        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=minutes * 60,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode
+    return {"command": command, "exit_code": code, "wall_s": time.monotonic() - start}
+
+
+def record_posttrain_sl(folder: Path, seed: int, minutes: float, head: dict) -> None:
+    """Run K of posttrain's own sft, its record.json (the weights not kept)."""
+    ran = run_posttrain_sl(folder, seed, minutes)
+    record = {**head, **ran, "recipe": "posttrain-sl",
+              **posttrain_sl_figures(folder / "posttrain" / "metrics.jsonl", ran["wall_s"])}
+    for weights in ("final_model", "checkpoints"):
+        shutil.rmtree(folder / "posttrain" / weights, ignore_errors=True)
+    (folder / "record.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps({k: v for k, v in record.items() if k.startswith(("steps", "train_nll_f",
+                                                                        "train_nll_l"))}), flush=True)
+
+
+def posttrain_sl_figures(metrics: Path, wall_s: float) -> dict:
+    """As sl_figures, from posttrain's metrics.jsonl (loss/sft, eval/nll)."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    train = [r["loss/sft"] for r in rows if "loss/sft" in r]
+    held = [(r["step"], r["eval/nll"]) for r in rows if "eval/nll" in r]
+    return {"steps": len(train), "steps_per_minute": len(train) / (wall_s / 60),
+            "train_nll_first_3_steps": sum(train[:3]) / 3, "train_nll_last_3_steps": sum(train[-3:]) / 3,
+            "test_nll_per_eval": held, "train_nll_per_step": train,
+            "train_s": sum(r["perf/step_s"] for r in rows if "perf/step_s" in r),
+            "eval_s": sum(r["perf/eval_s"] for r in rows if "perf/eval_s" in r)}
 
 
 def run_cookbook(folder: Path, url: str, model: str, minutes: float,
@@ -159,7 +222,7 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--minutes", type=float, default=10.0)
-    ap.add_argument("--recipe", choices=sorted(RECIPES), default="arithmetic")
+    ap.add_argument("--recipe", choices=sorted(RECIPES) + ["posttrain-sl"], default="arithmetic")
     args = ap.parse_args()
     args.out = args.out.resolve()     # (the cookbook runs in its run's folder)
     prov = provenance(" ".join(sys.argv))
@@ -170,6 +233,9 @@ def main() -> None:
         folder = args.out / f"run{k}"
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
+        if args.recipe == "posttrain-sl":
+            record_posttrain_sl(folder, k, args.minutes, {"provenance": prov, "model": model})
+            continue
         name, served, flags = model, None, FLAGS
         if args.recipe == "sl":
             (folder / SL_MODEL).parent.mkdir(parents=True)

@@ -19,6 +19,8 @@ from tests.conftest import make_tiny_model, make_tiny_reward_model, stage_config
 CASES = {
     # name: (stage function, StageConfig fields, model factory)
     "sft": (sft, dict(synthetic="addition"), make_tiny_model),
+    # LoRA: the checkpoints hold the adapters; the base is the model given again on resume
+    "sft-lora": (sft, dict(synthetic="addition", lora_rank=4), make_tiny_model),
     "dpo": (dpo, dict(data="PAIRS", beta=0.1), make_tiny_model),   # (no greedy answers)
     "reward-model": (reward_model, dict(synthetic="addition"), make_tiny_reward_model),
     "reward-model-log-ratio": (reward_model, dict(synthetic="addition", reward_form="log_ratio"),
@@ -69,7 +71,8 @@ def test_a_stage_killed_between_checkpoints_resumes_to_the_same_final_weights(tm
     assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
     assert not (killed / "final_model").exists() and not (killed / "summary.json").exists()
 
-    summary = stage(_config(killed, **fields), show_progress=False, resume=killed)
+    base = dict(model=make(tokenizer), tokenizer=tokenizer) if fields.get("lora_rank") else {}
+    summary = stage(_config(killed, **fields), show_progress=False, resume=killed, **base)
     a, b = _weights(whole), _weights(killed)
     assert a.keys() == b.keys()
     for k in a:

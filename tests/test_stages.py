@@ -37,19 +37,22 @@ def test_sft_lowers_the_response_loss(tmp_path, tokenizer):
     assert (tmp_path / "run" / "final_model" / "config.json").is_file()
 
 
-def test_dpo_learns_the_preference(tmp_path, tokenizer):
+@pytest.mark.parametrize("lora", [{}, dict(lora_rank=8)], ids=["full", "lora"])
+def test_dpo_learns_the_preference(tmp_path, tokenizer, lora):
     rows = [{"prompt": f"Question {i}", "chosen": "Yes, gladly.", "rejected": "No way."}
             for i in range(16)]
     write_jsonl(tmp_path / "pairs.jsonl", rows)
-    out = dpo(stage_config(data=str(tmp_path / "pairs.jsonl"), lr=1e-3, epochs=3, batch_size=8,
-                          beta=0.1, run_dir=str(tmp_path / "run")),
-              model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+    out = dpo(stage_config(data=str(tmp_path / "pairs.jsonl"), lr=1e-2 if lora else 1e-3, epochs=3,
+                           batch_size=8, beta=0.1, run_dir=str(tmp_path / "run"), **lora),
+              model=make_tiny_model(tokenizer, init_range=0.5 if lora else 0.02), tokenizer=tokenizer,
+              show_progress=False)
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     train_rows = [m for m in metrics if "dpo/margin" in m]
     assert train_rows[0]["dpo/margin"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at start
     assert train_rows[-1]["dpo/margin"] > 0.1 and out["reward_accuracy_last"] == 1.0
     # the 3 pairs split off for evaluation were never trained on, and are won too
     assert out["eval_pairs"] == 3 and out["eval_after"]["dpo/eval_reward_accuracy"] == 1.0
+    assert not (tmp_path / "run" / "final_model" / "adapter_config.json").exists()   # (merged)
 
 
 def test_dpo_on_synthetic_pairs_reports_held_out_pairs_and_behaviour(tmp_path, tokenizer):
@@ -228,3 +231,85 @@ def test_sft_trains_on_the_teachers_own_token_ids(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="bad.jsonl: line 2: field 'response_ids' does not decode"):
         sft(stage_config(data=str(tmp_path / "bad.jsonl"), run_dir=str(tmp_path / "run2")),
             model=make_tiny_model(tokenizer), tokenizer=tokenizer, show_progress=False)
+
+
+def _conversations(n: int, start: int = 0) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": f"Double {a}."},
+                          {"role": "assistant", "content": f"{2 * a}."},
+                          {"role": "user", "content": "And half of it?"},
+                          {"role": "assistant", "content": f"{a}."}]} for a in range(start, start + n)]
+
+
+def _held_out_nll_by_hand(model, tokenizer, rows) -> float:
+    """-sum log p / tokens over the assistant turns' tokens, one unpadded forward a conversation:
+    the tokens after each assistant header through its EOS, found in the rendered text."""
+    import torch
+    nll, tokens = 0.0, 0
+    for row in rows:
+        ids = tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=True)["input_ids"]
+        ids = list(ids)
+        head = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        targets = []   # positions of assistant tokens, through the turn's EOS
+        for i in range(len(ids) - len(head)):
+            if ids[i:i + len(head)] == head:
+                j = i + len(head)
+                while ids[j] != tokenizer.eos_token_id:
+                    targets.append(j)
+                    j += 1
+                targets.append(j)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+        nll -= sum(logp[t - 1, ids[t]].item() for t in targets)
+        tokens += len(targets)
+    return nll / tokens
+
+
+def test_sft_with_lora_measures_the_held_out_nll_and_saves_a_merged_model(tmp_path, tokenizer):
+    import copy
+    import torch
+    from transformers import AutoModelForCausalLM
+    write_jsonl(tmp_path / "train.jsonl", _conversations(12))
+    write_jsonl(tmp_path / "test.jsonl", held := _conversations(5, start=40))
+    model = make_tiny_model(tokenizer, init_range=0.5)   # (logits large enough to move under LoRA)
+    start = copy.deepcopy(model)
+    assert tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    out = sft(stage_config(data=str(tmp_path / "train.jsonl"), eval_data=str(tmp_path / "test.jsonl"),
+                           lora_rank=8, lr=1e-2, epochs=4, batch_size=4, eval_every=4,
+                           lora_targets=("q_proj", "v_proj", "down_proj", "lm_head"),
+                           run_dir=str(tmp_path / "run")),
+              model=model, tokenizer=tokenizer, show_progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    nll = {r["step"]: r["eval/nll"] for r in rows if "eval/nll" in r}
+    assert sorted(nll) == [0, 4, 8, 12]   # 12 steps: before, every 4, the last one measured once
+    # the batched, padded measure of the starting model is the plain one, conversation by conversation
+    assert nll[0] == pytest.approx(_held_out_nll_by_hand(start, tokenizer, held), rel=1e-5)
+    assert out["eval_nll_before"] == nll[0] and out["eval_nll_after"] == nll[12] < nll[0] - 1.0   # (14.1 -> 11.5 nats)
+    # a plain model folder, the adapters merged: it scores the held-out rows as the run last did
+    # (the adapted head was tied to the input embedding: merged into its own copy, not into both)
+    folder = tmp_path / "run" / "final_model"
+    assert not (folder / "adapter_config.json").exists()
+    final = AutoModelForCausalLM.from_pretrained(folder)
+    assert _held_out_nll_by_hand(final, tokenizer, held) == pytest.approx(nll[12], rel=1e-4)
+    # LoRA left the input embeddings and norms alone and moved the adapted projections
+    before, after = start.state_dict(), final.state_dict()
+    assert torch.equal(before["model.embed_tokens.weight"], final.get_input_embeddings().weight)
+    assert not torch.equal(before["model.embed_tokens.weight"], final.get_output_embeddings().weight)
+    assert torch.equal(before["model.norm.weight"], after["model.norm.weight"])
+    assert not torch.equal(before["model.layers.0.self_attn.q_proj.weight"],
+                           after["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_stage_lora_and_held_out_options_are_checked_before_any_model_loads(tmp_path, tokenizer):
+    from posttrain.config.commands import ConfigError
+    from posttrain.stages.reward_model import reward_model
+    write_jsonl(tmp_path / "train.jsonl", _conversations(4))
+    data = str(tmp_path / "train.jsonl")
+    with pytest.raises(ValueError, match="eval_every=2 measures the NLL of held-out rows: give --data.eval_path"):
+        sft(stage_config(data=data, eval_every=2), show_progress=False)
+    with pytest.raises(ConfigError, match="freeze_layers=1 with lora.rank=4: LoRA already freezes"):
+        sft(stage_config(data=data, lora_rank=4, freeze_layers=1), show_progress=False)
+    with pytest.raises(ValueError, match="lora.rank=4: reward-model trains every weight"):
+        reward_model(stage_config(synthetic="addition", lora_rank=4), show_progress=False)
+    (tmp_path / "bad.jsonl").write_text('{"messages": "hello"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl: line 1: field 'messages' holds text"):
+        sft(stage_config(data=data, eval_data=str(tmp_path / "bad.jsonl")), show_progress=False)

@@ -199,7 +199,12 @@ class StageConfig(RunOptions):
     # AdamW with torch's own defaults (beta2 0.999, weight decay 0.01), as the stages always had
     optim: OptimConfig = OptimConfig(beta2=0.999, weight_decay=0.01)
     parallel: ParallelConfig = ParallelConfig()
+    # sft, dpo: LoRA adapters (peft) instead of a full fine-tune; the final model has them merged
+    lora: LoraConfig = LoraConfig()
     batch_size: int = 8                 # examples (or pairs) per optimizer step
+    # sft with data.eval_path: the held-out rows' NLL a response token (eval/nll) every N
+    # optimizer steps (0: before and after training only)
+    eval_every: int = 0
     beta: float = 0.1                   # DPO / log-ratio reward model: the KL strength beta
     max_len: int = 256                  # response tokens kept per example
     # freeze the token embeddings and the first N decoder layers: backward stops at layer N, so
@@ -227,7 +232,12 @@ class StageConfig(RunOptions):
         self.check_run_options()
         self.optim.validate()
         self.data.validate()
+        self.lora.validate()
+        if self.lora.rank and self.freeze_layers:
+            raise ConfigError(f"freeze_layers={self.freeze_layers} with lora.rank={self.lora.rank}: "
+                              "LoRA already freezes the base weights; drop freeze_layers")
         check_range("batch_size", self.batch_size, 1)
+        check_range("eval_every", self.eval_every, 0)
         check_range("max_len", self.max_len, 2)
         check_range("beta", self.beta, 0.0, lo_open=True)
         for name in ("freeze_layers", "lm_coef"):

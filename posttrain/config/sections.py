@@ -320,7 +320,9 @@ class StageDataConfig:
     """Rows for sft / dpo / reward-model: a file, or rows made from a built-in task's ground truth."""
 
     train_path: str = ""                # JSONL / CSV / Parquet file or datasets folder
-    eval_path: str = ""                 # held-out pairs file; default: eval_size pairs split off
+    # held-out rows: dpo, reward-model: pairs (default: eval_size pairs split off); sft: rows
+    # whose NLL a response token is measured before, every eval_every steps and after
+    eval_path: str = ""
     prompt_field: str = "prompt"        # the column holding the user message
     response_field: str = "response"    # sft: the column holding the answer
     chosen_field: str = "chosen"        # dpo, reward-model: the preferred answer

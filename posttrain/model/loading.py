@@ -260,6 +260,21 @@ def add_lora(model: PreTrainedModel, cfg, adapter_dir: Path | None = None):
         target_modules=list(cfg.target_modules), task_type="CAUSAL_LM"))
 
 
+def merge_lora(peft_model) -> PreTrainedModel:
+    """The base model with the adapters merged into its weights by peft, in place. An adapted
+    output head whose weight is the input embedding's (tied, as SmolLM2's) is given its own copy
+    first: peft would merge the head's update into the one shared tensor, and so into every
+    input embedding too (it only warns). The saved model then has an untied head."""
+    base = peft_model.get_base_model()
+    head = base.get_output_embeddings()
+    if getattr(head, "base_layer", None) is not None and (
+            head.base_layer.weight is base.get_input_embeddings().weight):
+        head.base_layer.weight = torch.nn.Parameter(head.base_layer.weight.detach().clone(),
+                                                    requires_grad=False)
+        base.config.tie_word_embeddings = False
+    return peft_model.merge_and_unload()
+
+
 def merged_lora_copy(peft_model, weights: dict) -> PreTrainedModel:
     """A CPU copy of a LoRA model from its full state dict (peft names), with the adapters merged
     into the base weights by peft: the final model of a LoRA run whose live layers are sharded."""
@@ -267,7 +282,7 @@ def merged_lora_copy(peft_model, weights: dict) -> PreTrainedModel:
     base = peft_model.get_base_model()
     copy = get_peft_model(type(base)(base.config), peft_model.peft_config["default"])
     copy.load_state_dict(weights)
-    return copy.merge_and_unload()
+    return merge_lora(copy)
 
 
 def is_lora(model) -> bool:

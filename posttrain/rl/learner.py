@@ -18,10 +18,9 @@ import torch
 
 from posttrain.config.commands import TrainConfig
 from posttrain.config.presets import AlgorithmConfig
-from posttrain.model.distributed import full_state_dict
-from posttrain.model.loading import merged_lora_copy, save_model
+from posttrain.model.loading import save_model
 from posttrain.run.checkpoint import fsync_path, seal
-from posttrain.run.learner import Learner
+from posttrain.run.learner import Learner, final_weights
 from posttrain.rl.critic import Critic
 from posttrain.rl.teachers import Teachers
 
@@ -84,14 +83,8 @@ class PolicyLearner(Learner):
         """The final model (a plain HF model: LoRA adapters merged; under FSDP into a CPU copy
         built from the gathered weights, since peft merges in place and the layers are sharded)
         and the value model. Returns what the summary records (paths, save_s)."""
-        world, model, t0 = self.world, self.model, time.perf_counter()
-        if self.lora and world.strategy == "fsdp" and world.distributed:
-            weights = full_state_dict(model, world)
-            model, weights = (merged_lora_copy(model, weights) if world.main else None), None
-        else:
-            if self.lora:
-                model = model.merge_and_unload()
-            weights = full_state_dict(model, world)       # FSDP: gathered from the shards
+        world, t0 = self.world, time.perf_counter()
+        model, weights = final_weights(self.model, world)
         if world.main:
             save_model(model, self.tokenizer, run_dir / "final_model", weights)
         out: dict[str, Any] = {"final_model": str(run_dir / "final_model")}

@@ -23,7 +23,7 @@ from torch import Tensor
 from posttrain.config.sections import OptimConfig
 from posttrain.model.distributed import (SINGLE, World, average_gradients, barrier, clip_grad_norm,
                                          full_state_dict, load_optimizer_state)
-from posttrain.model.loading import save_model
+from posttrain.model.loading import is_lora, merge_lora, merged_lora_copy, save_model
 from posttrain.run.checkpoint import restore_rng, save_checkpoint, trainer_state
 from posttrain.util.errors import NonFiniteError
 
@@ -101,9 +101,23 @@ class Learner:
         restore_rng(state["rng"], generator)
 
     def save_final(self, folder: Path, extra_files: dict[str, str] | None = None) -> str:
-        """The final model as a Hugging Face folder, once (rank 0; FSDP shards gathered first)."""
-        weights = full_state_dict(self.model, self.world)
+        """The final model as a Hugging Face folder, once (rank 0; FSDP shards gathered first;
+        LoRA adapters merged: the model is then done training)."""
+        model, weights = final_weights(self.model, self.world)
         if self.world.main:
-            save_model(self.model, self.tokenizer, folder, weights, extra_files)
+            save_model(model, self.tokenizer, folder, weights, extra_files)
         barrier(self.world)
         return str(folder)
+
+
+def final_weights(model, world: World) -> tuple[Any, dict[str, Tensor] | None]:
+    """(the model to save as a plain Hugging Face model, its full weights): LoRA adapters merged
+    into the base weights by peft, in place (under FSDP into a CPU copy built from the gathered
+    weights, on rank 0, since the live layers are sharded); FSDP shards gathered (every rank
+    must call this: the gather is collective)."""
+    if is_lora(model) and world.strategy == "fsdp" and world.distributed:
+        weights = full_state_dict(model, world)
+        return (merged_lora_copy(model, weights) if world.main else None), None
+    if is_lora(model):
+        model = merge_lora(model)
+    return model, full_state_dict(model, world)

@@ -25,7 +25,7 @@ from posttrain.config.commands import StageConfig
 from posttrain.data.formats import chat_messages
 from posttrain.data.tasks import Problem
 from posttrain.model.distributed import SINGLE, World, device_for, gather_objects, wrap
-from posttrain.model.loading import freeze_lower_layers, load_model, load_policy
+from posttrain.model.loading import add_lora, freeze_lower_layers, load_model, load_policy
 from posttrain.run.lifecycle import Job, Steps, open_folder, start_job, stop_job
 from posttrain.sampling.evaluation import EvalSettings
 from posttrain.sampling.service import Sampling
@@ -148,13 +148,16 @@ def _load_lm(path: str | Path, resumed: bool = False):
 
 def load_stage_model(job: Job, model, tokenizer, load):
     """The starting model (`load(path)`; resuming: the checkpoint's, `load(path, resumed=True)`),
-    its attention kernel, pad token and frozen lower layers."""
+    its attention kernel, pad token and frozen lower layers. LoRA: the base model (the given one,
+    or model.path; it never changes) with fresh adapters, or the checkpoint's when resuming."""
     cfg = job.cfg
-    if job.ckpt is not None:   # (the checkpoint's model, whatever was given)
+    if job.ckpt is not None and not cfg.lora.rank:   # (the checkpoint's model, whatever was given)
         model, tokenizer, _ = load_model(cfg.model, folder=job.ckpt / "model",
                                          load=lambda path: load(path, resumed=True))
     else:
         model, tokenizer, _ = load_model(cfg.model, model, tokenizer, load=load)
+    if cfg.lora.rank:
+        return add_lora(model, cfg.lora, job.ckpt / "adapter" if job.ckpt else None), tokenizer
     freeze_lower_layers(model, cfg.freeze_layers)
     return model, tokenizer
 

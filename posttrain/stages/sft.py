@@ -6,6 +6,7 @@ log-likelihood of the response tokens (of the policy's own tokens, for an episod
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -72,77 +73,159 @@ def synthetic_answers(task, n: int, seed: int) -> list[dict[str, Any]]:
             for p in (task.train_problem(seed, i) for i in range(n))]
 
 
-def sft_rows(cfg: StageConfig, task=None) -> tuple[list[dict], list[Demonstration]]:
-    """The rows (a file's, or the synthetic task's answers) and their demonstrations, checked
-    (file, line, field) before any model loads: TRL's prompt-completion (the completion in
-    `data.response_field` or 'completion'), 'messages' and 'text' rows (data/formats.py)."""
+def sft_rows(cfg: StageConfig, task=None, path: str | None = None) -> tuple[list[dict], list[Demonstration]]:
+    """The rows (a file's: `path`, by default data.train_path; or the synthetic task's answers)
+    and their demonstrations, checked (file, line, field) before any model loads: TRL's
+    prompt-completion (the completion in `data.response_field` or 'completion'), 'messages' and
+    'text' rows (data/formats.py)."""
     cfg.validate()
     d = cfg.data
-    if task is not None:
+    if task is not None and path is None:
         rows, path = synthetic_answers(task, d.n_pairs, cfg.seed), f"synthetic:{d.synthetic}"
-    elif not d.train_path:
+    elif not (path or d.train_path):
         raise ValueError("sft: give --data.train_path FILE or --data.synthetic TASK")
     else:
-        rows, path = read_rows(d.train_path), d.train_path
+        path = path or d.train_path
+        rows = read_rows(path)
     return rows, read_each(path, rows, partial(demonstration, prompt_field=d.prompt_field,
                                                response_field=d.response_field), row_label(path))
 
 
-def _responses(st, cfg: StageConfig, demos: list[Demonstration]) -> tuple[list, list | None]:
-    """(response ids, loss masks or None: all response tokens) of every example (stages/rows.py);
-    an episode's `policy_mask` (posttrain generate) masks the environment's tokens."""
-    path = cfg.data.train_path
-    ids = _teacher_ids(st.tokenizer, path, st.rows, demos, cfg.data.response_field)
-    out = [demo_response(st.tokenizer, cfg, demo, t) for demo, t in zip(demos, ids)]
+@dataclass
+class Examples:
+    """SFT examples as token ids: each one's prompt, response (EOS-terminated) and loss mask
+    (None: every response token is trained on)."""
+
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    masks: list[list[int]] | None
+
+    def packed(self, tokenizer, rows: list[int], device):
+        return pack(tokenizer, [self.prompts[i] for i in rows], [self.responses[i] for i in rows],
+                    device, None if self.masks is None else [self.masks[i] for i in rows])
+
+
+def encode_examples(tokenizer, cfg: StageConfig, path: str, rows: list[dict],
+                    demos: list[Demonstration], prompts: list[list[int]] | None = None) -> Examples:
+    """The rows' prompts as the policy is prompted (`prompts`: already encoded) and their
+    responses (stages/rows.py); an episode's `policy_mask` (posttrain generate) masks the
+    environment's tokens."""
+    ids = _teacher_ids(tokenizer, path, rows, demos, cfg.data.response_field)
+    out = [demo_response(tokenizer, cfg, demo, t) for demo, t in zip(demos, ids)]
     responses = [r for r, _ in out]
-    episodes = _policy_masks(path, st.rows, responses)
+    prompts = prompts if prompts is not None else [demo_prompt_ids(tokenizer, cfg, d) for d in demos]
+    episodes = _policy_masks(path, rows, responses)
     if episodes is None and all(m is None for _, m in out):
-        return responses, None
-    return responses, [m if m is not None else episodes[i] if episodes else [1] * len(r)
-                       for i, (r, m) in enumerate(out)]
+        return Examples(prompts, responses, None)
+    return Examples(prompts, responses, [m if m is not None else episodes[i] if episodes else [1] * len(r)
+                                         for i, (r, m) in enumerate(out)])
 
 
-def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True,
-        resume: str | Path | None = None) -> dict[str, Any]:
-    """Supervised fine-tuning on (prompt, response): negative log-likelihood of response tokens.
-    With --data.synthetic TASK: on ground-truth answers, with the held-out greedy accuracy before and
-    after (a quick way to make a domain teacher for distillation). `resume`: a run folder whose
-    latest checkpoint the run continues from, to the same final weights."""
-    task = synthetic_task(cfg) if cfg.data.synthetic else None
-    rows, demos = sft_rows(cfg, task)
-    st = start_offline("sft", cfg, model, tokenizer, rows, resume=resume, show_progress=show_progress,
-                       prompts_of=lambda tok: [demo_prompt_ids(tok, cfg, d) for d in demos])
-    responses, masks = _responses(st, cfg, demos)
-    lengths = [len(p) + len(r) for p, r in zip(st.prompts, responses)]
-    batches = [b for _ in range(cfg.optim.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
-    st.schedule(len(batches))
-    summary: dict[str, Any] = {"run_dir": str(st.run_dir), **st.saved.get("summary", {})}
-    if task is not None and st.state is None:
-        summary["behaviour_before"] = held_out_behaviour(st.model, st.tokenizer, task, cfg, st.world)
-        st.logger.log(0, summary["behaviour_before"])
-    losses: list[float] = st.saved.get("losses", [])
+def held_out_rows(cfg: StageConfig) -> tuple[list[dict], list[Demonstration]] | None:
+    """data.eval_path's rows, checked before any model loads; eval_every needs them."""
+    if not cfg.data.eval_path:
+        if cfg.eval_every:
+            raise ValueError(f"sft: eval_every={cfg.eval_every} measures the NLL of held-out rows: "
+                             "give --data.eval_path FILE, or drop eval_every")
+        return None
+    return sft_rows(cfg, path=cfg.data.eval_path)
 
-    def step_fn(step: int, batch: list[int]) -> None:
-        t0 = time.perf_counter()
+
+@torch.no_grad()
+def held_out_nll(st, examples: Examples) -> dict[str, float]:
+    """eval/nll = -sum log pi(y_t | x, y_<t) / (number of loss tokens) over every held-out
+    example (docs/algorithms.md §8: SFT's loss, token-weighted over the whole set), in batches
+    of `batch_size` in file order; under torchrun each rank runs its share of each batch."""
+    model, cfg, world = st.model, st.cfg, st.world
+    training, t0 = model.training, time.perf_counter()
+    model.eval()
+    nll = tokens = 0.0
+    n = len(examples.prompts)
+    for start in range(0, n, cfg.batch_size):
+        mine, weight = share_of_batch(list(range(start, min(start + cfg.batch_size, n))), world)
+        r = examples.packed(st.tokenizer, mine, st.device)
+        logp = sequence_logprobs(model, r, torch.arange(len(mine)), 1.0, autocast=cfg.model.autocast).logp
+        mask = r.policy_tokens_B_T
+        nll += global_sum(-weight * (logp.float() * mask).sum(), world).item()
+        tokens += global_sum(weight * mask.sum().float(), world).item()
+    model.train(training)
+    return {"eval/nll": nll / tokens, "perf/eval_s": time.perf_counter() - t0}
+
+
+@dataclass
+class SftSteps:
+    """One optimizer step on a batch of examples (the mean NLL of their loss tokens), and the
+    held-out NLL every `eval_every` steps; `losses` and `summary` are kept in the checkpoint."""
+
+    st: Any
+    data: Examples
+    evals: Examples | None
+    losses: list[float]
+    summary: dict[str, Any]
+
+    def __call__(self, step: int, batch: list[int]) -> None:
+        st, cfg, t0 = self.st, self.st.cfg, time.perf_counter()
         mine, weight = share_of_batch(batch, st.world)
-        r = pack(st.tokenizer, [st.prompts[i] for i in mine], [responses[i] for i in mine], st.device,
-                 None if masks is None else [masks[i] for i in mine])
+        r = self.data.packed(st.tokenizer, mine, st.device)
         logp = sequence_logprobs(st.model, r, torch.arange(len(mine)), 1.0, autocast=cfg.model.autocast).logp
         tokens = global_sum(weight * r.policy_tokens_B_T.sum(), st.world)   # an episode: the policy's
         loss = weight * sft_loss(logp, r.policy_tokens_B_T, tokens)
         lr = st.optimizer_step(loss * st.world.size)
-        losses.append(global_sum(loss.detach(), st.world).item())
+        self.losses.append(global_sum(loss.detach(), st.world).item())
         width = r.prompt_ids_B_L.shape[1] + r.response_ids_B_T.shape[1]
-        st.logger.log(step, {"loss/sft": losses[-1], "optim/lr": lr,
-                             "perf/step_s": time.perf_counter() - t0,
-                             "perf/padding_frac": 1 - sum(lengths[i] for i in mine) / (len(mine) * width)})
+        rows = sum(len(self.data.prompts[i]) + len(self.data.responses[i]) for i in mine)
+        metrics = {"loss/sft": self.losses[-1], "optim/lr": lr, "perf/step_s": time.perf_counter() - t0,
+                   "perf/padding_frac": 1 - rows / (len(mine) * width)}
+        if self.evals is not None and cfg.eval_every and step % cfg.eval_every == 0:
+            metrics.update(held_out_nll(st, self.evals))
+            self.summary["eval_nll_after"] = metrics["eval/nll"]
+        st.logger.log(step, metrics)
 
-    if (stopped := train_batches(st, batches, step_fn, lambda: {"summary": summary, "losses": losses})):
+    def measure(self, task, when: str, nll: bool = True) -> None:
+        """The figures before or after training, in the summary and logged: the synthetic task's
+        greedy behaviour, the held-out NLL (unless `nll` is False: the last step measured it)."""
+        st, logged = self.st, {}
+        if task is not None:
+            self.summary[f"behaviour_{when}"] = held_out_behaviour(st.model, st.tokenizer, task,
+                                                                   st.cfg, st.world)
+            logged.update(self.summary[f"behaviour_{when}"])
+        if self.evals is not None and nll:
+            logged.update(held_out_nll(st, self.evals))
+            self.summary[f"eval_nll_{when}"] = logged["eval/nll"]
+        if logged:
+            st.logger.log(st.steps_done, logged)
+
+
+def sft(cfg: StageConfig, model=None, tokenizer=None, show_progress: bool = True,
+        resume: str | Path | None = None) -> dict[str, Any]:
+    """Supervised fine-tuning on (prompt, response): negative log-likelihood of response tokens
+    (the whole model, or LoRA adapters). With --data.eval_path: the held-out rows' NLL before,
+    every eval_every steps and after. With --data.synthetic TASK: on ground-truth answers, with
+    the held-out greedy accuracy before and after (a quick way to make a domain teacher for
+    distillation). `resume`: a run folder whose latest checkpoint the run continues from, to the
+    same final weights."""
+    task = synthetic_task(cfg) if cfg.data.synthetic else None
+    rows, demos = sft_rows(cfg, task)
+    held_out = held_out_rows(cfg)
+    st = start_offline("sft", cfg, model, tokenizer, rows, resume=resume, show_progress=show_progress,
+                       prompts_of=lambda tok: [demo_prompt_ids(tok, cfg, d) for d in demos])
+    data = encode_examples(st.tokenizer, cfg, cfg.data.train_path, rows, demos, st.prompts)
+    evals = encode_examples(st.tokenizer, cfg, cfg.data.eval_path, *held_out) if held_out else None
+    lengths = [len(p) + len(r) for p, r in zip(data.prompts, data.responses)]
+    batches = [b for _ in range(cfg.optim.epochs) for b in length_buckets(lengths, cfg.batch_size, st.rng)]
+    st.schedule(len(batches))
+    steps = SftSteps(st, data, evals, st.saved.get("losses", []),
+                     {"run_dir": str(st.run_dir), **st.saved.get("summary", {})})
+    if st.state is None:
+        steps.measure(task, "before")
+    if (stopped := train_batches(st, batches, steps, lambda: {"summary": steps.summary,
+                                                               "losses": steps.losses})):
         return stopped
-    if task is not None:
-        summary["behaviour_after"] = held_out_behaviour(st.model, st.tokenizer, task, cfg, st.world)
-        st.logger.log(st.steps_done, summary["behaviour_after"])
-    summary.update(steps=st.steps_done, first_loss=losses[0], last_loss=losses[-1],
+    measured_last = evals is not None and cfg.eval_every and st.steps_done % cfg.eval_every == 0
+    if task is not None or (evals is not None and not measured_last):
+        steps.measure(task, "after", nll=not measured_last)
+    summary = steps.summary
+    summary.update(steps=st.steps_done, first_loss=steps.losses[0], last_loss=steps.losses[-1],
                    final_model=save_final_model(st))
     finish_job(st, summary)
     return summary

@@ -28,10 +28,11 @@ def did_you_mean(name: str, known) -> str:
                        if k.lstrip("-").split(".")[0] in order else len(order))
         if exact:
             return f"; did you mean {' or '.join(exact[:3])}?"
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    if not close and "." not in leaf:
+    close = []
+    if "." not in leaf:   # (a name without its section is closest to a leaf: --lrr to --optim.lr)
         leaves = {k.rsplit(".", 1)[-1].lstrip("-"): k for k in reversed(known)}
         close = [leaves[c] for c in difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)]
+    close = close or difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     return f"; did you mean {close[0]}?" if close else ""
 
 
