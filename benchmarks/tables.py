@@ -375,29 +375,37 @@ def tinker_cookbook_table(root: Path) -> str:
 
 
 TINKER_COOKBOOK_SL = "benchmarks/results/tinker-cookbook-sl-2026-12-07"   # (docs/tinker.md)
+POSTTRAIN_SL = "benchmarks/results/posttrain-sl-2026-12-07"   # posttrain's own sft beside it
 
 
 def tinker_cookbook_sl_table(root: Path) -> str:
     """tinker-cookbook's basic SL recipe (sl_basic.py) against tinker-serve on the conversation
-    file it ships (benchmarks/tinker_cookbook.py --recipe sl): steps, steps a minute, the
-    training NLL over the first and last 3 steps, the held-out NLL before and after."""
+    file it ships (benchmarks/tinker_cookbook.py --recipe sl), and posttrain's own sft beside it
+    (--recipe posttrain-sl): steps, steps a minute, the training NLL over the first and last 3
+    steps, the held-out NLL before and after."""
     folder = root / TINKER_COOKBOOK_SL
     runs = [json.loads(p.read_text()) for p in sorted(folder.glob("run*/record.json"))]
-    held = [r["test_nll_per_eval"] for r in runs]
     lines = ["| run (8 conversations a step, 3 epochs) | steps | steps a minute | training NLL, first 3 "
              "steps | training NLL, last 3 steps | held-out NLL, step 0 | held-out NLL, last "
              "evaluation (step) |", "|---" * 7 + "|"]
-    lines.append(f"| tinker-cookbook `sl_basic` on `posttrain tinker-serve` ({len(runs)} runs) | "
-                 f"{mean_sd([r['steps'] for r in runs], digits=0)} | "
-                 f"{mean_sd([r['steps_per_minute'] for r in runs], digits=2)} | "
-                 f"{mean_sd([r['train_nll_first_3_steps'] for r in runs], digits=3)} | "
-                 f"{mean_sd([r['train_nll_last_3_steps'] for r in runs], digits=3)} | "
-                 f"{mean_sd([h[0][1] for h in held], digits=3)} | "
-                 f"{mean_sd([h[-1][1] for h in held], digits=3)} ({', '.join(str(h[-1][0]) for h in held)}) |")
-    minutes = [r["wall_s"] / 60 for r in runs]
+    lines.append(_sl_row(f"tinker-cookbook `sl_basic` on `posttrain tinker-serve` ({len(runs)} runs)", runs))
+    own = [json.loads(p.read_text()) for p in sorted((root / POSTTRAIN_SL).glob("run*/record.json"))]
+    lines.append(_sl_row(f"posttrain's own `sft` (LoRA 32), same settings and splits ({len(own)} runs)", own))
+    minutes = [r["wall_s"] / 60 for r in runs + own]
     return "\n".join(lines + ["", f"{mean_sd(minutes, digits=1)} minutes a run; exit codes "
-                              f"{', '.join(str(r['exit_code']) for r in runs)} (0: the recipe ran to its end). Records: "
-                              f"`{TINKER_COOKBOOK_SL}/runK/record.json`."]) + "\n"
+                              f"{', '.join(str(r['exit_code']) for r in runs + own)} (0: the run went to its end). "
+                              f"Records: `{TINKER_COOKBOOK_SL}/runK/record.json`, "
+                              f"`{POSTTRAIN_SL}/runK/record.json`."]) + "\n"
+
+
+def _sl_row(label: str, runs: list[dict]) -> str:
+    held = [r["test_nll_per_eval"] for r in runs]
+    return (f"| {label} | {mean_sd([r['steps'] for r in runs], digits=0)} | "
+            f"{mean_sd([r['steps_per_minute'] for r in runs], digits=2)} | "
+            f"{mean_sd([r['train_nll_first_3_steps'] for r in runs], digits=3)} | "
+            f"{mean_sd([r['train_nll_last_3_steps'] for r in runs], digits=3)} | "
+            f"{mean_sd([h[0][1] for h in held], digits=3)} | "
+            f"{mean_sd([h[-1][1] for h in held], digits=3)} ({', '.join(str(h[-1][0]) for h in held)}) |")
 
 
 TINKER_CLIENTS = "benchmarks/results/tinker-clients-2026-12-07"   # (docs/tinker.md)
