@@ -46,6 +46,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -85,11 +86,12 @@ def start_server(folder: Path, model: str | None, extra: tuple[str, ...] = ()) -
                              *(["--model.path", model] if model else []), *extra],
                             stdout=subprocess.PIPE, stderr=log, text=True, cwd=folder,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
-    line = proc.stdout.readline()
-    if "TINKER_BASE_URL=" not in line:
-        proc.kill()
-        raise RuntimeError(f"tinker-serve did not start: {line!r} (see {folder / 'server.log'})")
-    return proc, line.split("TINKER_BASE_URL=")[1].split(";")[0]
+    for line in proc.stdout:        # (vLLM, as the sampler, logs to stdout too)
+        if "TINKER_BASE_URL=" in line:   # (the rest drained into the log: a full pipe would block)
+            threading.Thread(target=lambda: [log.write(x) for x in proc.stdout], daemon=True).start()
+            return proc, line.split("TINKER_BASE_URL=")[1].split(";")[0]
+    proc.kill()
+    raise RuntimeError(f"tinker-serve did not start (see {folder / 'server.log'})")
 
 
 SL_MODEL = "Qwen/Qwen3.5-9B-Base"   # sl_basic's default name (renderer role_colon): a link here

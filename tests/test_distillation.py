@@ -35,6 +35,7 @@ def peaked_teacher(tokenizer, folder, tok=None):
     return folder
 
 
+@pytest.mark.slow   # (25 steps; the exact-KL losses learn in the quick suite)
 def test_distillation_lowers_the_reverse_kl_to_the_teacher(tmp_path, tokenizer):
     cfg = load_config(None, [*OPD, "--teacher.path", str(peaked_teacher(tokenizer, tmp_path / "t")),
                              "--steps", "25", "--optim.lr", "5e-4", "--optim.schedule", "cosine", "--rollout.group_size", "8", "--run_dir", str(tmp_path / "run")])

@@ -315,6 +315,7 @@ def trainer_recipe():
     return recipe_path(DEFAULT_RECIPE)
 
 
+@pytest.mark.slow   # (a stage killed outright resumes in the quick suite: test_stage_resume.py)
 def test_a_stage_stopped_by_a_signal_resumes_to_the_same_weights(tmp_path, tokenizer, monkeypatch):
     fields = dict(synthetic="addition", n_pairs=24, eval_size=2, lr=3e-3, batch_size=8, epochs=2,
                   system_prompt="Be brief.")

@@ -86,7 +86,8 @@ class LocalEngine:
     name = "in-process"
     reported = None   # what the last weight push's load reported (VLLMRolloutEngine checks it)
 
-    def __init__(self, model_path: str, dtype: str, seed: int, max_model_len: int, cfg) -> None:
+    def __init__(self, model_path: str, dtype: str, seed: int, max_model_len: int, cfg,
+                 **engine_args) -> None:
         cores = split_cores(1, first=first_engine_core(cfg))[0]
         for key, value in cpu_settings(cfg.vllm_cpu_kv_cache_gb, cores).items():
             os.environ.setdefault(key, value)   # (read by the engine's processes; yours win)
@@ -105,6 +106,7 @@ class LocalEngine:
                 kwargs["weight_transfer_config"] = {"backend": "ipc"}
         else:
             kwargs.update(cpu_engine_args(max_model_len))
+        kwargs.update(engine_args)   # (e.g. a Tinker server's enable_lora, max_lora_rank)
         os.environ[TRAINER_PID] = str(os.getpid())   # (read by the engine core it starts)
         try:
             self.llm = LLM(**kwargs)
@@ -120,11 +122,13 @@ class LocalEngine:
             self.asleep = [t for t in self.asleep if t not in tags]
 
     def complete(self, prompts: list[list[int]], G: int, kwargs: dict,
-                 seeds: list[int | None]) -> list[list[Completion]]:
+                 seeds: list[int | None], lora=None) -> list[list[Completion]]:
+        """G answers to each prompt (`lora`: a vLLM LoRARequest they are all sampled with)."""
         from vllm import SamplingParams as VSamplingParams
         self.wake()
         sps = [VSamplingParams(n=G, seed=s, **kwargs) for s in seeds]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False,
+                                 lora_request=lora)
         if self.sleep_between:   # give the GPU back to the trainer for the update
             self.llm.sleep(level=1)
             self.asleep = ["weights", "kv_cache"]

@@ -48,6 +48,13 @@ def add_command(sub) -> None:
                    help="also run waiting forward_backwards of different training clients as one "
                    "batch (each row through its own adapter); off: on a CPU it was slower "
                    "(docs/tinker.md)")
+    p.add_argument("--sampler", choices=["hf", "vllm"], default="hf",
+                   help="what draws samples: hf (posttrain's in-process engine on the training "
+                   "model) or vllm (the base model in vLLM, each sampler revision's adapter as a "
+                   "vLLM LoRA; docs/tinker.md)")
+    p.add_argument("--vllm_max_lora_rank", type=int, default=32,
+                   help="--sampler vllm: the largest LoRA rank it samples (vLLM's: 1, 8, 16, 32, "
+                   "64, 128, 256, 320, 512)")
     p.set_defaults(fn=cmd_tinker_serve)
 
 
@@ -56,6 +63,9 @@ def cmd_tinker_serve(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"unexpected arguments {' '.join(overrides)} (posttrain tinker-serve --help)")
     if args.max_batch < 1:
         raise ConfigError(f"--max_batch {args.max_batch}: at least 1 (1: every request alone)")
+    if args.sampler == "vllm":
+        from posttrain.tinker.sampler_vllm import check_vllm
+        check_vllm(args.vllm_max_lora_rank)
     from posttrain.model.loading import load_model
     from posttrain.tinker.server import start_server
     cfg = ModelConfig(path=args.model_path, cache_dir=args.cache_dir)
@@ -65,7 +75,9 @@ def cmd_tinker_serve(args: argparse.Namespace, overrides: list[str]) -> int:
         server = start_server(model, tokenizer, args.model_path, run_dir, host=args.host,
                               port=args.port, api_key=args.api_key, seed=args.seed,
                               aliases=(str(folder),), max_batch=args.max_batch,
-                              log_tokens=args.log_tokens, batch_clients=args.batch_clients)
+                              log_tokens=args.log_tokens, batch_clients=args.batch_clients,
+                              sampler=args.sampler, folder=str(folder),
+                              max_lora_rank=args.vllm_max_lora_rank)
     except OSError as e:
         raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); choose another "
                          "with --port (0: any free one)") from None
@@ -73,7 +85,7 @@ def cmd_tinker_serve(args: argparse.Namespace, overrides: list[str]) -> int:
         {"command": "tinker-serve", "model": args.model_path, "folder": str(folder),
          "host": args.host, "port": server.server_address[1], "seed": args.seed,
          "max_batch": args.max_batch, "log_tokens": args.log_tokens,
-         "batch_clients": args.batch_clients}, indent=1))
+         "batch_clients": args.batch_clients, "sampler": args.sampler}, indent=1))
     print(f"posttrain tinker-serve: {args.model_path} ({folder}) at {server.base_url}; "
           f"TINKER_BASE_URL={server.base_url}; run folder {run_dir}; Ctrl-C stops", flush=True)
     started, stop = time.monotonic(), threading.Event()

@@ -118,6 +118,20 @@ def sample(models: Models, revision: Revision, requests: list[dict[str, Any]],
     return results
 
 
+class HFSampler:
+    """posttrain's in-process engine on the training model (the default sampler)."""
+
+    def __init__(self, models: Models) -> None:
+        self.models = models
+
+    def __call__(self, revision: Revision, requests: list[dict[str, Any]],
+                 generator: torch.Generator) -> list[tuple[list[Sequence], list[float] | None]]:
+        return sample(self.models, revision, requests, generator)
+
+    def close(self) -> None:
+        pass
+
+
 UNSERVED = ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k",
             "target_prompt_logprobs", "prompt_logprobs_last_n")
 

@@ -261,12 +261,30 @@ GET_ROUTES = [(re.compile("/api/v1/" + path), route) for path, route in [
 ]]
 
 
+def hf_sampler(models, run_dir, folder: str | None, max_lora_rank: int):
+    from posttrain.tinker.sampler import HFSampler
+    return HFSampler(models)
+
+
+def vllm_sampler(models, run_dir, folder: str | None, max_lora_rank: int):
+    from posttrain.tinker.sampler_vllm import VllmSampler
+    if folder is None:
+        raise ValueError("the vLLM sampler loads the base model from its folder: pass folder=")
+    return VllmSampler(models, folder, run_dir, max_lora_rank=max_lora_rank)
+
+
+SAMPLERS = {"hf": hf_sampler, "vllm": vllm_sampler}   # --sampler: what draws the samples
+
+
 def start_server(model, tokenizer, name: str, run_dir, *, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, seed: int = 0,
                  aliases: tuple[str, ...] = (), max_batch: int = MAX_BATCH,
-                 log_tokens: int = 8, batch_clients: bool = False) -> TinkerServer:
+                 log_tokens: int = 8, batch_clients: bool = False, sampler: str = "hf",
+                 folder: str | None = None, max_lora_rank: int = 32) -> TinkerServer:
     """A Tinker server over `model` (the base every client's adapter sits on), answering in a
-    thread of its own; `name` (or one of `aliases`): the base model's name in create_model."""
+    thread of its own; `name` (or one of `aliases`): the base model's name in create_model;
+    `sampler`: a name in SAMPLERS (vllm: the base model read from `folder`, adapters up to
+    `max_lora_rank`)."""
     import threading
     from pathlib import Path
     from posttrain.tinker.models import Models
@@ -275,7 +293,9 @@ def start_server(model, tokenizer, name: str, run_dir, *, host: str = "127.0.0.1
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    service = TinkerService(Models(model, tokenizer, name, aliases), run_dir, seed, log_tokens)
+    models = Models(model, tokenizer, name, aliases)
+    service = TinkerService(models, run_dir, seed, log_tokens,
+                            SAMPLERS[sampler](models, run_dir, folder, max_lora_rank))
     server = TinkerServer((host, port), service, api_key=api_key, max_batch=max_batch,
                           batch_clients=batch_clients)
     threading.Thread(target=server.serve_forever, daemon=True, name="tinker-serve").start()

@@ -21,7 +21,7 @@ from posttrain.tinker.clients import LOG_TOKENS, ClientLogs
 from posttrain.tinker.models import Models
 from posttrain.tinker.revisions import (Revision, Revisions, folder_of, list_checkpoints,
                                         read_checkpoint, tinker_path, write_checkpoint)
-from posttrain.tinker.sampler import (check_fields, num_samples, prompt_tokens, sample,
+from posttrain.tinker.sampler import (HFSampler, check_fields, num_samples, prompt_tokens,
                                       sampling_params)
 from posttrain.tinker.wire import ForwardBackward, WireError, forward_backward_output, sample_response
 
@@ -29,8 +29,10 @@ from posttrain.tinker.wire import ForwardBackward, WireError, forward_backward_o
 class TinkerService:
     """The state of a Tinker server: sessions, training clients, sampler revisions."""
 
-    def __init__(self, models: Models, run_dir: Path, seed: int = 0, log_tokens: int = LOG_TOKENS) -> None:
+    def __init__(self, models: Models, run_dir: Path, seed: int = 0, log_tokens: int = LOG_TOKENS,
+                 sampler=None) -> None:
         self.models, self.run_dir = models, run_dir
+        self.sampling = sampler or HFSampler(models)   # (sampler.py; --sampler vllm: sampler_vllm.py)
         self.revisions = Revisions()
         self.sessions: dict[str, float] = {}         # session id -> last heartbeat (monotonic)
         self.generator = torch.Generator().manual_seed(seed)
@@ -196,7 +198,7 @@ class TinkerService:
             state, _, _ = read_checkpoint(folder_of(self.run_dir, revision.path), False)
             revision = Revision(revision.sampler_id, revision.base_model, revision.lora, state, revision.path)
         return [sample_response(seqs, logp)
-                for seqs, logp in sample(self.models, revision, bodies, self.generator)]
+                for seqs, logp in self.sampling(revision, bodies, self.generator)]
 
     # -- helpers -----------------------------------------------------------------------------
     def adapter_state(self, adapter: str) -> dict[str, torch.Tensor]:
@@ -216,5 +218,6 @@ class TinkerService:
         self.clients.log(self.models.run(model_id), self.models.name, row)
 
     def close(self) -> None:
-        """The trackers' files closed (the server stopped)."""
+        """The trackers' files closed and the sampler's engine stopped (the server stopped)."""
         self.clients.close()
+        self.sampling.close()
