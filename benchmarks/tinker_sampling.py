@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--max_tokens", type=int, default=48)
     args = ap.parse_args()
+    args.out = args.out.resolve()     # (each server runs in its own folder)
     from posttrain.config.sections import ModelConfig
     from posttrain.model.loading import load_tokenizer, resolve_model_path
     tokenizer = load_tokenizer(resolve_model_path(ModelConfig.path))
