@@ -408,6 +408,24 @@ def _sl_row(label: str, runs: list[dict]) -> str:
             f"{mean_sd([h[-1][1] for h in held], digits=3)} ({', '.join(str(h[-1][0]) for h in held)}) |")
 
 
+TINKER_SAMPLING = "benchmarks/results/tinker-sampling-2026-12-07"   # (docs/tinker.md)
+
+
+def tinker_sampling_table(root: Path) -> str:
+    """tinker-serve's two samplers in an RL loop (benchmarks/tinker_sampling.py): tokens sampled
+    a second, seconds of sampling a step and of the whole step, mean ± sd over rounds."""
+    rec = json.loads((root / TINKER_SAMPLING / "record.json").read_text())
+    lines = ["| sampler | tokens sampled a second | seconds of sampling a step | seconds a step "
+             "(with the update) |", "|---" * 4 + "|"]
+    for name, label in (("hf", "`hf` (default)"), ("vllm", "`vllm`")):
+        runs = [r for r in rec["runs"] if r["sampler"] == name]
+        lines.append(f"| {label} | {mean_sd([r['tokens_per_s'] for r in runs], digits=1)} | "
+                     f"{mean_sd([r['sample_s'] for r in runs], digits=1)} | "
+                     f"{mean_sd([r['step_s'] for r in runs], digits=1)} |")
+    return "\n".join(lines + ["", f"{len(rec['runs']) // 2} rounds each. Record: "
+                              f"`{TINKER_SAMPLING}/record.json`."]) + "\n"
+
+
 TINKER_CLIENTS = "benchmarks/results/tinker-clients-2026-12-07"   # (docs/tinker.md)
 
 
@@ -1311,6 +1329,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "artifacts": artifacts_table, "vllm-idle": vllm_idle_table,
     "tinker-cookbook": tinker_cookbook_table,
     "tinker-cookbook-sl": tinker_cookbook_sl_table, "tinker-clients": tinker_clients_table,
+    "tinker-sampling": tinker_sampling_table,
     "ecosystem-judge": ecosystem_judge_table,
 }
 
