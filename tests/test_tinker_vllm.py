@@ -3,7 +3,8 @@ vLLM's CPU build, each sampler revision's adapter a vLLM LoRA. What a client sam
 log-probs its training client computes for the same weights, greedy samples are the in-process
 sampler's, and a sampling session keeps sampling the revision it was made from.
 
-The engine takes about 20 s to start here; the module starts one."""
+The engine takes about 20 s to start here; the module starts one, in the full suite (README):
+the quick one checks vLLM's engine in tests/test_vllm_cpu.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from tests.test_vllm_cpu import tiny_llama
+from tests.test_vllm_cpu import tiny  # noqa: F401  (the fixture: a tiny Llama vLLM takes, saved)
 
 if not (sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")):
     pytest.skip("vLLM has no CPU build for this platform", allow_module_level=True)
@@ -25,12 +26,9 @@ RANK = 4
 
 
 @pytest.fixture(scope="module")
-def server(tokenizer, tmp_path_factory):
+def server(tiny, tokenizer, tmp_path_factory):
     from posttrain.tinker.server import start_server
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    model = tiny_llama(tokenizer)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    model, folder = tiny
     with pytest.MonkeyPatch.context() as mp:
         srv = start_server(model, tokenizer, "tiny", tmp_path_factory.mktemp("tinker-vllm"),
                            sampler="vllm", folder=str(folder), max_lora_rank=8)
@@ -69,6 +67,7 @@ def draw(sampler, prompt: list[int], n: int = 3, **params):
                           sampling_params=types.SamplingParams(**params)).result().sequences
 
 
+@pytest.mark.slow
 def test_vllm_samples_carry_the_log_probs_the_trainer_computes(server, tokenizer):
     tc = trained_client(tokenizer)
     sampler = tc.save_weights_and_get_sampling_client().result()
@@ -86,7 +85,7 @@ def test_vllm_samples_carry_the_log_probs_the_trainer_computes(server, tokenizer
     assert [s.tokens for s in again] == [s.tokens for s in seqs]   # (each sample: its seed's)
 
 
-@pytest.mark.slow   # (the full suite: README)
+@pytest.mark.slow
 def test_vllm_greedy_samples_are_the_in_process_samplers(server, tokenizer):
     from posttrain.tinker.sampler import sample
     tc = trained_client(tokenizer)
