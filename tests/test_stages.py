@@ -310,6 +310,10 @@ def test_stage_lora_and_held_out_options_are_checked_before_any_model_loads(tmp_
         sft(stage_config(data=data, lora_rank=4, freeze_layers=1), show_progress=False)
     with pytest.raises(ValueError, match="lora.rank=4: reward-model trains every weight"):
         reward_model(stage_config(synthetic="addition", lora_rank=4), show_progress=False)
+    with pytest.raises(ValueError, match="eval_every=2 applies to sft .* dpo evaluates its held-out pairs"):
+        dpo(stage_config(synthetic="addition", eval_every=2), show_progress=False)
+    with pytest.raises(ValueError, match="eval_every=2 applies to sft .* reward-model evaluates"):
+        reward_model(stage_config(synthetic="addition", eval_every=2), show_progress=False)
     (tmp_path / "bad.jsonl").write_text('{"messages": "hello"}\n')
     with pytest.raises(ValueError, match="bad.jsonl: line 1: field 'messages' holds text"):
         sft(stage_config(data=data, eval_data=str(tmp_path / "bad.jsonl")), show_progress=False)

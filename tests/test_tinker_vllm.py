@@ -69,6 +69,10 @@ def draw(sampler, prompt: list[int], n: int = 3, **params):
 
 @pytest.mark.slow
 def test_vllm_samples_carry_the_log_probs_the_trainer_computes(server, tokenizer):
+    from posttrain.tinker.sampler_vllm import VllmSampler
+    vllm_sampler = server.service.sampling
+    assert isinstance(vllm_sampler, VllmSampler)     # (the in-process sampler would pass the rest)
+    written = len(vllm_sampler.written)
     tc = trained_client(tokenizer)
     sampler = tc.save_weights_and_get_sampling_client().result()
     base = tinker.ServiceClient().create_sampling_client(base_model="tiny").result()
@@ -83,6 +87,7 @@ def test_vllm_samples_carry_the_log_probs_the_trainer_computes(server, tokenizer
     assert max(abs(a - b) for a, b in zip(on_base[len(prompt):], seqs[0].logprobs)) > 0.05
     again = draw(sampler, prompt, max_tokens=6, temperature=1.0, seed=7)
     assert [s.tokens for s in again] == [s.tokens for s in seqs]   # (each sample: its seed's)
+    assert len(vllm_sampler.written) == written + 1   # one adapter written for the one revision
 
 
 @pytest.mark.slow
@@ -123,3 +128,37 @@ def test_a_rank_vllm_does_not_take_is_refused_in_one_line_before_any_model_loads
     assert main(["tinker-serve", "--sampler", "vllm", "--vllm_max_lora_rank", "7"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--vllm_max_lora_rank 7: one of 1, 8, 16, 32" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_revision_saved_over_its_session_id_is_a_new_vllm_adapter_and_a_rank_over_the_limit_is_refused(tmp_path):
+    """Without an engine: what names an adapter vLLM samples. A client that saves unnamed
+    sampler weights without a sequence id gets the same session id each time, and a named
+    sampler checkpoint can be saved over: neither may keep sampling the first weights."""
+    import time
+    from posttrain.tinker.revisions import Revision, Revisions, write_checkpoint
+    from posttrain.tinker.sampler_vllm import VllmSampler
+    from posttrain.tinker.wire import WireError
+    from collections import OrderedDict
+    sampler = object.__new__(VllmSampler)   # (the bookkeeping alone: no engine)
+    sampler.models = type("M", (), {"name": "tiny"})()
+    sampler.max_lora_rank, sampler.run_dir, sampler.next_id = 8, tmp_path, 1
+    sampler.adapters, sampler.written = tmp_path / "adapters", OrderedDict()
+    revisions, lora = Revisions(), {"rank": 4}
+    state = {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 8)}
+    first = revisions.add(Revision("s:sample:0", "tiny", lora, state))
+    again = sampler.lora_request(revisions.get("s:sample:0"))
+    assert sampler.lora_request(first).lora_int_id == again.lora_int_id == 1   # (written once)
+    revisions.add(Revision("s:sample:0", "tiny", lora, {k: v + 1 for k, v in state.items()}))
+    assert sampler.lora_request(revisions.get("s:sample:0")).lora_int_id == 2
+    path = "tinker://s:train:0/sampler_weights/w"
+    write_checkpoint(tmp_path, path, state, {"lora": lora})
+    saved = revisions.add(Revision("s:sample:1", "tiny", lora, None, path))
+    read = Revision(saved.sampler_id, "tiny", lora, state, path, saved.serial)
+    assert sampler.lora_request(read).lora_int_id == sampler.lora_request(read).lora_int_id == 3
+    time.sleep(0.01)
+    write_checkpoint(tmp_path, path, {k: v + 2 for k, v in state.items()}, {"lora": lora})   # saved over
+    assert sampler.lora_request(read).lora_int_id == 4
+    assert (sampler.adapters / "4" / "adapter_config.json").is_file()
+    with pytest.raises(WireError, match="LoRA rank 16 is over the vLLM sampler's 8: start tinker-serve "
+                                        "with a larger --vllm_max_lora_rank"):
+        sampler.lora_request(Revision("s:sample:2", "tiny", {"rank": 16}, state))

@@ -185,6 +185,9 @@ def train_on_pairs(cfg: StageConfig, reading: PairReading, model=None, tokenizer
                    show_progress: bool = True, resume: str | Path | None = None) -> dict[str, Any]:
     """DPO's loop: the reference's log-probs once, then a DPO step per batch of pairs, read as
     `reading` says before and after."""
+    if cfg.eval_every:   # (dpo and reward-model evaluate their held-out pairs before and after)
+        raise ValueError(f"eval_every={cfg.eval_every} applies to sft (the held-out NLL); "
+                         f"{reading.command} evaluates its held-out pairs before and after training")
     train_rows, eval_rows, source = preference_rows(cfg)
     st = start_offline(reading.command, cfg, model, tokenizer, train_rows, resume=resume,
                        show_progress=show_progress)

@@ -65,6 +65,9 @@ def reward_model(cfg: StageConfig, model=None, tokenizer=None, show_progress: bo
     held-out pairwise accuracy (per pair kind when the rows have one) before and after, and saves
     an AutoModelForSequenceClassification (one label) with reward_stats.json for normalisation.
     With --reward_form log_ratio, r = beta log pi/pi_ref instead (see StageConfig.reward_form)."""
+    if cfg.eval_every:
+        raise ValueError(f"eval_every={cfg.eval_every} applies to sft (the held-out NLL); "
+                         "reward-model evaluates its held-out pairs before and after training")
     if cfg.lora.rank:   # (a score head would stay frozen under peft; the log-ratio LM would merge)
         raise ValueError(f"lora.rank={cfg.lora.rank}: reward-model trains every weight; LoRA "
                          "applies to sft and dpo (drop --lora.rank)")

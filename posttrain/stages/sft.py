@@ -18,6 +18,7 @@ from posttrain.data import read_rows
 from posttrain.data.formats import Demonstration, demonstration, read_each, row_label
 from posttrain.model.distributed import global_sum
 from posttrain.rollout.forward import pack, sequence_logprobs
+from posttrain.losses.common import masked
 from posttrain.losses.preference import sft_loss
 from posttrain.run.lifecycle import finish_job
 from posttrain.stages.common import (held_out_behaviour, length_buckets, save_final_model,
@@ -146,7 +147,7 @@ def held_out_nll(st, examples: Examples) -> dict[str, float]:
         r = examples.packed(st.tokenizer, mine, st.device)
         logp = sequence_logprobs(model, r, torch.arange(len(mine)), 1.0, autocast=cfg.model.autocast).logp
         mask = r.policy_tokens_B_T
-        nll += global_sum(-weight * (logp.float() * mask).sum(), world).item()
+        nll += global_sum(-weight * masked(logp.float(), mask).sum(), world).item()
         tokens += global_sum(weight * mask.sum().float(), world).item()
     model.train(training)
     return {"eval/nll": nll / tokens, "perf/eval_s": time.perf_counter() - t0}

@@ -12,6 +12,7 @@ a crash leaves the previous one whole.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import threading
@@ -42,6 +43,7 @@ class Revision:
     lora: dict[str, Any] | None
     state: dict[str, Tensor] | None
     path: str | None = None
+    serial: int = 0            # set by Revisions.add: a session id replaced gets a new one
 
 
 class Revisions:
@@ -52,9 +54,11 @@ class Revisions:
     def __init__(self) -> None:
         self.by_id: OrderedDict[str, Revision] = OrderedDict()
         self.lock = threading.Lock()
+        self.serials = itertools.count(1)
 
     def add(self, revision: Revision) -> Revision:
         with self.lock:
+            revision.serial = next(self.serials)
             self.by_id[revision.sampler_id] = revision
             unnamed = [k for k, r in self.by_id.items() if r.path is None and r.lora is not None]
             for key in unnamed[:-KEPT_UNNAMED]:

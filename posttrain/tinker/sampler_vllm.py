@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from posttrain.tinker.models import Models, lora_config
-from posttrain.tinker.revisions import Revision
+from posttrain.tinker.revisions import Revision, folder_of
 from posttrain.tinker.sampler import (prompt_logprobs, prompt_tokens,
                                       sample_seeds, sampling_params, slot_for)
 from posttrain.tinker.wire import Sequence, WireError
@@ -40,9 +40,11 @@ class VllmSampler:
         self.models, self.max_lora_rank = models, max_lora_rank
         self.adapters = run_dir / "tinker" / ".vllm_adapters"   # (written, never read back by a client)
         shutil.rmtree(self.adapters, ignore_errors=True)
-        self.written: OrderedDict[str, int] = OrderedDict()     # sampler id -> vLLM's LoRA id
+        self.written: OrderedDict[tuple, int] = OrderedDict()   # revision key -> vLLM's LoRA id
+        self.run_dir = run_dir
         self.next_id = 1
-        limit = max_model_len or getattr(models.base.config, "max_position_embeddings", 2048)
+        # (vLLM refuses a length its KV cache cannot hold: the model's positions, at most 8192)
+        limit = max_model_len or min(getattr(models.base.config, "max_position_embeddings", 2048), 8192)
         self.engine = LocalEngine(folder, dtype, 0, limit, RolloutConfig(backend="vllm", vllm_sleep=False),
                                   enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1,
                                   max_cpu_loras=KEPT_ADAPTERS)
@@ -77,13 +79,21 @@ class VllmSampler:
         if rank > self.max_lora_rank:
             raise WireError(f"LoRA rank {rank} is over the vLLM sampler's {self.max_lora_rank}: "
                             "start tinker-serve with a larger --vllm_max_lora_rank")
-        sid = revision.sampler_id
-        if sid not in self.written:
-            self.write(revision)
-        self.written.move_to_end(sid)
-        return LoRARequest(f"r{self.written[sid]}", self.written[sid], str(self.adapters / str(self.written[sid])))
+        key = self.key(revision)
+        if key not in self.written:
+            self.write(revision, key)
+        self.written.move_to_end(key)
+        lora_id = self.written[key]
+        return LoRARequest(f"r{lora_id}", lora_id, str(self.adapters / str(lora_id)))
 
-    def write(self, revision: Revision) -> None:
+    def key(self, revision: Revision) -> tuple:
+        """What names a revision's weights: its serial (a session id saved over gets a new one)
+        and, for saved sampler weights (a name can be saved over), its folder's write time."""
+        if revision.path is None:
+            return (revision.serial,)
+        return (revision.serial, (folder_of(self.run_dir, revision.path) / "run.json").stat().st_mtime_ns)
+
+    def write(self, revision: Revision, key: tuple) -> None:
         """The revision's adapter as a peft folder (config and safetensors); the oldest folders
         beyond KEPT_ADAPTERS removed (vLLM keeps at most as many loaded, evicting the oldest)."""
         from safetensors.torch import save_file
@@ -95,7 +105,7 @@ class VllmSampler:
         config.save_pretrained(str(folder))
         save_file({k: v.detach().contiguous() for k, v in revision.state.items()},
                   str(folder / "adapter_model.safetensors"))
-        self.written[revision.sampler_id] = lora_id
+        self.written[key] = lora_id
         while len(self.written) > KEPT_ADAPTERS:
             _, old = self.written.popitem(last=False)
             shutil.rmtree(self.adapters / str(old), ignore_errors=True)

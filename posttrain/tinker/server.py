@@ -296,7 +296,11 @@ def start_server(model, tokenizer, name: str, run_dir, *, host: str = "127.0.0.1
     models = Models(model, tokenizer, name, aliases)
     service = TinkerService(models, run_dir, seed, log_tokens,
                             SAMPLERS[sampler](models, run_dir, folder, max_lora_rank))
-    server = TinkerServer((host, port), service, api_key=api_key, max_batch=max_batch,
-                          batch_clients=batch_clients)
+    try:
+        server = TinkerServer((host, port), service, api_key=api_key, max_batch=max_batch,
+                              batch_clients=batch_clients)
+    except BaseException:   # (a port in use, a refused address: the sampler's engine stopped too)
+        service.close()
+        raise
     threading.Thread(target=server.serve_forever, daemon=True, name="tinker-serve").start()
     return server

@@ -8,6 +8,7 @@ Ids have the shapes the SDK builds itself: a session `sess-N`, a training client
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -196,7 +197,7 @@ class TinkerService:
         revision = self.revisions.get(bodies[0].get("sampling_session_id", ""))
         if revision.state is None and revision.lora is not None:   # (a saved path: read now)
             state, _, _ = read_checkpoint(folder_of(self.run_dir, revision.path), False)
-            revision = Revision(revision.sampler_id, revision.base_model, revision.lora, state, revision.path)
+            revision = dataclasses.replace(revision, state=state)
         return [sample_response(seqs, logp)
                 for seqs, logp in self.sampling(revision, bodies, self.generator)]
 
