@@ -26,7 +26,7 @@ RANK = 4
 
 
 @pytest.fixture(scope="module")
-def server(tiny, tokenizer, tmp_path_factory):
+def server(tiny, tokenizer, tmp_path_factory):   # noqa: F811  (the imported fixture)
     from posttrain.tinker.server import start_server
     model, folder = tiny
     with pytest.MonkeyPatch.context() as mp:
